@@ -1,0 +1,1 @@
+"""Static-shape decoder runtime: checkpoints, model math, KV cache, buckets, sampling, graphs."""

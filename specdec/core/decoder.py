@@ -1,0 +1,323 @@
+"""``DecoderModel``: a checkpoint on the static-shape runtime (the user-facing model object).
+
+State: the KV cache (inside the module) and ``lengths`` [batch_size] (host copy, the authority
+for bucket choice). Graph-level API used by the strategies:
+
+- ``prefill(prompts, ...)``: context encoding of up to ``batch_size`` prompts → first tokens;
+- ``step(tokens [B, n], ...)``: n new tokens per row at slots ``lengths + i`` with an explicit
+  mask among them (causal by default) → tokens/logits/hidden for all n;
+- ``set_lengths(lengths)``: rollback (or commit) by moving each row's length.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .buckets import check_buckets, pick_bucket
+from .checkpoint import load_weights
+from .config import ModelConfig, amp_dtype
+from .gguf import resolve_model_path
+from .graphs import BACKENDS, GraphKey, StepGraph, build_graph
+from .model import DecoderLM
+from .sampling import SamplingConfig, sampling_params
+
+
+@dataclass
+class RuntimeSettings:
+    """Everything that fixes the compiled shapes (saved with compiled artifacts)."""
+
+    batch_size: int = 1
+    n_positions: int = 2048
+    amp: str = "f32"
+    tp_degree: int = 1
+    context_buckets: list[int] | None = None
+    kv_buckets: list[int] | None = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    backend: str = "compiled"
+    device: str = "cpu"
+
+
+@dataclass
+class StepOutput:
+    """tokens [B, m] sampled on device, logits [B, m, V] (f32, raw), hidden [B, n, H] (final-norm
+    hidden states of every new token), probs [B, m, V] warped distribution when requested."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    probs: torch.Tensor | None = None
+
+
+class DecoderModel:
+    def __init__(self, path: Path, config: ModelConfig, lm: DecoderLM, settings: RuntimeSettings):
+        self.path, self.config, self.lm, self.settings = path, config, lm, settings
+        self.context_buckets = check_buckets("context_buckets", settings.context_buckets, settings.n_positions)
+        self.kv_buckets = check_buckets("kv_buckets", settings.kv_buckets, settings.n_positions)
+        self.device = torch.device(settings.device)
+        self.lengths = torch.zeros(settings.batch_size, dtype=torch.long)
+        self._graphs: dict[GraphKey, object] = {}
+        self._tokenizer = None
+        self.compile_seconds: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, *, batch_size: int = 1, n_positions: int = 2048,
+                        amp: str = "f32", tp_degree: int = 1, context_buckets: list[int] | None = None,
+                        kv_buckets: list[int] | None = None, sampling: SamplingConfig | None = None,
+                        backend: str = "compiled", device: str = "cpu", progress: bool = True) -> "DecoderModel":
+        """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, or (``None``) the embedded
+        SmolLM2-135M-Instruct. Graphs are built lazily on first use, or all at once by ``compile()``."""
+        settings = RuntimeSettings(batch_size, n_positions, amp, tp_degree, context_buckets, kv_buckets,
+                                   sampling or SamplingConfig(), backend, device)
+        dtype = amp_dtype(amp)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")
+        if tp_degree != 1:
+            raise NotImplementedError(f"tp_degree={tp_degree}: tensor parallelism is not implemented yet; use 1")
+        if batch_size < 1 or n_positions < 2:
+            raise ValueError(f"batch_size must be >= 1 and n_positions >= 2 (got {batch_size}, {n_positions})")
+        path = resolve_model_path(path)
+        config = ModelConfig.from_dir(path)
+        if n_positions > config.max_position_embeddings:
+            raise ValueError(f"n_positions={n_positions} exceeds the model's max_position_embeddings="
+                             f"{config.max_position_embeddings}")
+        if config.sliding_window is not None and n_positions > config.sliding_window:
+            raise ValueError(f"n_positions={n_positions} exceeds sliding_window={config.sliding_window}; "
+                             "sliding-window attention is not implemented")
+        with torch.device("meta"):
+            lm = DecoderLM(config, batch_size, n_positions, dtype)
+        lm = lm.to_empty(device=device).to(dtype)
+        lm.init_buffers()
+        load_weights(lm, path, progress=progress)
+        lm.eval().requires_grad_(False)
+        return cls(path, config, lm, settings)
+
+    @property
+    def batch_size(self) -> int:
+        return self.settings.batch_size
+
+    @property
+    def n_positions(self) -> int:
+        return self.settings.n_positions
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return amp_dtype(self.settings.amp)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (``transformers.AutoTokenizer``), loaded on first use."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ graphs
+    def graph(self, key: GraphKey):
+        """The callable for ``key``, built (and for ``compiled``, traced on first call) once."""
+        if key not in self._graphs:
+            module = StepGraph(self.lm, key, self.settings.sampling.global_topk)
+            self._graphs[key] = build_graph(module, self.settings.backend, self.batch_size)
+        return self._graphs[key]
+
+    def graph_keys(self, do_sample: bool | None = None, spec_tokens: tuple[int, ...] = ()) -> list[GraphKey]:
+        """Context-encoding keys (one per context bucket) and token-generation keys (one per KV
+        bucket, plus n-token keys for each entry of ``spec_tokens``)."""
+        s = self.settings.sampling.do_sample if do_sample is None else do_sample
+        keys = [GraphKey(c, 1, c, s) for c in self.context_buckets]
+        for n in (1, *spec_tokens):
+            keys += [GraphKey(n, n, kv, s, n > 1) for kv in self.kv_buckets if kv >= n]
+        return keys
+
+    def compile(self, progress: bool = True, spec_tokens: tuple[int, ...] = ()) -> "DecoderModel":
+        """Build and warm every graph (Neuron's ahead-of-time model). Clears the KV cache."""
+        keys = self.graph_keys(spec_tokens=spec_tokens)
+        for key in tqdm(keys, desc=f"compiling ({self.settings.backend})", unit="graph", disable=not progress):
+            start = time.perf_counter()
+            module = self.graph(key)
+            with torch.no_grad():
+                module(*StepGraph(self.lm, key, None).example_inputs(self.batch_size))
+            self.compile_seconds[key.describe()] = time.perf_counter() - start
+        self.reset()
+        return self
+
+    to_neuron = compile
+
+    def export(self, key: GraphKey) -> torch.export.ExportedProgram:
+        """``torch.export`` (strict, static shapes) of one graph: the check that it is trace-clean."""
+        module = StepGraph(self.lm, key, self.settings.sampling.global_topk)
+        return torch.export.export(module, module.example_inputs(self.batch_size), strict=True)
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        self.lengths.zero_()
+
+    def set_lengths(self, lengths: torch.Tensor) -> None:
+        """Roll rows back (or forward over already-written slots): lengths [batch_size]."""
+        lengths = torch.as_tensor(lengths, dtype=torch.long).cpu()
+        if lengths.shape != self.lengths.shape or bool((lengths < 0).any()) or \
+                bool((lengths > self.n_positions).any()):
+            raise ValueError(f"lengths must be [{self.batch_size}] in [0, {self.n_positions}], got {lengths.tolist()}")
+        self.lengths.copy_(lengths)
+
+    # ------------------------------------------------------------------ input checks
+    def prepare_prompts(self, input_ids, attention_mask=None) -> list[torch.Tensor]:
+        """Validate prompts and strip padding: a [b, L] tensor (+ optional attention mask, left or
+        right padding), a 1-D tensor, or a list of token lists → list of 1-D LongTensors."""
+        if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, torch.Tensor)):
+            if attention_mask is not None:
+                raise ValueError("attention_mask is only accepted with a [batch, length] tensor")
+            rows = [torch.as_tensor(r, dtype=torch.long).flatten() for r in input_ids]
+        else:
+            ids = torch.as_tensor(input_ids)
+            if ids.dim() == 1:
+                ids = ids.unsqueeze(0)
+            if ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, length], got shape {tuple(ids.shape)}")
+            if ids.is_floating_point():
+                raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+            ids = ids.long().cpu()
+            if attention_mask is None:
+                rows = list(ids)
+            else:
+                mask = torch.as_tensor(attention_mask).cpu()
+                if mask.shape != ids.shape:
+                    raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(ids.shape)}")
+                rows = [r[m.bool()] for r, m in zip(ids, mask)]
+        if not rows:
+            raise ValueError("input_ids is empty: give at least one prompt")
+        if len(rows) > self.batch_size:
+            raise ValueError(f"batch of {len(rows)} prompts exceeds the compiled batch_size={self.batch_size}")
+        for i, r in enumerate(rows):
+            if r.numel() == 0:
+                raise ValueError(f"prompt {i} is empty: every row needs at least one token")
+            if bool((r < 0).any()) or bool((r >= self.vocab_size).any()):
+                bad = r[(r < 0) | (r >= self.vocab_size)][0].item()
+                raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {self.vocab_size})")
+            if r.numel() > self.context_buckets[-1]:
+                raise ValueError(f"prompt {i} has {r.numel()} tokens; the largest context bucket is "
+                                 f"{self.context_buckets[-1]} (n_positions={self.n_positions})")
+        return rows
+
+    def sampling_params(self, top_k=None, top_p=None, temperature=None, do_sample=None) -> torch.Tensor:
+        """Per-row [batch_size, 3] parameters; unset values come from the SamplingConfig, and
+        ``do_sample=False`` forces greedy (temperature 0) for every row."""
+        s = self.settings.sampling
+        do_sample = s.do_sample if do_sample is None else do_sample
+        temperature = s.temperature if temperature is None else temperature
+        params = sampling_params(self.batch_size, s.top_k if top_k is None else top_k,
+                                 s.top_p if top_p is None else top_p, temperature)
+        if not do_sample:
+            params[:, 2] = 0.0
+        return params
+
+    # ------------------------------------------------------------------ running graphs
+    def _run(self, key: GraphKey, input_ids, position_ids, cache_lengths, token_mask, logit_index,
+             params, generator) -> StepOutput:
+        dev = self.device
+        uniform = torch.rand(self.batch_size, key.n_logits, generator=generator, device=dev)
+        with torch.no_grad():
+            out = self.graph(key)(input_ids.to(dev), position_ids.to(dev), cache_lengths.to(dev),
+                                  token_mask.to(dev), logit_index.to(dev), params.to(dev), uniform)
+        if key.return_probs:
+            tokens, probs, logits, hidden = out
+            return StepOutput(tokens, logits, hidden, probs)
+        tokens, logits, hidden = out
+        return StepOutput(tokens, logits, hidden)
+
+    def prefill(self, prompts: list[torch.Tensor], params: torch.Tensor,
+                generator: torch.Generator | None = None) -> StepOutput:
+        """Context encoding: rows get lengths = prompt lengths; unused batch rows get a 1-token
+        dummy prompt. Returns tokens [B, 1] sampled after each prompt (logits of the last token)."""
+        lens = torch.tensor([len(p) for p in prompts] + [1] * (self.batch_size - len(prompts)))
+        bucket = pick_bucket(self.context_buckets, int(lens.max()), "prompt length")
+        ids = torch.zeros(self.batch_size, bucket, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = p
+        b = self.batch_size
+        key = GraphKey(bucket, 1, bucket, bool((params[:, 2] > 0).any()))
+        out = self._run(key, ids, torch.arange(bucket).expand(b, bucket), torch.zeros(b, dtype=torch.long),
+                        torch.ones(bucket, bucket, dtype=torch.bool).tril().expand(b, bucket, bucket),
+                        (lens - 1).unsqueeze(1), params, generator)
+        self.lengths.copy_(lens)
+        return out
+
+    def step(self, tokens: torch.Tensor, params: torch.Tensor, generator: torch.Generator | None = None,
+             token_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+             advance: bool = True, return_probs: bool = False, rows: torch.Tensor | None = None) -> StepOutput:
+        """Run n new tokens per row (tokens [B, n]) at slots ``lengths + i``.
+
+        token_mask [B, n, n] or [n, n] (default causal); position_ids [B, n] (default lengths + i).
+        ``advance`` moves the lengths of ``rows`` (bool [B], default all) forward by n.
+        """
+        b, n = tokens.shape
+        if b != self.batch_size:
+            raise ValueError(f"step expects {self.batch_size} rows, got {b}")
+        needed = int(self.lengths.max()) + n
+        if needed > self.n_positions:
+            raise ValueError(f"a row would reach {needed} positions; n_positions={self.n_positions}")
+        kv = pick_bucket(self.kv_buckets, needed, "KV length")
+        if token_mask is None:
+            token_mask = torch.ones(n, n, dtype=torch.bool).tril()
+        if token_mask.dim() == 2:
+            token_mask = token_mask.expand(b, n, n)
+        if position_ids is None:
+            position_ids = self.lengths.unsqueeze(1) + torch.arange(n)
+        do_sample = bool((params[:, 2] > 0).any())
+        key = GraphKey(n, n, kv, do_sample, return_probs)
+        out = self._run(key, tokens.long(), position_ids, self.lengths.clone(), token_mask,
+                        torch.arange(n).expand(b, n), params, generator)
+        if advance:
+            self.lengths += n if rows is None else rows.long().cpu() * n
+        return out
+
+    # ------------------------------------------------------------------ generation / persistence
+    def generate(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
+        """Target-only generation; see :func:`specdec.core.generation.generate` for arguments."""
+        from .generation import generate
+        return generate(self, input_ids, attention_mask=attention_mask, **kwargs)
+
+    def save(self, directory: str | Path) -> None:
+        """Write the runtime settings and (``compiled``) the Inductor cache artifacts of every
+        graph built so far, so ``load`` in a fresh process skips code generation."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        settings = asdict(self.settings)
+        meta = {"checkpoint": str(self.path.resolve()), "settings": settings,
+                "graphs": [asdict(k) for k in self._graphs]}
+        (directory / "specdec.json").write_text(json.dumps(meta, indent=2))
+        if self.settings.backend == "compiled":
+            artifacts = torch.compiler.save_cache_artifacts()
+            if artifacts is not None:
+                (directory / "compile_cache.bin").write_bytes(artifacts[0])
+
+    @classmethod
+    def load(cls, directory: str | Path, progress: bool = True) -> "DecoderModel":
+        """Re-create a saved model: weights from its checkpoint, compiled graphs from the cache."""
+        directory = Path(directory)
+        meta_file = directory / "specdec.json"
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"{directory} holds no saved specdec model (specdec.json missing)")
+        meta = json.loads(meta_file.read_text())
+        s = meta["settings"]
+        s["sampling"] = SamplingConfig(**s["sampling"])
+        cache = directory / "compile_cache.bin"
+        if cache.is_file():
+            torch.compiler.load_cache_artifacts(cache.read_bytes())
+        model = cls.from_pretrained(meta["checkpoint"], progress=progress, **s)
+        keys = [GraphKey(**k) for k in meta["graphs"]]
+        for key in tqdm(keys, desc="loading graphs", unit="graph", disable=not progress or not keys):
+            with torch.no_grad():
+                model.graph(key)(*StepGraph(model.lm, key, None).example_inputs(model.batch_size))
+        model.reset()
+        return model
+

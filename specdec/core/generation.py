@@ -1,0 +1,113 @@
+"""Target-only generation loop over the fixed-shape graphs.
+
+Output format follows ``transformers``: the given ``input_ids`` (with their padding) followed by
+the new tokens; rows that stop early are padded with ``pad_token_id``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def resolve_budget(model, prompts: list[torch.Tensor], max_new_tokens: int | None,
+                   sequence_length: int | None) -> torch.Tensor:
+    """New-token budget per row [b]. ``sequence_length`` bounds prompt + new tokens per row (as in
+    transformers-neuronx); ``max_new_tokens`` bounds new tokens; at least one must be given."""
+    if max_new_tokens is None and sequence_length is None:
+        raise ValueError("give max_new_tokens or sequence_length")
+    lens = torch.tensor([len(p) for p in prompts])
+    budget = torch.full_like(lens, 2**62)
+    if max_new_tokens is not None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        budget = budget.clamp(max=max_new_tokens)
+    if sequence_length is not None:
+        if sequence_length > model.n_positions:
+            raise ValueError(f"sequence_length={sequence_length} exceeds n_positions={model.n_positions}")
+        budget = torch.minimum(budget, sequence_length - lens)
+    need = lens + budget
+    if bool((budget < 1).any()) or bool((need > model.n_positions).any()):
+        i = int(torch.argmax((need > model.n_positions).long() + (budget < 1).long()))
+        raise ValueError(f"prompt {i} has {int(lens[i])} tokens; with the requested new tokens it needs "
+                         f"{int(lens[i] + max(int(budget[i]), 1))} positions, but n_positions={model.n_positions}"
+                         + (f" and sequence_length={sequence_length}" if sequence_length else ""))
+    return budget
+
+
+def eos_ids(model, eos_token_id) -> torch.Tensor:
+    """EOS ids as a 1-D tensor (default: the checkpoint's), empty to disable."""
+    if eos_token_id is None:
+        return torch.tensor(model.config.eos_token_ids, dtype=torch.long)
+    return torch.as_tensor(eos_token_id, dtype=torch.long).flatten()
+
+
+def stop_requested(stopping_criteria: Sequence[Callable] | None, sequences: torch.Tensor) -> torch.Tensor:
+    """Evaluate HF-style stopping criteria (``criterion(input_ids, scores) -> bool | bool [b]``)."""
+    done = torch.zeros(sequences.shape[0], dtype=torch.bool)
+    for criterion in stopping_criteria or ():
+        done |= torch.as_tensor(criterion(sequences, None)).cpu().bool().expand_as(done)
+    return done
+
+
+def format_output(input_ids, attention_mask, prompts: list[torch.Tensor], new_tokens: list[list[int]],
+                  pad_token_id: int) -> torch.Tensor:
+    """[b, L + max_new]: the caller's input_ids (or right-padded prompts) + new tokens, padded."""
+    width = max(len(t) for t in new_tokens)
+    new = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    for i, t in enumerate(new_tokens):
+        new[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    if isinstance(input_ids, torch.Tensor):
+        base = input_ids.long().cpu().reshape(len(prompts), -1)
+    else:
+        base = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=pad_token_id)
+    return torch.cat([base, new], dim=1)
+
+
+def generate(model, input_ids, attention_mask=None, *, max_new_tokens: int | None = None,
+             sequence_length: int | None = None, do_sample: bool | None = None, temperature=None,
+             top_k=None, top_p=None, eos_token_id=None, pad_token_id: int | None = None,
+             streamer=None, stopping_criteria=None, seed: int | None = None) -> torch.Tensor:
+    """Decode up to ``batch_size`` prompts with the model's token-generation graphs.
+
+    Sampling values may be scalars or one per row; ``seed`` seeds the on-device generator.
+    Rows finish independently at EOS, a stopping criterion, or their budget. A streamer gets
+    ``put(prompt)`` then ``put(tokens)`` per step and ``end()`` (HF protocol; batch 1 for text).
+    """
+    prompts = model.prepare_prompts(input_ids, attention_mask)
+    budget = resolve_budget(model, prompts, max_new_tokens, sequence_length)
+    params = model.sampling_params(top_k, top_p, temperature, do_sample)
+    eos = eos_ids(model, eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else \
+            (int(eos[0]) if eos.numel() else 0)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(model.device).manual_seed(seed)
+    b, B = len(prompts), model.batch_size
+    model.reset()
+    if streamer is not None:
+        streamer.put(format_output(input_ids, attention_mask, prompts, [[]] * b, pad_token_id))
+    out = model.prefill(prompts, params, generator)
+    new_tokens: list[list[int]] = [[] for _ in range(b)]
+    active = torch.zeros(B, dtype=torch.bool)
+    active[:b] = True
+    while True:
+        tokens = out.tokens[:, -1].cpu()
+        for i in range(b):
+            if active[i]:
+                new_tokens[i].append(int(tokens[i]))
+        if streamer is not None:
+            streamer.put(tokens[:b].clone())
+        counts = torch.tensor([len(t) for t in new_tokens])
+        finished = (counts >= budget) | torch.isin(tokens[:b], eos)
+        if stopping_criteria:
+            seqs = format_output(input_ids, attention_mask, prompts, new_tokens, pad_token_id)
+            finished |= stop_requested(stopping_criteria, seqs)
+        active[:b] &= ~finished
+        if not bool(active.any()):
+            break
+        out = model.step(tokens.unsqueeze(1), params, generator, rows=active)
+    if streamer is not None:
+        streamer.end()
+    return format_output(input_ids, attention_mask, prompts, new_tokens, pad_token_id)

@@ -1,0 +1,99 @@
+"""Fixed-shape graphs and the backends that run them.
+
+A graph is ``StepGraph(lm, key)``: the decoder forward followed by on-device sampling, a pure
+function of fixed-shape tensors plus the KV-cache buffers it updates in place:
+
+    inputs : input_ids [B, n] i64, position_ids [B, n] i64, cache_lengths [B] i64,
+             token_mask [B, n, n] bool, logit_index [B, m] i64, params [B, 3] f32, uniform [B, m] f32
+    outputs: tokens [B, m] i64, logits [B, m, V] f32, hidden [B, n, H], (probs [B, m, V] f32)
+
+Backends: ``eager`` runs the module; ``compiled`` wraps it in ``torch.compile(fullgraph=True,
+dynamic=False)`` with Inductor's on-disk cache; ``neuron`` is reserved (not implemented yet).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .model import DecoderLM
+from .sampling import sample
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What a graph is compiled for: n new tokens per row, logits at m of them, a KV bucket,
+    greedy (argmax) or sampling, and whether warped probabilities are returned."""
+
+    n_tokens: int
+    n_logits: int
+    kv_len: int
+    do_sample: bool
+    return_probs: bool = False
+
+    def describe(self) -> str:
+        mode = "sample" if self.do_sample else "greedy"
+        return f"n={self.n_tokens} m={self.n_logits} kv={self.kv_len} {mode}{' +probs' if self.return_probs else ''}"
+
+
+class StepGraph(nn.Module):
+    def __init__(self, lm: DecoderLM, key: GraphKey, global_topk: int | None):
+        super().__init__()
+        self.lm, self.key, self.global_topk = lm, key, global_topk
+
+    def forward(self, input_ids, position_ids, cache_lengths, token_mask, logit_index, params, uniform):
+        logits, hidden = self.lm(input_ids, position_ids, cache_lengths, token_mask, logit_index,
+                                 kv_len=self.key.kv_len)
+        if self.key.do_sample:
+            out = sample(logits, params, uniform, self.global_topk, self.key.return_probs)
+            return (out + (logits, hidden)) if self.key.return_probs else (out, logits, hidden)
+        tokens = logits.argmax(-1)
+        if self.key.return_probs:
+            probs = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
+            return tokens, probs, logits, hidden
+        return tokens, logits, hidden
+
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """Valid inputs of the graph's shapes (a causal chain written from slot 0)."""
+        n, m = self.key.n_tokens, self.key.n_logits
+        dev = self.lm.inv_freq.device
+        pos = torch.arange(n, device=dev).expand(batch_size, n).contiguous()
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(batch_size, n, n).contiguous()
+        params = torch.tensor([[0.0, 1.0, 1.0]], device=dev).expand(batch_size, 3).contiguous()
+        return (torch.zeros(batch_size, n, dtype=torch.long, device=dev), pos,
+                torch.zeros(batch_size, dtype=torch.long, device=dev), causal,
+                torch.arange(n - m, n, device=dev).expand(batch_size, m).contiguous(), params,
+                torch.full((batch_size, m), 0.5, device=dev))
+
+
+BACKENDS = ("eager", "compiled", "neuron")
+
+
+def configure_compile_cache() -> None:
+    """Give Inductor a persistent cache directory (unless the user set one) and room for one
+    compiled entry per graph."""
+    from .gguf import cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    torch._inductor.config.fx_graph_cache = True
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    torch._dynamo.config.accumulated_cache_size_limit = max(
+        torch._dynamo.config.accumulated_cache_size_limit, 1024)
+
+
+def build_graph(graph: StepGraph, backend: str, batch_size: int):
+    """A callable running ``graph`` on ``backend``."""
+    if backend == "eager":
+        return graph
+    if backend == "compiled":
+        configure_compile_cache()
+        mode = "reduce-overhead" if graph.lm.inv_freq.is_cuda else None
+        return torch.compile(graph, fullgraph=True, dynamic=False, mode=mode)
+    if backend == "neuron":
+        raise NotImplementedError(
+            "backend='neuron' is not implemented yet: the graphs are export-clean "
+            "(torch.export strict, static shapes) but KV-cache aliasing for torch_neuronx.trace "
+            "is still to be written; use 'eager' or 'compiled'")
+    raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")

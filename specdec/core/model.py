@@ -1,0 +1,167 @@
+"""The decoder as plain math over tensors, with a static KV cache.
+
+One forward serves every graph (context encoding, token generation, multi-token verify):
+
+    forward(input_ids [B, n], position_ids [B, n], cache_lengths [B], token_mask [B, n, n],
+            logit_index [B, m], kv_len: static int) -> (logits [B, m, V] f32, hidden [B, n, H])
+
+Invariants:
+- row b's committed tokens live in cache slots ``[0, cache_lengths[b])``; the n new tokens are
+  written to slots ``cache_lengths[b] + i`` (i < n) — the caller guarantees ``cache_lengths + n <= kv_len``;
+- ``position_ids`` are RoPE positions (``cache_lengths + i`` for a chain, ``cache_lengths + depth``
+  for a tree), independent of the slot a token is written to;
+- a new token i attends to all committed slots of its row and to new token j iff ``token_mask[b, i, j]``;
+- attention reads only the first ``kv_len`` slots (the KV bucket); stale slots past a row's length
+  are masked, so rollback is just lowering ``cache_lengths``.
+Parameter names equal the Hugging Face ``LlamaForCausalLM`` state-dict keys.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse RoPE frequencies [head_dim/2] and attention scaling, as transformers computes them."""
+    hf = config.hf_config
+    params = getattr(hf, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        dim = config.head_dim
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    if rope_type not in ("linear", "llama3", "yarn"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        shape = (batch_size, n_positions, c.num_kv_heads, c.head_dim)  # [B, S, Hkv, D]
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def forward(self, x, cos, sin, slots, mask, kv_len: int):
+        """x [B, n, H]; cos/sin [B, n, D]; slots [B, n] cache slots to write; mask [B, 1, n, kv_len]."""
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        rows = torch.arange(b, device=x.device).unsqueeze(1)
+        self.k_cache.index_put_((rows, slots), k.to(self.k_cache.dtype))
+        self.v_cache.index_put_((rows, slots), v.to(self.v_cache.dtype))
+        keys = self.k_cache[:, :kv_len].transpose(1, 2)  # [B, Hkv, kv_len, D]
+        values = self.v_cache[:, :kv_len].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, batch_size, n_positions, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, slots, mask, kv_len: int):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, batch_size, n_positions, dtype) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+def attention_mask(cache_lengths: torch.Tensor, token_mask: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Boolean mask [B, 1, n, kv_len]: committed slots of the row, plus new tokens per ``token_mask``."""
+    b, n, _ = token_mask.shape
+    offset = torch.arange(kv_len, device=cache_lengths.device).unsqueeze(0) - cache_lengths.unsqueeze(1)
+    past = (offset < 0).unsqueeze(1)                                     # [B, 1, kv]
+    is_new = ((offset >= 0) & (offset < n)).unsqueeze(1)                 # [B, 1, kv]
+    index = offset.clamp(0, n - 1).unsqueeze(1).expand(b, n, kv_len)
+    new = torch.gather(token_mask, 2, index)                             # [B, n, kv]
+    return (past | (is_new & new)).unsqueeze(1)
+
+
+class DecoderLM(nn.Module):
+    """Llama-family causal LM with a preallocated KV cache of ``n_positions`` slots per row."""
+
+    def __init__(self, config: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config, batch_size, n_positions, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq, self.rope_scaling = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def init_buffers(self) -> None:
+        """(Re)set non-weight state after ``to_empty``/dtype casts: f32 RoPE frequencies, zero caches."""
+        self.inv_freq = rope_inv_freq(self.config)[0].to(self.lm_head.weight.device)
+        for layer in self.model.layers:
+            layer.self_attn.k_cache.zero_()
+            layer.self_attn.v_cache.zero_()
+
+    def forward(self, input_ids, position_ids, cache_lengths, token_mask, logit_index, kv_len: int):
+        x = self.model.embed_tokens(input_ids)
+        freqs = position_ids.unsqueeze(-1).float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(x.dtype)
+        sin = (emb.sin() * self.rope_scaling).to(x.dtype)
+        n = input_ids.shape[1]
+        slots = cache_lengths.unsqueeze(1) + torch.arange(n, device=input_ids.device)
+        mask = attention_mask(cache_lengths, token_mask, kv_len)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, slots, mask, kv_len)
+        hidden = self.model.norm(x)
+        picked = torch.gather(hidden, 1, logit_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        return self.lm_head(picked).float(), hidden

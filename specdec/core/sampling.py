@@ -1,0 +1,114 @@
+"""On-device sampling: temperature → top-k → top-p warping and inverse-CDF sampling.
+
+Per-row dynamic parameters come as ``params [B, 3] = (top_k, top_p, temperature)`` (NxD Inference's
+layout). ``top_k <= 0`` disables top-k; ``temperature == 0`` makes that row greedy. Noise is a
+uniform tensor ``u [B, m]`` drawn on the device from a seeded ``torch.Generator`` outside the graph,
+so graphs stay pure functions and the same seed reproduces the same tokens.
+
+The warped distribution ``p`` is exactly the one the sampler draws from; speculation's acceptance
+rule uses the same ``p``, which keeps it lossless.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Defaults for on-device sampling (NxD Inference's ``OnDeviceSamplingConfig`` names).
+
+    do_sample: False → greedy graphs (argmax only); True → sampling graphs.
+    top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass in (0, 1].
+    temperature: > 0 (0 = greedy for that row).
+    global_topk: prefilter to this many candidates before warping (None = full vocabulary, exact
+      with respect to plain temperature/top-p sampling; a number trades exactness of the far tail
+      for speed, as NxD's ``global_topk``).
+    """
+
+    do_sample: bool = False
+    top_k: int = 0
+    top_p: float = 1.0
+    temperature: float = 1.0
+    global_topk: int | None = None
+
+    def __post_init__(self):
+        validate_sampling(self.top_k, self.top_p, self.temperature)
+        if self.global_topk is not None and self.global_topk < 1:
+            raise ValueError(f"global_topk must be None or >= 1, got {self.global_topk}")
+
+
+def validate_sampling(top_k, top_p, temperature) -> None:
+    """Raise a ValueError naming the bad value (scalars or per-row sequences/tensors)."""
+    for name, value, ok, allowed in (
+        ("top_k", top_k, lambda t: t >= 0, ">= 0 (0 disables top-k)"),
+        ("top_p", top_p, lambda t: (t > 0) & (t <= 1), "in (0, 1]"),
+        ("temperature", temperature, lambda t: t >= 0, ">= 0 (0 means greedy)"),
+    ):
+        t = torch.as_tensor(value, dtype=torch.float64)
+        if not bool(torch.isfinite(t).all()) or not bool(ok(t).all()):
+            raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+        if name == "top_k" and not bool((t == t.round()).all()):
+            raise ValueError(f"top_k={value!r} is invalid: must be an integer >= 0")
+
+
+def sampling_params(batch_size: int, top_k, top_p, temperature) -> torch.Tensor:
+    """Validated per-row parameter tensor [batch_size, 3] (float32); scalars broadcast to all rows."""
+    validate_sampling(top_k, top_p, temperature)
+    cols = []
+    for name, value in (("top_k", top_k), ("top_p", top_p), ("temperature", temperature)):
+        t = torch.as_tensor(value, dtype=torch.float32).flatten()
+        if t.numel() == 1:
+            t = t.expand(batch_size)
+        elif t.numel() != batch_size:
+            raise ValueError(f"{name} has {t.numel()} values; give one value or one per row ({batch_size})")
+        cols.append(t)
+    return torch.stack(cols, dim=1).contiguous()
+
+
+def warp(logits: torch.Tensor, params: torch.Tensor, global_topk: int | None):
+    """Warped distribution over sorted candidates.
+
+    logits [B, m, V] f32, params [B, 3] → (probs [B, m, K], token_ids [B, m, K]) with candidates
+    sorted by descending logit, K = V or ``global_topk``; each row of probs sums to 1.
+    """
+    if global_topk is None or global_topk >= logits.shape[-1]:
+        values, ids = torch.sort(logits, dim=-1, descending=True)
+    else:
+        values, ids = torch.topk(logits, global_topk, dim=-1)
+    top_k, top_p, temperature = (params[:, i].view(-1, 1, 1) for i in range(3))
+    greedy = temperature <= 0
+    values = values / torch.where(greedy, torch.ones_like(temperature), temperature)
+    rank = torch.arange(values.shape[-1], device=values.device)
+    values = values.masked_fill(~((top_k <= 0) | (rank < top_k)), float("-inf"))
+    probs = torch.softmax(values, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs
+    probs = torch.where(before < top_p, probs, torch.zeros_like(probs))
+    probs = torch.where(greedy, (rank == 0).to(probs.dtype), probs)
+    return probs / probs.sum(-1, keepdim=True), ids
+
+
+def full_probs(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Scatter sorted-candidate probabilities back to the vocabulary: [B, m, V]."""
+    out = torch.zeros(*probs.shape[:-1], vocab_size, dtype=probs.dtype, device=probs.device)
+    return out.scatter(-1, ids, probs)
+
+
+def sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tensor, global_topk: int | None,
+           return_probs: bool = False):
+    """Draw one token per position: logits [B, m, V], uniform [B, m] in [0, 1) → tokens [B, m].
+
+    Greedy rows (temperature 0) return the argmax exactly. With ``return_probs`` also returns the
+    warped distribution [B, m, V].
+    """
+    probs, ids = warp(logits, params, global_topk)
+    cdf = torch.cumsum(probs, dim=-1)
+    choice = (cdf < uniform.unsqueeze(-1) * cdf[..., -1:]).sum(-1, keepdim=True)
+    choice = choice.clamp(max=probs.shape[-1] - 1)
+    tokens = torch.gather(ids, -1, choice).squeeze(-1)
+    greedy = (params[:, 2] <= 0).unsqueeze(1)
+    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    if return_probs:
+        return tokens, full_probs(probs, ids, logits.shape[-1])
+    return tokens
