@@ -36,7 +36,8 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     if rope_type not in ("linear", "llama3", "yarn"):
         raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, yarn)")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    with torch.device("cpu"):  # also when the module is being built under a meta-device context
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
     return inv_freq.float(), float(scaling)
 
 
@@ -145,7 +146,9 @@ class DecoderLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def init_buffers(self) -> None:
-        """(Re)set non-weight state after ``to_empty``/dtype casts: f32 RoPE frequencies, zero caches."""
+        """Restore what ``to_empty``/dtype casts lose: weight tying, f32 RoPE frequencies, zero caches."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq = rope_inv_freq(self.config)[0].to(self.lm_head.weight.device)
         for layer in self.model.layers:
             layer.self_attn.k_cache.zero_()

@@ -1,0 +1,75 @@
+"""``specdec`` command line: ``generate`` (text from a prompt) and ``bench`` (runtime benchmark)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--amp", default="bf16", choices=["f32", "bf16", "f16"], help="weights/KV dtype")
+    p.add_argument("--backend", default="compiled", choices=["eager", "compiled"],
+                   help="compiled = torch.compile graphs (cached on disk after the first run)")
+    p.add_argument("--n-positions", type=int, default=1024, help="KV-cache length (prompt + new tokens)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from transformers import TextStreamer
+
+    from . import DecoderModel, SamplingConfig
+
+    sampling = SamplingConfig(do_sample=args.temperature > 0, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p)
+    model = DecoderModel.from_pretrained(args.model, n_positions=args.n_positions, amp=args.amp,
+                                         backend=args.backend, sampling=sampling)
+    tok = model.tokenizer
+    if args.raw or tok.chat_template is None:
+        ids = tok(args.prompt, return_tensors="pt")["input_ids"]
+    else:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+    max_new = min(args.max_new_tokens, args.n_positions - ids.shape[1])
+    if args.backend == "compiled":
+        print(f"compiling graphs (first run only; cached in the Inductor cache) ...", file=sys.stderr)
+        model.generate(ids, max_new_tokens=min(2, max_new))
+    streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    start = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=max_new, streamer=streamer, seed=args.seed)
+    elapsed = time.perf_counter() - start
+    n = out.shape[1] - ids.shape[1]
+    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, {args.backend} {args.amp}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt (chat template applied)")
+    g.add_argument("prompt")
+    add_model_arguments(g)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.set_defaults(func=cmd_generate)
+    from . import bench
+    b = sub.add_parser("bench", help="target-only decoding benchmark vs transformers (prints JSON)")
+    bench.add_arguments(b)
+    b.set_defaults(func=lambda a: bench.print_result(bench.run(a), a))
+    args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

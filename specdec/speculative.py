@@ -1,0 +1,161 @@
+"""``SpeculativeGenerator``: the speculation loop shared by every strategy.
+
+Convention: ``k`` = draft tokens proposed per step; the target verifies k + 1 positions (the k
+drafts and the bonus / correction token), so a step emits between 1 and k + 1 tokens.
+(transformers-neuronx's ``speculation_length`` counts verified tokens, i.e. our k + 1.)
+
+One step, per row (S = prompt + emitted tokens, the target's cache holds S[:-1]):
+  1. the proposer proposes x_1..x_k continuing S;
+  2. the target runs one multi-token graph over [S[-1], x_1..x_k] at slots len(S)-1 .. len(S)+k-1,
+     returning its (warped) distributions p_0..p_k;
+  3. ``specdec.acceptance.accept`` keeps the longest accepted prefix x_1..x_n and draws the
+     correction / bonus token (greedy: exact match with the argmax; sampled: lossless rejection);
+  4. the target's length moves to len(S) + n (rollback of rejected slots is just that);
+     the n + 1 new tokens are appended, cut at EOS / stopping criteria / the row's budget.
+Rows finish independently; finished rows stay in the fixed-shape batch but their output is frozen.
+Near ``n_positions`` the step's k shrinks so no graph writes past the cache; at k = 0 a step is a
+plain decode step.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .acceptance import accept
+from .core.decoder import DecoderModel
+from .core.generation import eos_ids, format_output, resolve_budget, stop_requested
+from .draft.proposer import DraftModelProposer
+from .proposer import Proposer
+from .stats import SpecStats
+
+
+def check_compatible(draft, target: DecoderModel) -> None:
+    """Raise ValueError when a draft model cannot propose for ``target``."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"draft vocab_size={draft.vocab_size} != target vocab_size={target.vocab_size}: "
+                         "draft and target must share the tokenizer")
+    if draft.batch_size != target.batch_size:
+        raise ValueError(f"draft batch_size={draft.batch_size} != target batch_size={target.batch_size}: "
+                         "compile both for the same batch size")
+    if isinstance(draft, DecoderModel):
+        if draft.device != target.device:
+            raise ValueError(f"draft is on {draft.device}, target on {target.device}: use one device")
+        dt, tt = _tokenizer_or_none(draft), _tokenizer_or_none(target)
+        if dt is not None and tt is not None and dt.get_vocab() != tt.get_vocab():
+            raise ValueError(f"draft tokenizer ({draft.path}) differs from the target's ({target.path}): "
+                             "same vocab size but different token ids")
+
+
+def _tokenizer_or_none(model: DecoderModel):
+    try:
+        return model.tokenizer
+    except (OSError, ValueError):
+        return None
+
+
+class SpeculativeGenerator:
+    """Speculative decoding of ``target`` with ``draft`` proposing ``k`` tokens per step.
+
+    ``draft``: a ``DecoderModel`` (vanilla draft model) or any ``specdec.proposer.Proposer``.
+    ``stats`` accumulates over calls; ``last_stats`` holds the latest call's numbers.
+    """
+
+    def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"k must be an integer >= 0 (draft tokens per step), got {k!r}")
+        if k + 1 > target.kv_buckets[-1] or k + 1 > target.n_positions - 1:
+            raise ValueError(f"k={k} is too large: a verify step needs k+1={k + 1} slots but the target's "
+                             f"largest KV bucket is {target.kv_buckets[-1]} (n_positions={target.n_positions})")
+        check_compatible(draft, target)
+        self.proposer = DraftModelProposer(draft) if isinstance(draft, DecoderModel) else draft
+        if not isinstance(self.proposer, Proposer):
+            raise TypeError(f"draft must be a DecoderModel or implement specdec.proposer.Proposer, got {type(draft)}")
+        self.target, self.k = target, k
+        self.stats = SpecStats()
+        self.last_stats = SpecStats()
+
+    def sample(self, input_ids, attention_mask=None, *, sequence_length: int | None = None,
+               max_new_tokens: int | None = None, do_sample: bool | None = None, temperature=None,
+               top_k=None, top_p=None, eos_token_id=None, pad_token_id: int | None = None,
+               streamer=None, stopping_criteria=None, seed: int | None = None) -> torch.Tensor:
+        """Generate like ``DecoderModel.generate`` (same arguments and output format) — the output
+        distribution is exactly the target's; greedy output is token-for-token the target's."""
+        target = self.target
+        prompts = target.prepare_prompts(input_ids, attention_mask)
+        budget = resolve_budget(target, prompts, max_new_tokens, sequence_length)
+        params = target.sampling_params(top_k, top_p, temperature, do_sample)
+        eos = eos_ids(target, eos_token_id)
+        if pad_token_id is None:
+            pad_token_id = target.config.pad_token_id if target.config.pad_token_id is not None else \
+                (int(eos[0]) if eos.numel() else 0)
+        generator = torch.Generator(target.device).manual_seed(seed) if seed is not None else None
+        greedy = bool((params[:, 2] <= 0).all())
+        greedy_rows = (params[:, 2] <= 0).to(target.device)
+        b, B = len(prompts), target.batch_size
+        stats = SpecStats()
+        start = time.perf_counter()
+
+        target.reset()
+        out = target.prefill(prompts, params, generator)
+        seqs = [p.tolist() for p in prompts] + [[0, 0] for _ in range(B - b)]
+        first = out.tokens[:, -1].cpu()
+        new_tokens: list[list[int]] = [[] for _ in range(b)]
+        active = torch.zeros(B, dtype=torch.bool)
+        active[:b] = True
+        if streamer is not None:
+            streamer.put(format_output(input_ids, attention_mask, prompts, [[]] * b, pad_token_id))
+        self._emit(first.unsqueeze(1), torch.zeros(B, dtype=torch.long), seqs, new_tokens, active, budget, eos,
+                   stopping_criteria, streamer, (input_ids, attention_mask, prompts, pad_token_id))
+        with stats.timer("draft"):
+            self.proposer.start(prompts, params, generator)
+        while bool(active.any()):
+            lengths = torch.tensor([len(s) if active[i] else 2 for i, s in enumerate(seqs)])
+            longest = int(lengths.max())
+            k = max(0, min(self.k, target.n_positions - longest, self.proposer.max_draft_tokens(longest)))
+            tail = torch.tensor([s[-2:] for s in seqs])
+            with stats.timer("draft"):
+                proposal = self.proposer.propose(tail, lengths, k, params, generator) if k else None
+            with stats.timer("verify"):
+                target.set_lengths(lengths - 1)
+                drafts = proposal.tokens.cpu() if k else torch.zeros(B, 0, dtype=torch.long)
+                verify = target.step(torch.cat([tail[:, 1:], drafts], 1), params, generator,
+                                     advance=False, return_probs=not greedy)
+            with stats.timer("other"):
+                n, emitted = accept(drafts.to(target.device), None if greedy else verify.probs,
+                                    None if proposal is None else proposal.probs,
+                                    target_tokens=verify.tokens, greedy_rows=greedy_rows, generator=generator)
+                n, emitted = n.cpu(), emitted.cpu()
+                target.set_lengths(torch.where(active, lengths + n, lengths - 1))
+                self.proposer.accepted(n, verify)
+                stats.update(n[active], torch.full((int(active.sum()),), k))
+                self._emit(emitted, n, seqs, new_tokens, active, budget, eos, stopping_criteria, streamer,
+                           (input_ids, attention_mask, prompts, pad_token_id))
+        if streamer is not None:
+            streamer.end()
+        stats.add_time(other_s=time.perf_counter() - start - stats.total_s)
+        self.last_stats = stats
+        self.stats = self.stats + stats
+        return format_output(input_ids, attention_mask, prompts, new_tokens, pad_token_id)
+
+    @staticmethod
+    def _emit(emitted, num_accepted, seqs, new_tokens, active, budget, eos, stopping_criteria, streamer, fmt):
+        """Append the n+1 emitted tokens of each active row one position at a time, so EOS, the
+        budget and stopping criteria cut the run exactly where target-only decoding would stop."""
+        b = len(new_tokens)
+        eos_set = set(eos.tolist())
+        for j in range(emitted.shape[1]):
+            rows = [i for i in range(b) if active[i] and j <= int(num_accepted[i])]
+            if not rows:
+                break
+            for i in rows:
+                token = int(emitted[i, j])
+                seqs[i].append(token)
+                new_tokens[i].append(token)
+                if token in eos_set or len(new_tokens[i]) >= int(budget[i]):
+                    active[i] = False
+            if streamer is not None:
+                streamer.put(torch.tensor([new_tokens[i][-1] for i in rows]))
+            if stopping_criteria:
+                stop = stop_requested(stopping_criteria, format_output(*fmt[:3], new_tokens, fmt[3]))
+                active[:b] &= ~stop
