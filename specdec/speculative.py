@@ -128,9 +128,10 @@ class SpeculativeGenerator:
                 n, emitted = n.cpu(), emitted.cpu()
                 target.set_lengths(torch.where(active, lengths + n, lengths - 1))
                 self.proposer.accepted(n, verify)
-                stats.update(n[active], torch.full((int(active.sum()),), k))
-                self._emit(emitted, n, seqs, new_tokens, active, budget, eos, stopping_criteria, streamer,
-                           (input_ids, attention_mask, prompts, pad_token_id))
+                was_active = active.clone()
+                appended = self._emit(emitted, n, seqs, new_tokens, active, budget, eos, stopping_criteria,
+                                      streamer, (input_ids, attention_mask, prompts, pad_token_id))
+                stats.update(n, k, active=was_active, emitted=appended)
         if streamer is not None:
             streamer.end()
         stats.add_time(other_s=time.perf_counter() - start - stats.total_s)
@@ -141,9 +142,11 @@ class SpeculativeGenerator:
     @staticmethod
     def _emit(emitted, num_accepted, seqs, new_tokens, active, budget, eos, stopping_criteria, streamer, fmt):
         """Append the n+1 emitted tokens of each active row one position at a time, so EOS, the
-        budget and stopping criteria cut the run exactly where target-only decoding would stop."""
+        budget and stopping criteria cut the run exactly where target-only decoding would stop.
+        Returns the number of tokens appended per row [B]."""
         b = len(new_tokens)
         eos_set = set(eos.tolist())
+        appended = torch.zeros(len(seqs), dtype=torch.long)
         for j in range(emitted.shape[1]):
             rows = [i for i in range(b) if active[i] and j <= int(num_accepted[i])]
             if not rows:
@@ -152,6 +155,7 @@ class SpeculativeGenerator:
                 token = int(emitted[i, j])
                 seqs[i].append(token)
                 new_tokens[i].append(token)
+                appended[i] += 1
                 if token in eos_set or len(new_tokens[i]) >= int(budget[i]):
                     active[i] = False
             if streamer is not None:
@@ -159,3 +163,4 @@ class SpeculativeGenerator:
             if stopping_criteria:
                 stop = stop_requested(stopping_criteria, format_output(*fmt[:3], new_tokens, fmt[3]))
                 active[:b] &= ~stop
+        return appended

@@ -1,0 +1,284 @@
+"""Speculative-decoding acceptance rules: one shared, vectorised implementation for all strategies.
+
+Every function here is a pure function of fixed-shape tensors: no host loop per token, no
+``.item()``/``.tolist()``/``nonzero()``, no data-dependent shapes, so each one traces with
+``torch.export`` (strict) and runs under ``torch.compile(fullgraph=True)`` or inside a Neuron graph.
+All randomness comes in as uniform tensors in ``[0, 1)`` drawn by the caller (``draw_uniforms``,
+from a seeded ``torch.Generator``), so a seed reproduces the same tokens.
+
+Shapes: ``B`` rows, ``k`` draft tokens per row (static), ``V`` vocabulary.
+
+Inputs
+  draft_tokens  [B, k]      proposals x_0 .. x_{k-1} (long)
+  draft_probs   [B, k, V]   q_j = the draft distribution x_j was sampled from (sampled proposals)
+  target_probs  [B, k+1, V] p_j = the target distribution at verify position j, conditioned on the
+                            prompt and x_0 .. x_{j-1}, after the *same* temperature -> top-k -> top-p
+                            warping used for normal sampling (``specdec.core.sampling.warp``);
+                            p_k is the bonus distribution after all k drafts
+  target_tokens [B, k+1]    the target's argmax tokens (greedy rule)
+  num_drafts    [B] or None d_b = how many drafts row b really proposed this step (0 <= d_b <= k);
+                            None means k for every row. Drafts at positions j >= d_b are ignored
+                            (never accepted, whatever their values) and the correction / bonus token
+                            comes from position d_b at most: a row with d_b = 0 is a plain decode step
+                            that samples from p_0.
+  uniform       [B, k]      u_j, one per acceptance test
+  residual_uniform [B]      v, one per row for the correction / bonus draw ([B, 1] also accepted)
+
+Outputs (all rules)
+  num_accepted  [B] long    n_b = number of accepted drafts, 0 <= n_b <= d_b
+  out_tokens    [B, k+1]    out[b, :n_b] = the accepted drafts, out[b, n_b] = the target's
+                            correction token at the first rejection (or the bonus token when all d_b
+                            drafts were accepted); out[b, n_b+1:] = ``pad_token_id`` (default -1).
+                            Each row emits exactly n_b + 1 tokens; ``last_tokens`` gathers
+                            out[b, n_b], the token the next step starts from.
+
+The math
+  Greedy (temperature 0):
+      n = max{ m <= d : x_j == argmax p_j for all j < m }   (longest matching prefix)
+      emit x_0..x_{n-1}, then argmax p_n.
+    Because accepted drafts equal the target argmax, out = target_tokens on positions <= n. The output
+    is token-for-token identical to target-only greedy decoding.
+
+  Rejection sampling with draft probabilities q (Leviathan et al. 2023, Chen et al. 2023):
+      accept_j  = u_j * q_j(x_j) < p_j(x_j)       <=>  u_j < min(1, p_j(x_j) / q_j(x_j))
+                                                        (u_j in [0,1); no division, q = 0 safe)
+      valid_j   = j < d
+      n         = sum_j cumprod_j(accept_j & valid_j)   (index of the first rejection, or d)
+      if n < d:  r = max(p_n - q_n, 0);  emit y ~ r / sum(r)   (if sum(r) == 0 then p_n == q_n, use p_n)
+      if n == d: emit the bonus y ~ p_d
+    For each position, P(emit y) = q(y) min(1, p(y)/q(y)) + (1 - sum_z min(p(z), q(z))) r(y)/sum(r)
+    = min(p, q)(y) + max(p - q, 0)(y) = p(y): the emitted sequence has exactly the target's
+    distribution (lossless), whatever q is.
+
+  Deterministic proposals (argmax drafts, n-gram / prompt lookup, top-k tree paths): q_j is one-hot
+    on x_j. Then accept_j = u_j < p_j(x_j), and r = max(p_n - onehot(x_n), 0) = p_n with x_n's
+    entry set to 0, i.e. "resample from p without x". Same code path as above with q one-hot
+    (q is never materialised). Lossless by the same identity.
+
+  Categorical draws use the inverse CDF with the given uniform v on the unnormalised weights w:
+      y = #{ i : cumsum(w)_i <= v * sum(w) }  (clamped to the last index with w > 0)
+    which never picks a zero-weight token (also when v == 0).
+
+Greedy rows inside a sampling batch: ``warp`` turns a temperature-0 row into a one-hot p on the
+argmax, for which the rejection rule already reduces to the greedy rule; ``accept`` additionally
+applies ``accept_greedy`` to the rows flagged in ``greedy_rows`` so they are bit-exact even when the
+argmax has ties.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "accept",
+    "accept_greedy",
+    "accept_one_hot",
+    "accept_rejection",
+    "draw_uniforms",
+    "last_tokens",
+]
+
+
+def draw_uniforms(batch_size: int, k: int, generator: torch.Generator | None = None,
+                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
+    """Noise for one acceptance step: ``(uniform [B, k], residual_uniform [B])`` in [0, 1).
+
+    One ``torch.rand`` call of shape [B, k+1], so a seeded generator gives reproducible steps.
+    Draw it outside the compiled graph and pass it in, as ``specdec.core.sampling`` does. The
+    rules compare and draw in at least float32 whatever the probabilities' dtype.
+    """
+    if device is None and generator is not None:
+        device = generator.device
+    u = torch.rand((batch_size, k + 1), generator=generator, device=device, dtype=dtype)
+    return u[:, :k], u[:, k]
+
+
+def _valid_mask(draft_tokens: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, k] bool: position j holds a real draft (j < num_drafts[b]); None when all do."""
+    if num_drafts is None:
+        return None
+    k = draft_tokens.shape[1]
+    pos = torch.arange(k, device=draft_tokens.device)
+    return pos.unsqueeze(0) < num_drafts.to(draft_tokens.device).view(-1, 1)
+
+
+def _prefix_length(accepted: torch.Tensor) -> torch.Tensor:
+    """Length of the all-True prefix of each row of ``accepted [B, k]`` → [B] long (cumprod, no loop)."""
+    return torch.cumprod(accepted.to(torch.long), dim=1).sum(dim=1)
+
+
+def _assemble(prefix_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor,
+              pad_token_id: int) -> torch.Tensor:
+    """out [B, k+1]: prefix_tokens[:, :n], next_token at n, pad after."""
+    B, k = prefix_tokens.shape
+    pos = torch.arange(k + 1, device=prefix_tokens.device).unsqueeze(0)
+    n = num_accepted.view(B, 1)
+    padded = torch.cat([prefix_tokens, next_token.view(B, 1).to(prefix_tokens.dtype)], dim=1)
+    out = torch.where(pos == n, next_token.view(B, 1).to(prefix_tokens.dtype), padded)
+    return torch.where(pos <= n, out, torch.full_like(out, pad_token_id))
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw from unnormalised ``weights [B, V]`` (>= 0, positive sum) with ``u [B]`` in [0, 1) → [B] long.
+
+    y = #{i : cdf_i <= u * total}: zero-weight tokens are never chosen (their cdf equals the previous
+    one), also for u == 0; clamped to the first index where the cdf reaches the total, so rounding of
+    u * total up to total cannot select a zero-weight tail token.
+    """
+    cdf = torch.cumsum(weights, dim=-1)
+    total = cdf[:, -1:]
+    choice = (cdf <= u.view(-1, 1) * total).sum(-1)
+    last = (cdf < total).sum(-1)
+    return torch.minimum(choice, last)
+
+
+def _correction_distribution(p_n: torch.Tensor, q_n: torch.Tensor | None, x_n: torch.Tensor,
+                             is_bonus: torch.Tensor) -> torch.Tensor:
+    """Unnormalised distribution of the token emitted at position n → [B, V].
+
+    Bonus rows (all drafts accepted): p_n. Rejected rows: max(p_n - q_n, 0), with q_n one-hot on x_n
+    when ``q_n`` is None (= p_n with x_n removed); rows whose residual is all zero (p_n == q_n) fall
+    back to p_n.
+    """
+    if q_n is None:
+        residual = p_n.scatter(-1, x_n.view(-1, 1), 0.0)
+    else:
+        residual = torch.clamp(p_n - q_n, min=0.0)
+    use_p = is_bonus | (residual.sum(-1) <= 0)
+    return torch.where(use_p.view(-1, 1), p_n, residual)
+
+
+def accept_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
+                  num_drafts: torch.Tensor | None = None, *, pad_token_id: int = -1):
+    """Greedy rule: accept the longest prefix where draft == target argmax.
+
+    draft_tokens [B, k], target_tokens [B, k+1] (argmax of the target at each verify position),
+    num_drafts [B] or None → (num_accepted [B] long, out_tokens [B, k+1]). See the module docstring:
+    n = longest prefix with x_j == t_j and j < num_drafts; out[:, :n+1] = t[:, :n+1] (the accepted
+    drafts, then the target's token at the first mismatch or the bonus token); pad after.
+    """
+    k = draft_tokens.shape[1]
+    match = draft_tokens == target_tokens[:, :k]
+    valid = _valid_mask(draft_tokens, num_drafts)
+    if valid is not None:
+        match = match & valid
+    n = _prefix_length(match)
+    pos = torch.arange(k + 1, device=target_tokens.device).unsqueeze(0)
+    out = torch.where(pos <= n.unsqueeze(1), target_tokens, torch.full_like(target_tokens, pad_token_id))
+    return n, out
+
+
+def _accept_sampled(draft_tokens, draft_probs, target_probs, uniform, residual_uniform, num_drafts,
+                    pad_token_id):
+    """Shared implementation of the rejection rule; ``draft_probs=None`` means q one-hot on the drafts."""
+    B, k = draft_tokens.shape
+    V = target_probs.shape[-1]
+    dt = torch.promote_types(target_probs.dtype, torch.float32)  # compare / draw in >= fp32
+    x = draft_tokens.to(torch.long)
+    p_x = target_probs[:, :k].gather(-1, x.unsqueeze(-1)).squeeze(-1).to(dt)       # [B, k]
+    u = uniform.to(dt)
+    if draft_probs is None:
+        accepted = u < p_x                                                         # q(x) = 1
+    else:
+        q_x = draft_probs.gather(-1, x.unsqueeze(-1)).squeeze(-1).to(dt)
+        accepted = u * q_x < p_x                                                   # u < min(1, p/q)
+    valid = _valid_mask(draft_tokens, num_drafts)
+    if valid is not None:
+        accepted = accepted & valid
+    n = _prefix_length(accepted)                                                   # [B]
+    d = torch.full_like(n, k) if num_drafts is None else num_drafts.to(n.device, torch.long).view(B)
+    is_bonus = n >= d
+
+    p_n = target_probs.gather(1, n.view(B, 1, 1).expand(B, 1, V)).squeeze(1).to(dt)  # [B, V]
+    if k == 0:
+        x_n = torch.zeros_like(n)
+        q_n = None if draft_probs is None else torch.zeros_like(p_n)
+    else:
+        n_c = n.clamp(max=k - 1)
+        x_n = x.gather(1, n_c.view(B, 1)).squeeze(1)
+        q_n = None
+        if draft_probs is not None:
+            q_n = draft_probs.gather(1, n_c.view(B, 1, 1).expand(B, 1, V)).squeeze(1).to(dt)
+    weights = _correction_distribution(p_n, q_n, x_n, is_bonus)
+    y = _inverse_cdf(weights, residual_uniform.reshape(B).to(weights.dtype))
+    return n, _assemble(draft_tokens, n, y, pad_token_id)
+
+
+def accept_rejection(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                     uniform: torch.Tensor, residual_uniform: torch.Tensor,
+                     num_drafts: torch.Tensor | None = None, *, pad_token_id: int = -1):
+    """Lossless rejection sampling for drafts sampled from ``draft_probs``.
+
+    draft_tokens [B, k], draft_probs [B, k, V], target_probs [B, k+1, V], uniform [B, k],
+    residual_uniform [B], num_drafts [B] or None → (num_accepted [B] long, out_tokens [B, k+1]).
+    Accept x_j with prob min(1, p_j(x_j)/q_j(x_j)); at the first rejection n emit y ~ norm(max(p_n -
+    q_n, 0)) (p_n if that is all zero); if all num_drafts drafts are accepted emit the bonus y ~ p_d.
+    """
+    return _accept_sampled(draft_tokens, draft_probs, target_probs, uniform, residual_uniform,
+                           num_drafts, pad_token_id)
+
+
+def accept_one_hot(draft_tokens: torch.Tensor, target_probs: torch.Tensor, uniform: torch.Tensor,
+                   residual_uniform: torch.Tensor, num_drafts: torch.Tensor | None = None, *,
+                   pad_token_id: int = -1):
+    """Lossless rule for deterministic proposals (q one-hot on each draft token).
+
+    Accept x_j with prob p_j(x_j); at the first rejection n emit y ~ p_n with x_n removed and
+    renormalised; if all drafts are accepted emit the bonus y ~ p_d. This is ``accept_rejection``
+    with q = onehot(x), computed without materialising q. Shapes as ``accept_rejection``.
+    """
+    return _accept_sampled(draft_tokens, None, target_probs, uniform, residual_uniform,
+                           num_drafts, pad_token_id)
+
+
+def last_tokens(out_tokens: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """The last emitted token of each row, out_tokens[b, num_accepted[b]] → [B]."""
+    return out_tokens.gather(1, num_accepted.view(-1, 1)).squeeze(1)
+
+
+def accept(draft_tokens: torch.Tensor, target_probs: torch.Tensor | None = None,
+           draft_probs: torch.Tensor | None = None, *, target_tokens: torch.Tensor | None = None,
+           greedy_rows: torch.Tensor | bool | None = None, num_drafts: torch.Tensor | None = None,
+           uniform: torch.Tensor | None = None, residual_uniform: torch.Tensor | None = None,
+           generator: torch.Generator | None = None, pad_token_id: int = -1):
+    """Dispatch to the right rule per row → (num_accepted [B], out_tokens [B, k+1]).
+
+    - ``target_probs is None`` or ``greedy_rows is True``: greedy rule on ``target_tokens``
+      (default: ``target_probs.argmax(-1)``); no noise is drawn.
+    - otherwise rows are sampled: with ``draft_probs`` [B, k, V] by ``accept_rejection``, without it
+      by ``accept_one_hot`` (deterministic proposals — pass ``draft_probs`` whenever the drafts were
+      *sampled*, or the result is not lossless);
+    - ``greedy_rows`` [B] bool (e.g. ``params[:, 2] <= 0``): those rows take the greedy result
+      (exact target-only greedy decoding), the others the sampled one.
+    Noise: ``uniform`` [B, k] and ``residual_uniform`` [B], or drawn here from ``generator`` with
+    ``draw_uniforms`` (outside a compiled graph, pass them in instead).
+    """
+    B, k = draft_tokens.shape
+    if target_probs is None or greedy_rows is True:
+        if target_tokens is None:
+            if target_probs is None:
+                raise ValueError("greedy acceptance needs target_tokens or target_probs")
+            target_tokens = target_probs.argmax(-1)
+        return accept_greedy(draft_tokens, target_tokens, num_drafts, pad_token_id=pad_token_id)
+    if target_probs.shape[:2] != (B, k + 1):
+        raise ValueError(f"target_probs must be [B, k+1, V] = [{B}, {k + 1}, V], got {tuple(target_probs.shape)}")
+    if draft_probs is not None and draft_probs.shape != (B, k, target_probs.shape[-1]):
+        raise ValueError(f"draft_probs must be [B, k, V] = [{B}, {k}, {target_probs.shape[-1]}], "
+                         f"got {tuple(draft_probs.shape)}")
+    if uniform is None or residual_uniform is None:
+        u, v = draw_uniforms(B, k, generator, device=None if generator is not None else target_probs.device)
+        u, v = u.to(target_probs.device), v.to(target_probs.device)
+        uniform = u if uniform is None else uniform
+        residual_uniform = v if residual_uniform is None else residual_uniform
+    if draft_probs is None:
+        n, out = accept_one_hot(draft_tokens, target_probs, uniform, residual_uniform, num_drafts,
+                                pad_token_id=pad_token_id)
+    else:
+        n, out = accept_rejection(draft_tokens, draft_probs, target_probs, uniform, residual_uniform,
+                                  num_drafts, pad_token_id=pad_token_id)
+    if greedy_rows is None or greedy_rows is False:
+        return n, out
+    if target_tokens is None:
+        target_tokens = target_probs.argmax(-1)
+    gn, gout = accept_greedy(draft_tokens, target_tokens, num_drafts, pad_token_id=pad_token_id)
+    g = torch.as_tensor(greedy_rows, device=n.device).to(torch.bool).view(B)
+    return torch.where(g, gn, n), torch.where(g.view(B, 1), gout, out)
