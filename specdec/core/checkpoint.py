@@ -57,7 +57,11 @@ def load_weights(module: nn.Module, path: str | Path, progress: bool = True) -> 
     Raises KeyError for missing tensors and ValueError for shape mismatches, naming the tensor.
     Unknown tensors (e.g. ``rotary_emb.inv_freq``) are ignored.
     """
-    params = dict(module.named_parameters())  # tied weights appear once, under their first name
+    # tied weights appear once, under their first name; persistent buffers (e.g. a reduced
+    # vocabulary's token ids) load like weights
+    persistent = set(module.state_dict())
+    params = dict(module.named_parameters())
+    params.update((n, b) for n, b in module.named_buffers() if n in persistent)
     loaded: set[str] = set()
     shards = checkpoint_shards(path)
     with torch.no_grad(), tqdm(total=len(params), desc=f"loading {Path(path).name}", unit="tensor",

@@ -50,6 +50,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     hf_config: PretrainedConfig
+    output_vocab_size: int | None = None  # reduced LM head (drafts): logits only for these tokens
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> "ModelConfig":
@@ -84,6 +85,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             pad_token_id=getattr(hf, "pad_token_id", None),
             hf_config=hf,
+            output_vocab_size=getattr(hf, "draft_vocab_size", None),
         )
 
     @classmethod
@@ -99,5 +101,12 @@ class ModelConfig:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         layer = attn + 3 * h * i + 2 * h
-        total = self.num_layers * layer + v * h + h + (0 if self.tie_word_embeddings else v * h)
+        head = 0 if self.tie_word_embeddings else (self.output_vocab_size or v) * h
+        total = self.num_layers * layer + v * h + h + head
         return total * torch.finfo(dtype).bits // 8
+
+    def bytes_read_per_token(self, dtype: torch.dtype) -> int:
+        """Weight bytes a decode step reads: every weight except the embedding table (one row)."""
+        h, v = self.hidden_size, self.vocab_size
+        unread = v * h - h if not self.tie_word_embeddings else 0
+        return self.weight_bytes(dtype) - unread * torch.finfo(dtype).bits // 8

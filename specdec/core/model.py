@@ -139,7 +139,11 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config, batch_size, n_positions, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.output_vocab_size or config.vocab_size, bias=False)
+        if config.output_vocab_size:
+            # reduced output vocabulary (small drafts): lm_head row i scores token output_token_ids[i];
+            # every other token gets logit -inf, i.e. probability 0 (rejection sampling stays lossless)
+            self.register_buffer("output_token_ids", torch.empty(config.output_vocab_size, dtype=torch.long))
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         inv_freq, self.rope_scaling = rope_inv_freq(config)
@@ -167,4 +171,8 @@ class DecoderLM(nn.Module):
             x = layer(x, cos, sin, slots, mask, kv_len)
         hidden = self.model.norm(x)
         picked = torch.gather(hidden, 1, logit_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        return self.lm_head(picked).float(), hidden
+        logits = self.lm_head(picked).float()
+        if self.config.output_vocab_size:
+            full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+            logits = full.scatter(-1, self.output_token_ids.expand_as(logits), logits)
+        return logits, hidden
