@@ -1,8 +1,11 @@
 """SpeculativeGenerator with a vanilla draft model: exactness (greedy), losslessness (sampling),
 KV bookkeeping, statistics and validation — on tiny random models saved as real checkpoints."""
+import json
+
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -168,13 +171,33 @@ def lossless_models(tmp_path_factory):
         head = draft_hf.lm_head.weight
         head.mul_(0.5).add_(0.5 * head.std() * torch.randn_like(head))
     draft_hf.save_pretrained(draft_dir)
+    reduced_dir = save_reduced_vocab(draft_dir, tmp_path_factory.mktemp("lr"), torch.arange(0, VOCAB, 2))
     kw = dict(batch_size=512, n_positions=32, context_buckets=[8], kv_buckets=[32], backend="eager", progress=False)
-    return target_hf, DecoderModel.from_pretrained(target_dir, **kw), DecoderModel.from_pretrained(draft_dir, **kw)
+    return (target_hf, DecoderModel.from_pretrained(target_dir, **kw),
+            {"full": DecoderModel.from_pretrained(draft_dir, **kw),
+             "reduced": DecoderModel.from_pretrained(reduced_dir, **kw)})
 
 
-@pytest.mark.parametrize("sample_kwargs", [dict(temperature=0.7), dict(temperature=1.3, top_k=6, top_p=0.9)])
-def test_sampling_is_lossless(lossless_models, sample_kwargs):
-    target_hf, target, draft = lossless_models
+def save_reduced_vocab(src, dst, token_ids):
+    """A copy of checkpoint ``src`` whose LM head only scores ``token_ids`` (draft_vocab_size)."""
+    state = load_file(src / "model.safetensors")
+    state["lm_head.weight"] = state["lm_head.weight"][token_ids].contiguous()
+    state["output_token_ids"] = token_ids
+    save_file(state, dst / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config.update(draft_vocab_size=len(token_ids), tie_word_embeddings=False)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("draft_kind,sample_kwargs", [
+    ("full", dict(temperature=0.7)),
+    ("full", dict(temperature=1.3, top_k=6, top_p=0.9)),
+    ("reduced", dict(temperature=0.7)),  # q is 0 outside the draft's vocabulary
+])
+def test_sampling_is_lossless(lossless_models, draft_kind, sample_kwargs):
+    target_hf, target, drafts = lossless_models
+    draft = drafts[draft_kind]
     prompt = [3, 1, 4]
     params = target.sampling_params(sample_kwargs.get("top_k"), sample_kwargs.get("top_p"),
                                     sample_kwargs["temperature"], True)[:1]
@@ -187,7 +210,8 @@ def test_sampling_is_lossless(lossless_models, sample_kwargs):
 
 def test_wrong_acceptor_is_detected(lossless_models, monkeypatch):
     """The same check with an acceptor that accepts every draft must fail (the test has power)."""
-    target_hf, target, draft = lossless_models
+    target_hf, target, drafts = lossless_models
+    draft = drafts["full"]
     prompt = [3, 1, 4]
     params = target.sampling_params(None, None, 0.7, True)[:1]
     exact = exact_joint(target_hf, prompt, params, 2)
