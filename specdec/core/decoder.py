@@ -22,7 +22,7 @@ from .buckets import check_buckets, pick_bucket
 from .checkpoint import load_weights
 from .config import ModelConfig, amp_dtype
 from .gguf import resolve_model_path
-from .graphs import BACKENDS, GraphKey, StepGraph, build_graph
+from .graphs import BACKENDS, GraphKey, StepGraph, build_graph, configure_compile_cache
 from .model import DecoderLM
 from .sampling import SamplingConfig, sampling_params
 
@@ -176,14 +176,20 @@ class DecoderModel:
         if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, torch.Tensor)):
             if attention_mask is not None:
                 raise ValueError("attention_mask is only accepted with a [batch, length] tensor")
-            rows = [torch.as_tensor(r, dtype=torch.long).flatten() for r in input_ids]
+            rows = []
+            for i, r in enumerate(input_ids):
+                r = torch.as_tensor(r)
+                if r.dim() > 1 or (r.is_floating_point() and r.numel()):
+                    raise ValueError(f"prompt {i} must be a flat sequence of integer token ids, "
+                                     f"got dtype {r.dtype} and shape {tuple(r.shape)}")
+                rows.append(r.long().flatten())
         else:
             ids = torch.as_tensor(input_ids)
             if ids.dim() == 1:
                 ids = ids.unsqueeze(0)
             if ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, length], got shape {tuple(ids.shape)}")
-            if ids.is_floating_point():
+            if ids.is_floating_point() and ids.numel():  # `[]` is an empty prompt, reported below
                 raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
             ids = ids.long().cpu()
             if attention_mask is None:
@@ -312,6 +318,7 @@ class DecoderModel:
         s["sampling"] = SamplingConfig(**s["sampling"])
         cache = directory / "compile_cache.bin"
         if cache.is_file():
+            configure_compile_cache()  # unpack into the cache directory the graphs will read
             torch.compiler.load_cache_artifacts(cache.read_bytes())
         model = cls.from_pretrained(meta["checkpoint"], progress=progress, **s)
         keys = [GraphKey(**k) for k in meta["graphs"]]

@@ -74,9 +74,15 @@ BACKENDS = ("eager", "compiled", "neuron")
 def configure_compile_cache() -> None:
     """Give Inductor a persistent cache directory (unless the user set one) and room for one
     compiled entry per graph."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     from .gguf import cache_dir
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    # torch writes its own default into the variable on first use (importing transformers' modeling
+    # code is enough), so a value equal to that default does not count as the user's choice.
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
     torch._inductor.config.fx_graph_cache = True
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     torch._dynamo.config.accumulated_cache_size_limit = max(
