@@ -1,0 +1,834 @@
+"""Runtime benchmark: target-only greedy decoding, batch 1, specdec vs ``transformers``.
+
+Every system runs in its own subprocess (``python -m specdec.bench --worker SYSTEM ...``), which
+gives each a clean peak RSS and lets compiled systems be timed with an empty Inductor cache (cold)
+and again reusing it (cached). The parent tokenizes the prompts once (so every system decodes the
+same token ids), measures the machine's memory read bandwidth, starts the workers one after the
+other, and computes the ratios, the bandwidth bound and the goals.
+
+Systems:
+  hf-eager-f32           transformers ``generate`` (dynamic cache, eager), float32
+  hf-compile-f32         transformers ``generate`` with a static cache and its ``compile_config``
+                         mechanism (decode step compiled by ``torch.compile``), float32
+  specdec-eager-f32/bf16 specdec ``DecoderModel.generate``, eager backend
+  specdec-compiled-f32/bf16  specdec, ``compiled`` backend (one graph per bucket)
+
+Usage: ``python bench/bench_runtime.py [--systems a,b] [--num-prompts N] [--max-new-tokens N]
+[--output FILE]`` or ``specdec bench ...``; JSON on stdout, a markdown table on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SYSTEMS = ("hf-eager-f32", "hf-compile-f32", "specdec-eager-f32", "specdec-eager-bf16",
+           "specdec-compiled-f32", "specdec-compiled-bf16")
+BASELINE = "hf-eager-f32"
+GOAL_SYSTEM = "specdec-compiled-bf16"
+GOAL_SPEEDUP = 3.0
+GOAL_BOUND_FRACTION = 0.70
+# systems timed twice, in fresh processes: empty Inductor cache (cold), then reusing it (cached)
+COLD_CACHED = ("specdec-compiled-f32", "specdec-compiled-bf16")
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def default_prompts_path() -> Path:
+    return (repo_root() / ".." / "shared" / "data" / "mt_bench_questions.jsonl").resolve()
+
+
+def system_info(name: str) -> dict:
+    """{"impl": "hf"|"specdec", "compiled": bool, "dtype": "f32"|"bf16"}"""
+    impl, mode, dtype = name.split("-")
+    return {"impl": impl, "compiled": mode in ("compile", "compiled"), "dtype": dtype}
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def _systems_arg(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if names == ["all"]:
+        return list(SYSTEMS)
+    bad = [s for s in names if s not in SYSTEMS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS)} or 'all'")
+    return list(dict.fromkeys(names))
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the benchmark (used by ``specdec bench`` and ``python -m specdec.bench``)."""
+    parser.add_argument("--systems", type=_systems_arg, default=list(SYSTEMS),
+                        help=f"comma-separated subset of {', '.join(SYSTEMS)} (default: all)")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompts", default=None,
+                        help="MT-Bench style jsonl (first of 'turns' is used; default: "
+                             "<repo>/../shared/data/mt_bench_questions.jsonl)")
+    parser.add_argument("--num-prompts", type=int, default=10, help="first N questions (default 10)")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="tokens generated per prompt; EOS is disabled so every prompt makes exactly this many")
+    parser.add_argument("--n-positions", type=int, default=None,
+                        help="specdec KV length / HF static cache length (default: the smallest power of two "
+                             ">= longest prompt + max-new-tokens, at least 128)")
+    parser.add_argument("--context-buckets", type=_int_list, default=None,
+                        help="specdec context buckets, e.g. 128,256 (default: the runtime's powers of two)")
+    parser.add_argument("--kv-buckets", type=_int_list, default=None,
+                        help="specdec KV buckets (default: the runtime's powers of two)")
+    parser.add_argument("--compile-all", action="store_true",
+                        help="specdec-compiled: compile every bucket (DecoderModel.compile()) instead of only "
+                             "the graphs these prompts use")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads in every worker and for the bandwidth test (default: torch's default)")
+    parser.add_argument("--warmup-tokens", type=int, default=16,
+                        help="tokens of the untimed warm-up generate on the first prompt (default 16)")
+    parser.add_argument("--bandwidth-gb", type=float, default=1.0,
+                        help="size of the float32 tensor summed to measure read bandwidth (default 1.0 GB)")
+    parser.add_argument("--bandwidth-runs", type=int, default=9, help="timed sums, median taken (default 9)")
+    parser.add_argument("--bandwidth-gbps", type=float, default=None,
+                        help="skip the bandwidth measurement and use this value (GB/s)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per worker process")
+    parser.add_argument("--work-dir", default=None,
+                        help="where job files and the Inductor caches of the workers go (default: a temporary "
+                             "directory, removed at the end)")
+    parser.add_argument("--output", default=None, help="also write the JSON result to this file")
+    parser.add_argument("--save-tokens", action="store_true",
+                        help="include every system's generated token ids in the JSON (systems.<name>.tokens)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def _stats(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    return {"median": statistics.median(values), "mean": statistics.fmean(values),
+            "min": min(values), "max": max(values)}
+
+
+def _rss_mb() -> float | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _peak_rss_mb(who=resource.RUSAGE_SELF) -> float:
+    # ru_maxrss is in KiB on Linux, bytes on macOS
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(who).ru_maxrss * scale / 2**20
+
+
+def load_prompts(path: str | Path, n: int) -> list[str]:
+    """First turns of the first ``n`` questions of an MT-Bench style jsonl."""
+    return [text for _, text in _load_questions(path, n)]
+
+
+def _load_questions(path: str | Path, n: int) -> list[tuple[object, str]]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist (pass --prompts)")
+    prompts = []
+    with path.open() as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                turns = rec.get("turns")
+                if not turns:
+                    raise ValueError(f"{path}: a line has no 'turns': {line[:80]!r}")
+                prompts.append((rec.get("question_id", len(prompts)), turns[0]))
+    if n < 1 or n > len(prompts):
+        raise ValueError(f"--num-prompts={n}: {path} holds {len(prompts)} prompts")
+    return prompts[:n]
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as a user turn with the generation prompt (chat template if any)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return list(tokenizer(text)["input_ids"])
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], (list, tuple)):
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def measure_bandwidth(gb: float = 1.0, runs: int = 9) -> dict:
+    """Memory read bandwidth: time ``x.sum()`` over a ``gb``-GB float32 tensor (torch's threads)."""
+    import torch
+
+    n = max(int(gb * 1e9) // 4, 1 << 20)
+    x = torch.empty(n, dtype=torch.float32)
+    x.fill_(1.0)  # touch every page before timing
+    for _ in range(2):
+        x.sum()
+    times = []
+    for _ in range(max(runs, 1)):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    del x
+    rates = [n * 4 / t / 1e9 for t in times]
+    return {"gbps": statistics.median(rates), "max_gbps": max(rates), "min_gbps": min(rates),
+            "bytes": n * 4, "runs": len(times), "threads": torch.get_num_threads(),
+            "method": "median over runs of bytes / time of torch.sum over a float32 tensor"}
+
+
+def bytes_per_token(config, dtype_name: str, mean_context: float) -> dict:
+    """Bytes a decode step must read: all weights (tied embeddings once) + the K/V of the context."""
+    from .core.config import amp_dtype
+
+    dtype = amp_dtype(dtype_name)
+    weights = config.weight_bytes(dtype)
+    itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else dtype.bits // 8
+    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * mean_context * itemsize
+    return {"weight_bytes": weights, "kv_bytes": kv, "bytes_per_token": weights + kv}
+
+
+# ---------------------------------------------------------------------------------------- worker
+class _TimingStreamer:
+    """HF streamer protocol: first ``put`` is the prompt, then one per step; records times."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+class _HFRunner:
+    def __init__(self, job: dict, compiled: bool):
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        self.compiled = compiled
+        self.model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32).eval()
+        gc = self.model.generation_config
+        gc.eos_token_id = None  # EOS disabled: exactly max_new_tokens per prompt
+        gc.pad_token_id = job["pad_token_id"]
+        gc.do_sample = False
+        gc.temperature = gc.top_p = gc.top_k = None
+        if compiled:
+            from transformers import CompileConfig
+
+            cc = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+            cc._compile_all_devices = True  # transformers only auto-compiles on accelerators otherwise
+            gc.cache_implementation = "static"
+            gc.max_cache_len = job["n_positions"]  # one cache shape for every prompt → no recompiles
+            gc.compile_config = cc
+        self.describe = {"attn_implementation": getattr(self.model.config, "_attn_implementation", None),
+                         "cache": "static" if compiled else "dynamic",
+                         "compile_config": "CompileConfig(fullgraph=True, dynamic=False, mode='default')"
+                         if compiled else None}
+
+    def generate(self, ids: list[int], n: int, streamer=None) -> list[int]:
+        import torch
+
+        x = torch.tensor([ids], dtype=torch.long)
+        out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                  streamer=streamer)
+        return out[0, len(ids):].tolist()
+
+    def compile(self, prompt_ids, n, compile_all) -> tuple[float | None, dict]:
+        if not self.compiled:
+            return None, {}
+        # transformers compiles the decode step inside the first generate that runs one
+        t = time.perf_counter()
+        self.generate(prompt_ids[0], min(4, max(n, 2)))
+        return time.perf_counter() - t, {}
+
+
+class _SpecdecRunner:
+    def __init__(self, job: dict, amp: str, compiled: bool):
+        from .core.decoder import DecoderModel
+
+        self.compiled = compiled
+        self.model = DecoderModel.from_pretrained(
+            job["model"], n_positions=job["n_positions"], amp=amp, context_buckets=job["context_buckets"],
+            kv_buckets=job["kv_buckets"], backend="compiled" if compiled else "eager", progress=False)
+        self.describe = {"context_buckets": self.model.context_buckets, "kv_buckets": self.model.kv_buckets,
+                         "n_positions": self.model.n_positions, "backend": self.model.settings.backend}
+
+    def generate(self, ids: list[int], n: int, streamer=None) -> list[int]:
+        import torch
+
+        x = torch.tensor([ids], dtype=torch.long)
+        out = self.model.generate(x, max_new_tokens=n, do_sample=False, eos_token_id=[], streamer=streamer)
+        return out[0, len(ids):].tolist()
+
+    def needed_keys(self, prompt_ids, n):
+        """The greedy graphs generate() will use for these prompts: the context bucket of each
+        prompt and the KV buckets of its decode steps (needs L+1 … L+n-1 slots)."""
+        from .core.buckets import pick_bucket
+        from .core.graphs import GraphKey
+
+        keys = {}
+        for ids in prompt_ids:
+            L = len(ids)
+            c = pick_bucket(self.model.context_buckets, L)
+            keys[GraphKey(c, 1, c, False)] = None
+            for need in range(L + 1, L + n):
+                kv = pick_bucket(self.model.kv_buckets, need)
+                keys[GraphKey(1, 1, kv, False)] = None
+        return sorted(keys, key=lambda k: (k.n_tokens == 1, k.kv_len))
+
+    def compile(self, prompt_ids, n, compile_all) -> tuple[float | None, dict]:
+        if not self.compiled:
+            return None, {}
+        import torch
+
+        from .core.graphs import StepGraph
+
+        m = self.model
+        t0 = time.perf_counter()
+        if compile_all:
+            m.compile(progress=False)
+            per_graph = dict(m.compile_seconds)
+        else:
+            per_graph = {}
+            for key in self.needed_keys(prompt_ids, n):
+                t = time.perf_counter()
+                with torch.no_grad():
+                    m.graph(key)(*StepGraph(m.lm, key, None).example_inputs(m.batch_size))
+                per_graph[key.describe()] = time.perf_counter() - t
+            m.reset()
+        return time.perf_counter() - t0, per_graph
+
+
+def _counters() -> dict:
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # pragma: no cover
+        return {}
+    return {group: {k: int(v) for k, v in c.items()} for group, c in counters.items()
+            if group in ("stats", "inductor", "aot_autograd") and c}
+
+
+def run_worker(system: str, job: dict, compile_only: bool = False, progress: bool = True) -> dict:
+    """Load, compile, warm up, then time every prompt: one ``generate(max_new_tokens=1)`` (TTFT)
+    and one full ``generate`` with a timing streamer. Runs inside the worker process."""
+    import torch
+    from tqdm.auto import tqdm
+
+    t_start = time.perf_counter()
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
+    torch.set_grad_enabled(False)
+    info = system_info(system)
+    prompt_ids, n = job["prompt_ids"], job["max_new_tokens"]
+    res: dict = {"system": system, "phase": "compile-only" if compile_only else "measure",
+                 "threads": torch.get_num_threads(),
+                 "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
+
+    t = time.perf_counter()
+    if info["impl"] == "hf":
+        runner = _HFRunner(job, info["compiled"])
+    else:
+        runner = _SpecdecRunner(job, info["dtype"], info["compiled"])
+    res["load_s"] = time.perf_counter() - t
+    res["rss_after_load_mb"] = _rss_mb()
+    res["peak_rss_load_mb"] = _peak_rss_mb()
+    res["details"] = runner.describe
+
+    c0 = _counters()
+    compile_s, per_graph = runner.compile(prompt_ids, n, job.get("compile_all", False))
+    res["compile_s"] = compile_s
+    res["compile_graphs"] = per_graph
+    res["counters_compile"] = _diff_counters(c0, _counters())
+    if compile_only:
+        res["peak_rss_mb"] = _peak_rss_mb()
+        res["peak_rss_children_mb"] = _peak_rss_mb(resource.RUSAGE_CHILDREN)
+        res["worker_s"] = time.perf_counter() - t_start
+        return res
+
+    t = time.perf_counter()
+    runner.generate(prompt_ids[0], max(1, min(job.get("warmup_tokens", 16), n)))
+    res["warmup_s"] = time.perf_counter() - t
+
+    c1 = _counters()
+    ttft, e2e, decode, tokens = [], [], [], []
+    bar = tqdm(prompt_ids, desc=f"{system}", unit="prompt", leave=False, file=sys.stderr,
+               disable=not progress)
+    for ids in bar:
+        t = time.perf_counter()
+        runner.generate(ids, 1)
+        ttft.append(time.perf_counter() - t)
+        streamer = _TimingStreamer()
+        t = time.perf_counter()
+        new = runner.generate(ids, n, streamer)
+        end = time.perf_counter()
+        e2e.append(end - t)
+        if len(new) != n:
+            raise RuntimeError(f"{system} generated {len(new)} tokens instead of {n} (EOS not disabled?)")
+        # streamer times: [prompt, token 1, ..., token n]
+        if len(streamer.times) == n + 1 and n > 1:
+            decode.append(streamer.times[-1] - streamer.times[1])
+        tokens.append(new)
+        bar.set_postfix_str(f"{n / e2e[-1]:.1f} tok/s")
+    bar.close()
+    res["counters_measure"] = _diff_counters(c1, _counters())
+    res["recompiles_during_measurement"] = res["counters_measure"].get("stats", {}).get("unique_graphs", 0)
+    res["ttft_s"] = ttft
+    res["e2e_s"] = e2e
+    res["decode_s"] = decode
+    res["tokens"] = tokens
+    res["peak_rss_mb"] = _peak_rss_mb()
+    res["peak_rss_children_mb"] = _peak_rss_mb(resource.RUSAGE_CHILDREN)
+    res["rss_end_mb"] = _rss_mb()
+    res["worker_s"] = time.perf_counter() - t_start
+    return res
+
+
+def _diff_counters(a: dict, b: dict) -> dict:
+    out = {}
+    for group, c in b.items():
+        d = {k: v - a.get(group, {}).get(k, 0) for k, v in c.items()}
+        d = {k: v for k, v in d.items() if v}
+        if d:
+            out[group] = d
+    return out
+
+
+def _worker_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m specdec.bench --worker", description="one benchmark worker")
+    p.add_argument("--worker", required=True, choices=SYSTEMS)
+    p.add_argument("--job", required=True)
+    p.add_argument("--result", required=True)
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    job = json.loads(Path(a.job).read_text())
+    res = run_worker(a.worker, job, a.compile_only, progress=not a.no_progress)
+    tmp = Path(a.result + ".tmp")
+    tmp.write_text(json.dumps(res))
+    tmp.replace(a.result)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- parent
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Terminate a worker and everything it started (its own session/process group)."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _spawn_worker(system: str, job_file: Path, result_file: Path, cache_dir: Path, compile_only: bool,
+                  timeout: float | None, progress: bool) -> dict:
+    cmd = [sys.executable, "-m", "specdec.bench", "--worker", system, "--job", str(job_file),
+           "--result", str(result_file)]
+    if compile_only:
+        cmd.append("--compile-only")
+    if not progress:
+        cmd.append("--no-progress")
+    env = dict(os.environ)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["PYTHONPATH"] = os.pathsep.join([str(repo_root())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    result_file.unlink(missing_ok=True)
+    t = time.perf_counter()
+    # own session: Ctrl-C reaches only the parent, which then kills the whole worker group
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return {"error": f"timed out after {timeout} s", "wall_s": time.perf_counter() - t}
+    except BaseException:
+        _kill_group(proc)
+        raise
+    wall = time.perf_counter() - t
+    if rc != 0 or not result_file.is_file():
+        return {"error": f"worker exited with status {rc} (see its traceback above)", "wall_s": wall}
+    res = json.loads(result_file.read_text())
+    res["wall_s"] = wall
+    return res
+
+
+class _Interrupted(KeyboardInterrupt):
+    pass
+
+
+def _raise_interrupt(signum, frame):
+    raise _Interrupted(f"signal {signum}")
+
+
+def _machine_info() -> dict:
+    import torch
+    import transformers
+
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError):
+        mem_gb = None
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = None
+    return {"cpu_count": os.cpu_count(), "cpu_affinity": affinity, "cpu_model": cpu,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "memory_gb": mem_gb,
+            "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "loadavg_start": list(os.getloadavg())}
+
+
+def _prefix_len(a: list[int], b: list[int]) -> int:
+    k = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        k += 1
+    return k
+
+
+def _agreement(tokens: list[list[int]], ref: list[list[int]]) -> dict:
+    prefixes = [_prefix_len(a, b) for a, b in zip(tokens, ref)]
+    n = len(ref[0]) if ref else 0
+    return {"exact_match": sum(p == len(r) for p, r in zip(prefixes, ref)) / len(ref),
+            "first_token_match": sum(p >= 1 for p in prefixes) / len(ref),
+            "mean_prefix_fraction": statistics.fmean(p / max(len(r), 1) for p, r in zip(prefixes, ref)),
+            "common_prefix_tokens": prefixes, "max_new_tokens": n}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark described by ``args`` (from :func:`add_arguments`); returns the result
+    dict and prints progress and a markdown table to stderr."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    from .core.buckets import default_buckets
+    from .core.config import ModelConfig
+    from .core.gguf import resolve_model_path
+
+    progress = not getattr(args, "no_progress", False)
+    systems = args.systems if isinstance(args.systems, list) else _systems_arg(args.systems)
+    n_new = args.max_new_tokens
+    if n_new < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {n_new}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    old_handlers = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            old_handlers[sig] = signal.signal(sig, _raise_interrupt)
+        except (ValueError, OSError):  # not the main thread
+            pass
+    work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        prompts_path = Path(args.prompts) if args.prompts else default_prompts_path()
+        questions = _load_questions(prompts_path, args.num_prompts)
+        texts = [t for _, t in questions]
+        model_path = resolve_model_path(args.model)
+        config = ModelConfig.from_dir(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        prompt_ids = [chat_ids(tokenizer, t) for t in texts]
+        lengths = [len(p) for p in prompt_ids]
+        need = max(lengths) + n_new
+        n_positions = args.n_positions
+        if n_positions is None:  # smallest power of two that fits, capped at the model's maximum
+            n_positions = 128
+            while n_positions < need:
+                n_positions *= 2
+            n_positions = min(n_positions, max(need, config.max_position_embeddings))
+        if n_positions < need:
+            raise ValueError(f"--n-positions={n_positions} is too small: the longest prompt has {max(lengths)} "
+                             f"tokens + {n_new} new tokens = {need}")
+        pad = config.pad_token_id if config.pad_token_id is not None else \
+            (config.eos_token_ids[0] if config.eos_token_ids else 0)
+        job = {"model": str(model_path), "prompt_ids": prompt_ids, "max_new_tokens": n_new,
+               "n_positions": n_positions, "context_buckets": args.context_buckets, "kv_buckets": args.kv_buckets,
+               "compile_all": args.compile_all, "threads": args.threads, "warmup_tokens": args.warmup_tokens,
+               "pad_token_id": pad}
+        job_file = work_dir / "job.json"
+        job_file.write_text(json.dumps(job))
+
+        result: dict = {"config": {
+            **_machine_info(), "model": str(args.model or "smollm2-135m-instruct (embedded)"),
+            "model_path": str(model_path), "prompts_file": str(prompts_path), "num_prompts": len(texts),
+            "question_ids": [q for q, _ in questions],
+            "prompt_tokens": lengths, "max_new_tokens": n_new, "n_positions": n_positions,
+            "context_buckets": args.context_buckets or default_buckets(n_positions),
+            "kv_buckets": args.kv_buckets or default_buckets(n_positions),
+            "compile_all": args.compile_all, "systems": systems, "batch_size": 1, "decoding": "greedy, EOS disabled"}}
+
+        # ---- bandwidth and the bound
+        if args.bandwidth_gbps:
+            bw = {"gbps": args.bandwidth_gbps, "method": "given with --bandwidth-gbps"}
+        else:
+            if progress:
+                tqdm.write(f"measuring read bandwidth ({args.bandwidth_gb:g} GB float32 sum) ...", file=sys.stderr)
+            bw = measure_bandwidth(args.bandwidth_gb, args.bandwidth_runs)
+        result["bandwidth_gbps"] = bw["gbps"]
+        result["bandwidth"] = bw
+        mean_ctx = statistics.fmean(L + (n_new - 1) / 2 for L in lengths)
+        bound = {}
+        for dt in ("f32", "bf16"):
+            bound[dt] = {**bytes_per_token(config, dt, mean_ctx), "mean_context": mean_ctx}
+        _fill_bound(bound, bw["gbps"])
+        result["bandwidth_bound"] = bound
+
+        # ---- workers
+        plan = []
+        for s in systems:
+            if s in COLD_CACHED:
+                plan += [(s, "cold", True), (s, "cached", False)]
+            else:
+                plan.append((s, "cold" if system_info(s)["compiled"] else "eager", False))
+        raw: dict[str, dict] = {}
+        bar = tqdm(plan, desc="bench", unit="run", file=sys.stderr, disable=not progress)
+        for s, phase, compile_only in bar:
+            bar.set_postfix_str(f"{s} ({phase}{', compile only' if compile_only else ''})")
+            tqdm.write(f"[bench] {s}: {phase}{' compile-only' if compile_only else ''} run", file=sys.stderr)
+            cache = work_dir / f"inductor-{s}"
+            if phase == "cold" or phase == "eager":
+                shutil.rmtree(cache, ignore_errors=True)
+            cache.mkdir(parents=True, exist_ok=True)
+            r = _spawn_worker(s, job_file, work_dir / f"result-{s}-{phase}.json", cache, compile_only,
+                              args.timeout, progress)
+            raw.setdefault(s, {})[phase] = r
+            if "error" in r:
+                tqdm.write(f"[bench] {s} ({phase}) failed: {r['error']}", file=sys.stderr)
+        bar.close()
+        result["config"]["loadavg_end"] = list(os.getloadavg())
+        if not args.bandwidth_gbps:  # measured again after the workers: the higher median counts
+            bw_after = measure_bandwidth(args.bandwidth_gb, args.bandwidth_runs)
+            bw["gbps_before"], bw["gbps_after"] = bw["gbps"], bw_after["gbps"]
+            bw["max_gbps"] = max(bw["max_gbps"], bw_after["max_gbps"])
+            bw["min_gbps"] = min(bw["min_gbps"], bw_after["min_gbps"])
+            bw["gbps"] = max(bw["gbps_before"], bw["gbps_after"])
+            bw["method"] = ("median of bytes / time of torch.sum over a float32 tensor, measured before and "
+                            "after the workers; the higher median is used")
+            result["bandwidth_gbps"] = bw["gbps"]
+            _fill_bound(bound, bw["gbps"])
+        result["systems"] = _summarize(raw, n_new, bound)
+        _agreements(result["systems"], raw)
+        if getattr(args, "save_tokens", False):
+            for s, phases in raw.items():
+                main = phases.get("cached") or phases.get("cold") or phases.get("eager")
+                if main.get("tokens"):
+                    result["systems"][s]["tokens"] = main["tokens"]
+        result["ratios"], result["goals"] = _ratios_and_goals(result["systems"], bound)
+        print(markdown_table(result), file=sys.stderr)
+        return result
+    finally:
+        for sig, h in old_handlers.items():
+            signal.signal(sig, h)
+        if not args.work_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _fill_bound(bound: dict, gbps: float) -> None:
+    for b in bound.values():
+        b["tokens_per_s"] = gbps * 1e9 / b["bytes_per_token"]
+
+
+def _summarize(raw: dict, n_new: int, bound: dict) -> dict:
+    out = {}
+    for s, phases in raw.items():
+        info = system_info(s)
+        main = phases.get("cached") or phases.get("cold") or phases.get("eager")
+        entry: dict = {**info}
+        errors = {p: r["error"] for p, r in phases.items() if "error" in r}
+        if errors:
+            entry["error"] = errors
+        if "error" not in main:
+            e2e, dec, ttft = main["e2e_s"], main["decode_s"], main["ttft_s"]
+            entry["tokens_per_s"] = _stats([n_new / t for t in e2e])
+            entry["decode_tokens_per_s"] = _stats([(n_new - 1) / t for t in dec if t > 0])
+            entry["ttft_s"] = _stats(ttft)
+            entry["generate_s"] = _stats(e2e)
+            entry["load_s"] = main["load_s"]
+            entry["warmup_s"] = main["warmup_s"]
+            entry["compile_s"] = main["compile_s"]
+            entry["peak_rss_mb"] = main["peak_rss_mb"]
+            entry["peak_rss_compile_workers_mb"] = main["peak_rss_children_mb"] or None
+            entry["rss_after_load_mb"] = main["rss_after_load_mb"]
+            entry["peak_rss_load_mb"] = main.get("peak_rss_load_mb")
+            entry["rss_end_mb"] = main.get("rss_end_mb")
+            entry["recompiles_during_measurement"] = main["recompiles_during_measurement"]
+            entry["threads"] = main["threads"]
+            entry["details"] = main["details"]
+            tps = entry["tokens_per_s"]["median"]
+            entry["fraction_of_bandwidth_bound"] = tps / bound[info["dtype"]]["tokens_per_s"]
+            if entry["decode_tokens_per_s"]:
+                entry["decode_fraction_of_bandwidth_bound"] = \
+                    entry["decode_tokens_per_s"]["median"] / bound[info["dtype"]]["tokens_per_s"]
+        if info["compiled"]:
+            comp = {}
+            for p in ("cold", "cached"):
+                r = phases.get(p)
+                if r and "error" not in r:
+                    comp[f"{p}_s"] = r["compile_s"]
+                    comp[f"{p}_graphs"] = r["compile_graphs"]
+                    comp[f"{p}_counters"] = r["counters_compile"]
+                    comp[f"{p}_peak_rss_mb"] = r["peak_rss_mb"]
+                    comp[f"{p}_load_s"] = r["load_s"]
+            if comp.get("cold_s") and comp.get("cached_s") is not None:
+                comp["cached_over_cold"] = comp["cached_s"] / comp["cold_s"]
+            entry["compile"] = comp
+        entry["worker_wall_s"] = {p: r.get("wall_s") for p, r in phases.items()}
+        out[s] = entry
+    return out
+
+
+def _agreements(systems: dict, raw: dict) -> None:
+    toks = {s: (p.get("cached") or p.get("cold") or p.get("eager")).get("tokens") for s, p in raw.items()}
+    toks = {s: t for s, t in toks.items() if t}
+    if not toks:
+        return
+    ref = BASELINE if BASELINE in toks else next((s for s in toks if system_info(s)["dtype"] == "f32"), next(iter(toks)))
+    for s, t in toks.items():
+        systems[s]["agreement"] = {"reference": ref, **_agreement(t, toks[ref])}
+
+
+def _ratios_and_goals(systems: dict, bound: dict) -> tuple[dict, dict]:
+    def tps(s, key="tokens_per_s"):
+        e = systems.get(s)
+        return e[key]["median"] if e and e.get(key) else None
+
+    base, base_dec = tps(BASELINE), tps(BASELINE, "decode_tokens_per_s")
+    ratios = {f"speedup_vs_{BASELINE}": {}, f"decode_speedup_vs_{BASELINE}": {},
+              "fraction_of_bandwidth_bound": {}, "compile_cached_over_cold": {}}
+    for s, e in systems.items():
+        if tps(s) is None:
+            continue
+        if base:
+            ratios[f"speedup_vs_{BASELINE}"][s] = tps(s) / base
+        if base_dec and tps(s, "decode_tokens_per_s"):
+            ratios[f"decode_speedup_vs_{BASELINE}"][s] = tps(s, "decode_tokens_per_s") / base_dec
+        ratios["fraction_of_bandwidth_bound"][s] = e["fraction_of_bandwidth_bound"]
+        if e.get("compile", {}).get("cached_over_cold") is not None:
+            ratios["compile_cached_over_cold"][s] = e["compile"]["cached_over_cold"]
+    g = tps(GOAL_SYSTEM)
+    speed = g / base if g and base else None
+    frac = g / bound["bf16"]["tokens_per_s"] if g else None
+    goals = {
+        f"{GOAL_SYSTEM}_speedup_vs_{BASELINE}": {
+            "value": speed, "target": GOAL_SPEEDUP, "met": None if speed is None else speed >= GOAL_SPEEDUP},
+        f"{GOAL_SYSTEM}_fraction_of_bf16_bound": {
+            "value": frac, "target": GOAL_BOUND_FRACTION, "met": None if frac is None else frac >= GOAL_BOUND_FRACTION},
+        "basis": "median end-to-end tokens/s (max_new_tokens / generate wall time, prefill included)",
+    }
+    return ratios, goals
+
+
+def _fmt(x, spec=".1f", none="–"):
+    return none if x is None else format(x, spec)
+
+
+def markdown_table(result: dict) -> str:
+    cfg, bound = result["config"], result["bandwidth_bound"]
+    lines = [
+        f"model {cfg['model']}, {cfg['num_prompts']} MT-Bench prompts, {cfg['max_new_tokens']} new tokens, "
+        f"batch 1 greedy; {cfg['cpu_count']} CPUs ({cfg['cpu_model']}), torch {cfg['torch']}, "
+        f"{cfg['torch_threads']} threads; read bandwidth {result['bandwidth_gbps']:.1f} GB/s → bound "
+        f"{bound['f32']['tokens_per_s']:.1f} tok/s f32, {bound['bf16']['tokens_per_s']:.1f} tok/s bf16",
+        "",
+        "| system | tok/s (median) | decode tok/s | TTFT ms | compile s (cold / cached) | peak RSS MB "
+        f"| × {BASELINE} | % of BW bound | same tokens as ref |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    speed = result["ratios"].get(f"speedup_vs_{BASELINE}", {})
+    for s, e in result["systems"].items():
+        if "tokens_per_s" not in e:
+            lines.append(f"| {s} | error: {e.get('error')} | | | | | | | |")
+            continue
+        comp = e.get("compile", {})
+        if "cold_s" in comp and "cached_s" in comp:
+            c = f"{comp['cold_s']:.1f} / {comp['cached_s']:.1f}"
+        elif "cold_s" in comp:
+            c = f"{comp['cold_s']:.1f} (cold)"
+        else:
+            c = f"– (warm-up {e['warmup_s']:.2f})"
+        a = e.get("agreement")
+        agree = f"{a['exact_match'] * 100:.0f}% ({a['mean_prefix_fraction'] * 100:.0f}% prefix)" if a else "–"
+        dec = e.get("decode_tokens_per_s")
+        lines.append(
+            f"| {s} | {e['tokens_per_s']['median']:.1f} | {_fmt(dec['median'] if dec else None)} | "
+            f"{e['ttft_s']['median'] * 1000:.0f} | {c} | {e['peak_rss_mb']:.0f} | {_fmt(speed.get(s), '.2f')} | "
+            f"{e['fraction_of_bandwidth_bound'] * 100:.0f}% | {agree} |")
+    goals = result["goals"]
+    parts = []
+    for k, g in goals.items():
+        if isinstance(g, dict):
+            v = "not run" if g["value"] is None else f"{g['value']:.2f} (target {g['target']}) → " \
+                                                   f"{'met' if g['met'] else 'NOT met'}"
+            parts.append(f"{k}: {v}")
+    lines += ["", "goals: " + "; ".join(parts)]
+    return "\n".join(lines)
+
+
+def print_result(result: dict, args: argparse.Namespace) -> int:
+    """JSON to stdout (and ``--output``); exit status 1 if any system failed, else 0."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if getattr(args, "output", None):
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text + "\n")
+    return 1 if any("error" in e for e in result.get("systems", {}).values()) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--worker"]:
+        return _worker_main(argv)
+    parser = argparse.ArgumentParser(prog="bench_runtime", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return print_result(run(args), args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
