@@ -58,10 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=cmd_generate)
-    from . import bench
+    from . import bench, bench_spec
     b = sub.add_parser("bench", help="target-only decoding benchmark vs transformers (prints JSON)")
     bench.add_arguments(b)
     b.set_defaults(func=lambda a: bench.print_result(bench.run(a), a))
+    s = sub.add_parser("bench-spec", help="speculative decoding benchmark with the trained draft (prints JSON)")
+    bench_spec.add_arguments(s)
+    s.set_defaults(func=lambda a: bench_spec.print_result(bench_spec.run(a), a))
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     try:

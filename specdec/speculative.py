@@ -24,7 +24,7 @@ import torch
 
 from .acceptance import accept
 from .core.decoder import DecoderModel
-from .core.generation import eos_ids, format_output, resolve_budget, stop_requested
+from .core.generation import format_output, prepare_request, stop_requested
 from .draft.proposer import DraftModelProposer
 from .proposer import Proposer
 from .stats import SpecStats
@@ -82,14 +82,12 @@ class SpeculativeGenerator:
         """Generate like ``DecoderModel.generate`` (same arguments and output format) — the output
         distribution is exactly the target's; greedy output is token-for-token the target's."""
         target = self.target
-        prompts = target.prepare_prompts(input_ids, attention_mask)
-        budget = resolve_budget(target, prompts, max_new_tokens, sequence_length)
-        params = target.sampling_params(top_k, top_p, temperature, do_sample)
-        eos = eos_ids(target, eos_token_id)
-        if pad_token_id is None:
-            pad_token_id = target.config.pad_token_id if target.config.pad_token_id is not None else \
-                (int(eos[0]) if eos.numel() else 0)
-        generator = torch.Generator(target.device).manual_seed(seed) if seed is not None else None
+        req = prepare_request(target, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                              sequence_length=sequence_length, do_sample=do_sample, temperature=temperature,
+                              top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                              seed=seed)
+        prompts, budget, params, eos, pad_token_id, generator = (
+            req.prompts, req.budget, req.params, req.eos, req.pad_token_id, req.generator)
         greedy = bool((params[:, 2] <= 0).all())
         greedy_rows = (params[:, 2] <= 0).to(target.device)
         b, B = len(prompts), target.batch_size

@@ -6,6 +6,7 @@ the new tokens; rows that stop early are padded with ``pad_token_id``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -64,6 +65,34 @@ def format_output(input_ids, attention_mask, prompts: list[torch.Tensor], new_to
     return torch.cat([base, new], dim=1)
 
 
+@dataclass
+class Request:
+    """A validated generation request: prompts (padding stripped), per-row new-token budget [b],
+    sampling params [batch_size, 3], EOS ids, pad id and the seeded on-device generator."""
+
+    prompts: list[torch.Tensor]
+    budget: torch.Tensor
+    params: torch.Tensor
+    eos: torch.Tensor
+    pad_token_id: int
+    generator: torch.Generator | None
+
+
+def prepare_request(model, input_ids, attention_mask=None, *, max_new_tokens=None, sequence_length=None,
+                    do_sample=None, temperature=None, top_k=None, top_p=None, eos_token_id=None,
+                    pad_token_id=None, seed=None) -> Request:
+    """Validate everything a request asks for before any state changes (errors leave the model intact)."""
+    prompts = model.prepare_prompts(input_ids, attention_mask)
+    budget = resolve_budget(model, prompts, max_new_tokens, sequence_length)
+    params = model.sampling_params(top_k, top_p, temperature, do_sample)
+    eos = eos_ids(model, eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else \
+            (int(eos[0]) if eos.numel() else 0)
+    generator = torch.Generator(model.device).manual_seed(seed) if seed is not None else None
+    return Request(prompts, budget, params, eos, pad_token_id, generator)
+
+
 def generate(model, input_ids, attention_mask=None, *, max_new_tokens: int | None = None,
              sequence_length: int | None = None, do_sample: bool | None = None, temperature=None,
              top_k=None, top_p=None, eos_token_id=None, pad_token_id: int | None = None,
@@ -74,16 +103,12 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens: int | Non
     Rows finish independently at EOS, a stopping criterion, or their budget. A streamer gets
     ``put(prompt)`` then ``put(tokens)`` per step and ``end()`` (HF protocol; batch 1 for text).
     """
-    prompts = model.prepare_prompts(input_ids, attention_mask)
-    budget = resolve_budget(model, prompts, max_new_tokens, sequence_length)
-    params = model.sampling_params(top_k, top_p, temperature, do_sample)
-    eos = eos_ids(model, eos_token_id)
-    if pad_token_id is None:
-        pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else \
-            (int(eos[0]) if eos.numel() else 0)
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(model.device).manual_seed(seed)
+    req = prepare_request(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                          sequence_length=sequence_length, do_sample=do_sample, temperature=temperature,
+                          top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                          seed=seed)
+    prompts, budget, params, eos, pad_token_id, generator = (
+        req.prompts, req.budget, req.params, req.eos, req.pad_token_id, req.generator)
     b, B = len(prompts), model.batch_size
     model.reset()
     if streamer is not None:

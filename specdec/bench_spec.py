@@ -1,0 +1,154 @@
+"""Speculative-decoding benchmark: the embedded model with its trained draft, MT-Bench first turns.
+
+In one process run, for each temperature (greedy and 0.7) and each k:
+  specdec-target      ``DecoderModel.generate`` (target only)
+  specdec-spec-k{k}   ``SpeculativeGenerator(draft, target, k).sample`` with the shipped draft
+  hf-assisted-k{k}    ``transformers`` assisted generation: the target as a transformers model
+                      (eager, f32), the same draft as assistant (through ``HFAdapter``), a constant
+                      ``num_assistant_tokens=k``
+Batch 1, ``--max-new-tokens`` (128) per prompt with EOS disabled. Reports tokens/s (median over
+prompts), τ, acceptance rate, per-position acceptance and speedups as JSON (stdout) and a markdown
+table (stderr).
+
+    python bench/bench_speculative.py [--num-prompts 10] [--ks 2,4,6] [--backend eager] [--amp f32]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from . import bench
+from .bench import _int_list, chat_ids, default_prompts_path, load_prompts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", default=None, help="MT-Bench style jsonl (default ../shared/data/...)")
+    parser.add_argument("--num-prompts", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--ks", type=_int_list, default=[2, 4, 6], help="draft tokens per step")
+    parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
+    parser.add_argument("--backend", default="eager", choices=["eager", "compiled"])
+    parser.add_argument("--amp", default="f32", choices=["f32", "bf16"])
+    parser.add_argument("--n-positions", type=int, default=256)
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None, help="also write the JSON result here")
+
+
+def _timed(fn) -> tuple[object, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from .core.decoder import DecoderModel
+    from .core.hf_adapter import HFAdapter
+    from .draft.smollm2 import load_embedded_draft
+    from .speculative import SpeculativeGenerator
+    from .stats import SpecStats
+
+    torch.set_grad_enabled(False)
+    kw = dict(n_positions=args.n_positions, amp=args.amp, backend=args.backend, progress=False)
+    target = DecoderModel.from_pretrained(None, **kw)
+    draft = load_embedded_draft(**kw)
+    texts = load_prompts(args.prompts or default_prompts_path(), args.num_prompts)
+    prompts = [chat_ids(target.tokenizer, t) for t in texts]
+    n_new = args.max_new_tokens
+    temps = [float(t) for t in args.temperatures.split(",")]
+    hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
+    if hf is not None:
+        hf.generation_config.eos_token_id = None
+    assistant = None if hf is None else HFAdapter(load_embedded_draft(**{**kw, "backend": "eager"}))
+
+    def sampling(t):
+        return dict(do_sample=t > 0, temperature=t) if t > 0 else dict(do_sample=False)
+
+    runs: dict[str, dict] = {}
+    # warm-up (graph building / compilation) on the first prompt, not timed
+    for t in temps:
+        target.generate([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
+        for k in args.ks:
+            SpeculativeGenerator(draft, target, k).sample([prompts[0]], max_new_tokens=8, eos_token_id=[],
+                                                        **sampling(t))
+    jobs = [(t, None, "specdec-target") for t in temps]
+    jobs += [(t, k, f"specdec-spec-k{k}") for t in temps for k in args.ks]
+    if hf is not None:
+        jobs += [(t, k, f"hf-assisted-k{k}") for t in temps for k in args.ks]
+    for t, k, name in tqdm(jobs, desc="benchmark", unit="config", file=sys.stderr):
+        rates, stats = [], SpecStats()
+        for i, ids in enumerate(prompts):
+            seed = args.seed + i
+            if name == "specdec-target":
+                _, dt = _timed(lambda: target.generate([ids], max_new_tokens=n_new, eos_token_id=[],
+                                                       seed=seed, **sampling(t)))
+            elif name.startswith("specdec-spec"):
+                gen = SpeculativeGenerator(draft, target, k)
+                _, dt = _timed(lambda: gen.sample([ids], max_new_tokens=n_new, eos_token_id=[], seed=seed,
+                                                  **sampling(t)))
+                stats = stats + gen.last_stats
+            else:
+                torch.manual_seed(seed)
+                x = torch.tensor([ids])
+                out, dt = _timed(lambda: hf.generate(
+                    x, attention_mask=torch.ones_like(x), assistant_model=assistant, max_new_tokens=n_new,
+                    min_new_tokens=n_new, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                    assistant_confidence_threshold=0.0, **sampling(t)))
+                if out.shape[1] - x.shape[1] != n_new:
+                    raise RuntimeError(f"{name}: generated {out.shape[1] - x.shape[1]} tokens, not {n_new}")
+            rates.append(n_new / dt)
+        entry = {"temperature": t, "k": k, "tokens_per_s": statistics.median(rates),
+                 "tokens_per_s_all": rates}
+        if name.startswith("specdec-spec"):
+            d = stats.to_dict()
+            entry.update(tau=d["mean_acceptance_length"], acceptance_rate=d["acceptance_rate"],
+                         per_position_acceptance=d["per_position_acceptance"], stats=d)
+        runs[f"{name}@T{t}"] = entry
+    for key, e in runs.items():
+        base = runs[f"specdec-target@T{e['temperature']}"]["tokens_per_s"]
+        e["speedup_vs_specdec_target"] = e["tokens_per_s"] / base
+        hf_key = f"hf-assisted-k{e['k']}@T{e['temperature']}"
+        if key.startswith("specdec-spec") and hf_key in runs:
+            e["speedup_vs_hf_assisted"] = e["tokens_per_s"] / runs[hf_key]["tokens_per_s"]
+    return {"config": {"backend": args.backend, "amp": args.amp, "num_prompts": len(prompts),
+                       "max_new_tokens": n_new, "ks": args.ks, "temperatures": temps,
+                       "threads": torch.get_num_threads(), "torch": torch.__version__,
+                       "draft": str(draft.path), "draft_cost_ratio": draft.config.bytes_read_per_token(draft.dtype)
+                       / target.config.bytes_read_per_token(target.dtype)},
+            "runs": runs}
+
+
+def table(result: dict) -> str:
+    rows = ["| config | T | k | tok/s | τ | accept rate | per-position | × specdec target | × HF assisted |",
+            "|---|---|---|---:|---:|---:|---|---:|---:|"]
+    for key, e in result["runs"].items():
+        pp = ", ".join(f"{p:.2f}" for p in e.get("per_position_acceptance", []))
+        rows.append(f"| {key.split('@')[0]} | {e['temperature']} | {e['k'] or '–'} | {e['tokens_per_s']:.1f} | "
+                    f"{e.get('tau', float('nan')):.2f} | {e.get('acceptance_rate', float('nan')):.2f} | {pp} | "
+                    f"{e['speedup_vs_specdec_target']:.2f} | {e.get('speedup_vs_hf_assisted', float('nan')):.2f} |")
+    return "\n".join(rows)
+
+
+def print_result(result: dict, args: argparse.Namespace) -> int:
+    """JSON to stdout (and ``--output``), the table to stderr."""
+    print(table(result), file=sys.stderr)
+    return bench.print_result(result, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_speculative", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return print_result(run(args), args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
