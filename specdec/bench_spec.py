@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-positions", type=int, default=256)
     parser.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--output", default=None, help="also write the JSON result here")
 
 
@@ -56,6 +57,8 @@ def run(args: argparse.Namespace) -> dict:
     from .stats import SpecStats
 
     torch.set_grad_enabled(False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kw = dict(n_positions=args.n_positions, amp=args.amp, backend=args.backend, progress=False)
     target = DecoderModel.from_pretrained(None, **kw)
     draft = load_embedded_draft(**kw)
