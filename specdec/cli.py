@@ -1,4 +1,4 @@
-"""``specdec`` command line: ``generate`` (text from a prompt) and ``bench`` (runtime benchmark)."""
+"""``specdec`` command line: ``generate``, ``bench`` (runtime), ``bench-spec`` (speculation), ``train-draft``."""
 from __future__ import annotations
 
 import argparse
@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("bench-spec", help="speculative decoding benchmark with the trained draft (prints JSON)")
     bench_spec.add_arguments(s)
     s.set_defaults(func=lambda a: bench_spec.print_result(bench_spec.run(a), a))
+    from .train import cli as train_cli
+    t = sub.add_parser("train-draft", help="train a draft for the target: data -> distillation -> export (resumable)")
+    train_cli.add_arguments(t)
+    t.set_defaults(func=train_cli.run)
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     try:

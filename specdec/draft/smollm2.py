@@ -1,0 +1,36 @@
+"""The trained draft for the embedded SmolLM2-135M-Instruct.
+
+The package ships only the draft's own tensors (``specdec/draft/weights/smollm2-135m-instruct/``:
+decoder layers + final norm in bf16, the reduced vocabulary's ``output_token_ids``, config.json);
+the input embedding and the LM head rows come from the target. ``embedded_draft_path()`` assembles a
+full checkpoint directory once, in ``$SPECDEC_CACHE/drafts/``, and ``load_embedded_draft`` loads it.
+
+Reproduce the shipped weights with ``specdec train-draft`` (see ``specdec.train.cli``).
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ..core.gguf import cache_dir, resolve_model_path
+from ..train.export import SHIP_WEIGHTS, assemble
+
+SHIPPED_DRAFT = Path(__file__).parent / "weights" / "smollm2-135m-instruct"
+
+
+def embedded_draft_path(ship_dir: str | Path | None = None) -> Path:
+    """A loadable checkpoint directory of the draft for the embedded model (assembled once)."""
+    ship_dir = Path(ship_dir) if ship_dir is not None else SHIPPED_DRAFT
+    weights = ship_dir / SHIP_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"no draft weights at {weights}; train them with `specdec train-draft --ship {ship_dir}`")
+    digest = hashlib.sha256(weights.read_bytes() + (ship_dir / "config.json").read_bytes()).hexdigest()[:16]
+    target = resolve_model_path(None)
+    return assemble(ship_dir, target, cache_dir() / "drafts" / f"smollm2-135m-instruct-{digest}")
+
+
+def load_embedded_draft(**from_pretrained_kwargs):
+    """``DecoderModel.from_pretrained(embedded_draft_path(), **kwargs)`` (same arguments as the target:
+    batch_size, n_positions, amp, backend, ...)."""
+    from ..core.decoder import DecoderModel
+    return DecoderModel.from_pretrained(embedded_draft_path(), **from_pretrained_kwargs)

@@ -1,0 +1,100 @@
+"""``specdec train-draft``: data generation → distillation → export, each step resumable.
+
+    specdec train-draft --out DIR [--num-prompts 960] [--steps 600] [--seed 0] [--ship DIR]
+
+``DIR/data`` holds the generated batches, ``DIR/train`` the training checkpoint and log, and the
+exported draft goes to ``--ship`` (default ``DIR/ship``; the packaged draft lives in
+``specdec/draft/weights/smollm2-135m-instruct``). Re-running the same command after an interruption
+(Ctrl-C, a crash) continues where it stopped; finished steps are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .data import DataConfig
+    from .distill import DraftSpec, TrainConfig
+    d, t, s = DataConfig(), TrainConfig(), DraftSpec()
+    p.add_argument("--model", default=None, help="target checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="working directory (data, checkpoints)")
+    p.add_argument("--ship", default=None, help="where to export the draft (default OUT/ship)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads (1 is fastest on a shared 2-core machine)")
+    g = p.add_argument_group("data")
+    g.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    g.add_argument("--gen-batch-size", type=int, default=d.batch_size)
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    g.add_argument("--sample-fraction", type=float, default=d.sample_fraction,
+                   help="share of answers sampled at --answer-temperature (the rest greedy)")
+    g.add_argument("--answer-temperature", type=float, default=d.answer_temperature)
+    g.add_argument("--gen-backend", default=d.backend, choices=["eager", "compiled"])
+    g = p.add_argument_group("draft")
+    g.add_argument("--layers", default=",".join(map(str, s.init_layers)),
+                   help="target layers the draft's layers are initialised from (e.g. 0,1 or 0,-1)")
+    g.add_argument("--draft-vocab", type=int, default=s.draft_vocab_size, help="reduced output vocabulary size")
+    g.add_argument("--intermediate-size", type=int, default=None)
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=t.steps)
+    g.add_argument("--batch-rows", type=int, default=t.batch_rows)
+    g.add_argument("--lr", type=float, default=t.lr)
+    g.add_argument("--save-every", type=int, default=t.save_every)
+    g.add_argument("--eval-every", type=int, default=t.eval_every)
+    g.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..core.gguf import resolve_model_path
+    from .data import DataConfig, generate_data
+    from .distill import DraftSpec, TrainConfig, train_draft
+    from .export import export_draft
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    ship = Path(args.ship) if args.ship else out / "ship"
+    target = resolve_model_path(args.model)
+    progress = not args.no_progress
+    times = {}
+    start = time.perf_counter()
+    dcfg = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch_size,
+                      max_new_tokens=args.max_new_tokens, sample_fraction=args.sample_fraction,
+                      answer_temperature=args.answer_temperature, seed=args.seed, backend=args.gen_backend)
+    with torch.no_grad():
+        generate_data(out / "data", dcfg, target, progress=progress)
+    times["data_s"] = time.perf_counter() - start
+    spec = DraftSpec(init_layers=[int(x) for x in args.layers.split(",")], draft_vocab_size=args.draft_vocab,
+                     intermediate_size=args.intermediate_size)
+    tcfg = TrainConfig(steps=args.steps, batch_rows=args.batch_rows, lr=args.lr, seed=args.seed,
+                       save_every=args.save_every, eval_every=args.eval_every)
+    start = time.perf_counter()
+    with torch.enable_grad():  # `specdec` disables autograd globally
+        train_draft(out / "data", out / "train", target, spec, tcfg, progress=progress,
+                    log=lambda m: print(m, file=sys.stderr))
+    times["train_s"] = time.perf_counter() - start
+    export_draft(out / "train" / "ckpt.pt", ship)
+    size = sum(f.stat().st_size for f in ship.iterdir())
+    print(json.dumps({"ship": str(ship), "ship_bytes": size, **times}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specdec train-draft", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

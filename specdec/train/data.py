@@ -1,0 +1,250 @@
+"""Training data for a draft: the target's own answers to prompts the target itself wrote.
+
+Per batch of ``batch_size`` rows (seeded by ``seed`` and the batch index):
+  1. a meta-prompt per row ("Write a question a user might ask an AI assistant about <topic>"), with a
+     topic/task drawn from :data:`TASKS` (MT-Bench-like categories, none of its questions), is answered
+     by the target with sampling → a user request;
+  2. the request, in the target's chat template, is answered by the target through specdec's runtime
+     (greedy for most rows, temperature sampling for a fraction), up to ``max_new_tokens``;
+  3. labels: the target's argmax next token at every position of prompt + answer (one teacher-forced
+     forward), so greedy rows are argmax distillation and sampled rows add off-greedy contexts.
+Each batch is written to ``<out>/batch_NNNNN.pt`` (tmp file + rename: Ctrl-C safe); a restart
+skips finished batches. :func:`load_dataset` concatenates them.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+# (category, instruction template for the meta-prompt, topics). Generic topics, not MT-Bench questions.
+TASKS: list[tuple[str, str, list[str]]] = [
+    ("writing", "Write a request a user might send to an AI assistant asking it to write {t}.", [
+        "a short story about a lighthouse keeper", "a blog post about learning to cook", "a poem about autumn",
+        "a cover letter for a nursing job", "a product description for a reusable water bottle",
+        "a speech for a friend's wedding", "a persuasive essay on public libraries", "a haiku about the sea",
+        "an email asking a landlord to fix the heating", "a travel blog post about a mountain village",
+        "a review of a fictional restaurant", "a thank-you note to a teacher", "a limerick about a cat",
+        "a newsletter introduction for a gardening club", "a dialogue between two robots"]),
+    ("roleplay", "Write a request a user might send to an AI assistant asking it to pretend to be {t} and answer a question.", [
+        "a pirate captain", "a medieval knight", "a famous detective", "a friendly tour guide in Rome",
+        "a personal fitness coach", "a wise old wizard", "a startup founder pitching an idea",
+        "a nutritionist", "a museum curator", "a sports commentator", "a time traveller from the future",
+        "a customer support agent"]),
+    ("reasoning", "Write a logic or reasoning puzzle a user might ask an AI assistant to solve, about {t}.", [
+        "people sitting around a table", "the ages of three siblings", "a race between runners",
+        "coloured balls in a box", "days of the week", "a family tree", "weights on a balance",
+        "trains leaving two stations", "truth-tellers and liars", "ordering books on a shelf",
+        "a clock's hands", "sharing apples among friends"]),
+    ("math", "Write a math question a user might ask an AI assistant about {t}.", [
+        "solving a linear equation", "the area of a triangle", "percentages and discounts",
+        "probability of rolling dice", "prime numbers", "compound interest", "the Pythagorean theorem",
+        "fractions", "derivatives of polynomials", "the sum of an arithmetic series", "averages",
+        "unit conversion", "the volume of a cylinder", "simple integrals"]),
+    ("coding", "Write a programming question a user might ask an AI assistant about {t}.", [
+        "reversing a string in Python", "sorting a list of dictionaries", "reading a CSV file",
+        "binary search", "a Python class for a bank account", "JavaScript promises", "SQL joins",
+        "recursion and the Fibonacci sequence", "removing duplicates from a list", "writing a unit test",
+        "regular expressions", "a linked list in C", "HTML forms", "counting words in a text file",
+        "finding the largest number in an array"]),
+    ("extraction", "Write a request a user might send to an AI assistant asking it to extract or summarise information from {t}.", [
+        "a short news article", "a list of products with prices", "a meeting transcript",
+        "a restaurant menu", "a job advertisement", "a paragraph about a historical event",
+        "customer reviews of a phone", "a recipe", "a company's quarterly report", "an email thread"]),
+    ("stem", "Write a science or technology question a user might ask an AI assistant about {t}.", [
+        "photosynthesis", "black holes", "how vaccines work", "climate change", "the water cycle",
+        "DNA replication", "electric circuits", "machine learning", "plate tectonics", "the immune system",
+        "renewable energy", "the speed of light", "chemical bonds", "how the internet works",
+        "antibiotics"]),
+    ("humanities", "Write a question a user might ask an AI assistant about {t}.", [
+        "the French Revolution", "supply and demand", "the philosophy of Socrates", "the Renaissance",
+        "the causes of World War I", "inflation", "democracy in ancient Athens", "Shakespeare's plays",
+        "the Silk Road", "impressionist painting", "the Industrial Revolution", "ethics of artificial intelligence",
+        "the Roman Empire", "learning a second language", "the history of jazz"]),
+    ("advice", "Write a question a user might ask an AI assistant for advice about {t}.", [
+        "saving money", "staying productive at home", "preparing for a job interview", "sleeping better",
+        "starting to run", "making friends in a new city", "planning a trip to Japan", "caring for a puppy",
+        "reducing stress", "studying for exams", "choosing a laptop", "healthy breakfast ideas"]),
+]
+
+
+def all_topics() -> list[tuple[str, str]]:
+    """(category, meta-prompt) for every topic."""
+    return [(cat, tmpl.format(t=t) + " Reply with the request only.") for cat, tmpl, ts in TASKS for t in ts]
+
+
+@dataclass
+class DataConfig:
+    num_prompts: int = 384
+    batch_size: int = 96
+    max_new_tokens: int = 256
+    max_question_tokens: int = 64
+    question_temperature: float = 0.9
+    sample_fraction: float = 0.25   # rows answered with temperature sampling (the rest greedy)
+    answer_temperature: float = 0.7
+    seed: int = 0
+    amp: str = "bf16"
+    backend: str = "eager"
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)
+
+
+def clean_question(text: str) -> str:
+    """The request inside the model's reply: a quoted part if there is one, else the reply without
+    a leading "A user might ask:"-style line."""
+    quoted = [q for q in re.findall(r'"([^"]{15,})"', text)]
+    if quoted:
+        return quoted[0].strip()
+    text = text.strip()
+    first, _, rest = text.partition("\n")
+    if first.rstrip().endswith(":") and rest.strip():
+        text = rest.strip()
+    text = re.sub(r"^(a user might ask|request|question|user)\s*:\s*", "", text, flags=re.I)
+    return text.strip().strip('"').strip()
+
+
+TOPK = 16
+
+
+def _argmax_labels(model, rows: list[torch.Tensor], topk: int = TOPK):
+    """The target's argmax next token at every position of each row, and its top-``topk`` next-token
+    ids and probabilities (soft labels), from one teacher-forced forward over the runtime's own math
+    (same dtype as generation). Returns (labels [L] list, topk ids [L, k] list, probs [L, k] f16 list)."""
+    lm, B = model.lm, model.batch_size
+    L = max(len(r) for r in rows)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    mask = torch.ones(L, L, dtype=torch.bool).tril().expand(B, L, L)
+    with torch.no_grad():
+        _, hidden = lm(ids, torch.arange(L).expand(B, L), torch.zeros(B, dtype=torch.long), mask,
+                       torch.zeros(B, 1, dtype=torch.long), kv_len=L)
+        labels, top_ids, top_probs = [], [], []
+        for i, r in enumerate(rows):
+            h = hidden[i, : len(r)]
+            ids_, probs_ = [], []
+            for s in range(0, len(r), 256):
+                p, t = lm.lm_head(h[s:s + 256]).float().softmax(-1).topk(topk, dim=-1)
+                probs_.append(p.half())
+                ids_.append(t)
+            t = torch.cat(ids_)
+            if lm.config.output_vocab_size:
+                t = lm.output_token_ids[t]
+            labels.append(t[:, 0].clone())
+            top_ids.append(t.to(torch.int32))
+            top_probs.append(torch.cat(probs_))
+    model.reset()
+    return labels, top_ids, top_probs
+
+
+def generate_batch(model, cfg: DataConfig, index: int) -> dict:
+    """One batch of synthetic prompts + answers + labels (deterministic in seed and index)."""
+    tok = model.tokenizer
+    rng = random.Random(cfg.seed * 1_000_003 + index)
+    topics = all_topics()
+    n = min(cfg.batch_size, cfg.num_prompts - index * cfg.batch_size)
+    picks = [topics[rng.randrange(len(topics))] for _ in range(n)]
+    metas = [chat_ids(tok, meta) for _, meta in picks]
+    qs = model.generate(metas, max_new_tokens=cfg.max_question_tokens, do_sample=True,
+                        temperature=cfg.question_temperature, top_p=0.95, seed=rng.randrange(2**31))
+    width = max(len(m) for m in metas)
+    questions = []
+    for i in range(n):
+        text = clean_question(tok.decode(qs[i, width:], skip_special_tokens=True))
+        questions.append(text if len(text) >= 8 else picks[i][1].split(" about ")[-1].rstrip("."))
+    prompts = [torch.tensor(chat_ids(tok, q)[: 200]) for q in questions]
+    sampled = [rng.random() < cfg.sample_fraction for _ in range(n)]
+    temps = [cfg.answer_temperature if s else 0.0 for s in sampled] + [0.0] * (model.batch_size - n)
+    out = model.generate(prompts, max_new_tokens=cfg.max_new_tokens, do_sample=any(sampled),
+                         temperature=temps, seed=rng.randrange(2**31))
+    width = max(len(p) for p in prompts)
+    eos = set(model.config.eos_token_ids)
+    rows, prompt_lens = [], []
+    for i in range(n):
+        ans = out[i, width:].tolist()
+        cut = next((j + 1 for j, t in enumerate(ans) if t in eos), len(ans))
+        rows.append(torch.cat([prompts[i], torch.tensor(ans[:cut], dtype=torch.long)]))
+        prompt_lens.append(len(prompts[i]))
+    labels, top_ids, top_probs = _argmax_labels(model, rows)
+    greedy_agree = [float((lab[p - 1:-1] == r[p:]).float().mean()) for r, lab, p, s in
+                    zip(rows, labels, prompt_lens, sampled) if not s]
+    return {"tokens": rows, "labels": labels, "topk_ids": top_ids, "topk_probs": top_probs, "prompt_lens": torch.tensor(prompt_lens),
+            "sampled": torch.tensor(sampled), "questions": questions, "categories": [c for c, _ in picks],
+            "greedy_label_agreement": sum(greedy_agree) / max(len(greedy_agree), 1)}
+
+
+def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progress: bool = True) -> Path:
+    """Generate (or finish generating) the dataset in ``out_dir``; returns it. Resumable."""
+    from ..core.decoder import DecoderModel
+    from ..core.sampling import SamplingConfig
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = out_dir / "data_config.json"
+    if meta.is_file():
+        old = json.loads(meta.read_text())
+        if {k: v for k, v in old.items() if k != "num_prompts"} != \
+                {k: v for k, v in asdict(cfg).items() if k != "num_prompts"}:
+            raise ValueError(f"{out_dir} holds data made with other settings ({old}); use another --out "
+                             "or the same settings")
+    meta.write_text(json.dumps(asdict(cfg), indent=2))
+    n_batches = -(-cfg.num_prompts // cfg.batch_size)
+    todo = [i for i in range(n_batches) if not (out_dir / f"batch_{i:05d}.pt").is_file()]
+    stale = [f for f in sorted(out_dir.glob("batch_*.pt")) if "topk_ids" not in torch.load(f, weights_only=False)]
+    if not todo and not stale:
+        return out_dir
+    n_pos = 256 + cfg.max_new_tokens
+    model = DecoderModel.from_pretrained(target_path, batch_size=cfg.batch_size, n_positions=n_pos, amp=cfg.amp,
+                                         backend=cfg.backend, progress=False,
+                                         context_buckets=[64, 128, 256],
+                                         kv_buckets=sorted({128, 256, n_pos}),
+                                         sampling=SamplingConfig(do_sample=False))
+    for f in tqdm(stale, desc="adding soft labels", unit="batch", disable=not progress or not stale):
+        batch = torch.load(f, weights_only=False)  # made by an older version: add the target's top-k
+        for start in range(0, len(batch["tokens"]), cfg.batch_size):
+            _, ids_, probs_ = _argmax_labels(model, batch["tokens"][start:start + cfg.batch_size])
+            batch.setdefault("topk_ids", []).extend(ids_)
+            batch.setdefault("topk_probs", []).extend(probs_)
+        tmp = f.with_suffix(".pt.tmp")
+        torch.save(batch, tmp)
+        tmp.replace(f)
+    bar = tqdm(total=n_batches, initial=n_batches - len(todo), desc="generating data", unit="batch",
+               disable=not progress)
+    for i in todo:
+        start = time.perf_counter()
+        batch = generate_batch(model, cfg, i)
+        batch["seconds"] = time.perf_counter() - start
+        tmp = out_dir / f"batch_{i:05d}.pt.tmp"
+        torch.save(batch, tmp)
+        tmp.replace(out_dir / f"batch_{i:05d}.pt")
+        bar.update()
+        bar.set_postfix(tokens=sum(len(r) - p for r, p in zip(batch["tokens"], batch["prompt_lens"].tolist())),
+                        s=f"{batch['seconds']:.0f}", agree=f"{batch['greedy_label_agreement']:.3f}")
+    bar.close()
+    return out_dir
+
+
+def load_dataset(data_dir: str | Path) -> list[dict]:
+    """All rows: dicts with tokens [L], labels [L] (argmax next token at each position), prompt_len,
+    sampled, and (soft labels) topk_ids [L, k] / topk_probs [L, k]."""
+    rows = []
+    for f in sorted(Path(data_dir).glob("batch_*.pt")):
+        b = torch.load(f, weights_only=False)
+        for i, (t, lab, p, s) in enumerate(zip(b["tokens"], b["labels"], b["prompt_lens"].tolist(),
+                                                b["sampled"].tolist())):
+            row = {"tokens": t, "labels": lab, "prompt_len": p, "sampled": s}
+            if "topk_ids" in b:
+                row["topk_ids"], row["topk_probs"] = b["topk_ids"][i], b["topk_probs"][i]
+            rows.append(row)
+    return rows
