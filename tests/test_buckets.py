@@ -89,3 +89,14 @@ def test_context_bucket_choice_does_not_change_results(setup, length):
     assert out[0, length:].tolist() == ref
     (ctx,) = [k.n_tokens for k in model._graphs if k.n_tokens > 1]
     assert ctx == pick_bucket([16, 32, 64, 128], length)
+
+
+def test_graph_keys_limited_to_what_a_request_needs(setup):
+    ckpt = setup[0]
+    model = load(ckpt, context_buckets=[16, 32, 64, 128], kv_buckets=[16, 32, 64, 128])
+    keys = model.graph_keys(do_sample=False, prompt_length=20, max_length=40)
+    assert sorted(k.n_tokens for k in keys if k.n_logits == 1 and k.n_tokens > 1) == [16, 32]
+    assert sorted(k.kv_len for k in keys if k.n_tokens == 1) == [16, 32, 64]
+    assert len(model.graph_keys(do_sample=False)) == 8
+    with pytest.raises(ValueError, match="max_length"):
+        model.graph_keys(max_length=200)

@@ -129,18 +129,28 @@ class DecoderModel:
             self._graphs[key] = build_graph(module, self.settings.backend, self.batch_size)
         return self._graphs[key]
 
-    def graph_keys(self, do_sample: bool | None = None, spec_tokens: tuple[int, ...] = ()) -> list[GraphKey]:
+    def graph_keys(self, do_sample: bool | None = None, spec_tokens: tuple[int, ...] = (),
+                   prompt_length: int | None = None, max_length: int | None = None) -> list[GraphKey]:
         """Context-encoding keys (one per context bucket) and token-generation keys (one per KV
-        bucket, plus n-token keys for each entry of ``spec_tokens``)."""
+        bucket, plus n-token keys for each entry of ``spec_tokens``). ``prompt_length`` /
+        ``max_length`` keep only the buckets that prompts / sequences up to those lengths use."""
         s = self.settings.sampling.do_sample if do_sample is None else do_sample
-        keys = [GraphKey(c, 1, c, s) for c in self.context_buckets]
+        ctx = self.context_buckets
+        if prompt_length is not None:
+            ctx = [c for c in ctx if c <= pick_bucket(ctx, prompt_length, "prompt length")]
+        kvs = self.kv_buckets
+        if max_length is not None:
+            kvs = [kv for kv in kvs if kv <= pick_bucket(kvs, max_length, "max_length")]
+        keys = [GraphKey(c, 1, c, s) for c in ctx]
         for n in (1, *spec_tokens):
-            keys += [GraphKey(n, n, kv, s, n > 1) for kv in self.kv_buckets if kv >= n]
+            keys += [GraphKey(n, n, kv, s, n > 1) for kv in kvs if kv >= n]
         return keys
 
-    def compile(self, progress: bool = True, spec_tokens: tuple[int, ...] = ()) -> "DecoderModel":
-        """Build and warm every graph (Neuron's ahead-of-time model). Clears the KV cache."""
-        keys = self.graph_keys(spec_tokens=spec_tokens)
+    def compile(self, progress: bool = True, spec_tokens: tuple[int, ...] = (), prompt_length: int | None = None,
+                max_length: int | None = None) -> "DecoderModel":
+        """Build and warm the graphs (Neuron's ahead-of-time model): all buckets, or only those
+        ``prompt_length`` / ``max_length`` need (see ``graph_keys``). Clears the KV cache."""
+        keys = self.graph_keys(spec_tokens=spec_tokens, prompt_length=prompt_length, max_length=max_length)
         for key in tqdm(keys, desc=f"compiling ({self.settings.backend})", unit="graph", disable=not progress):
             start = time.perf_counter()
             module = self.graph(key)
