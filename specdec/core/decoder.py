@@ -151,11 +151,14 @@ class DecoderModel:
         """Build and warm the graphs (Neuron's ahead-of-time model): all buckets, or only those
         ``prompt_length`` / ``max_length`` need (see ``graph_keys``). Clears the KV cache."""
         keys = self.graph_keys(spec_tokens=spec_tokens, prompt_length=prompt_length, max_length=max_length)
-        for key in tqdm(keys, desc=f"compiling ({self.settings.backend})", unit="graph", disable=not progress):
+        return self._warm(keys, f"compiling ({self.settings.backend})", progress)
+
+    def _warm(self, keys: list[GraphKey], desc: str, progress: bool) -> "DecoderModel":
+        """Build each graph and run it once on example inputs (timed); then clear the KV cache."""
+        for key in tqdm(keys, desc=desc, unit="graph", disable=not progress or not keys):
             start = time.perf_counter()
-            module = self.graph(key)
             with torch.no_grad():
-                module(*StepGraph(self.lm, key, None).example_inputs(self.batch_size))
+                self.graph(key)(*StepGraph(self.lm, key, None).example_inputs(self.batch_size))
             self.compile_seconds[key.describe()] = time.perf_counter() - start
         self.reset()
         return self
@@ -331,10 +334,5 @@ class DecoderModel:
             configure_compile_cache()  # unpack into the cache directory the graphs will read
             torch.compiler.load_cache_artifacts(cache.read_bytes())
         model = cls.from_pretrained(meta["checkpoint"], progress=progress, **s)
-        keys = [GraphKey(**k) for k in meta["graphs"]]
-        for key in tqdm(keys, desc="loading graphs", unit="graph", disable=not progress or not keys):
-            with torch.no_grad():
-                model.graph(key)(*StepGraph(model.lm, key, None).example_inputs(model.batch_size))
-        model.reset()
-        return model
+        return model._warm([GraphKey(**k) for k in meta["graphs"]], "loading graphs", progress)
 
