@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .core.chat import chat_ids
+
 SYSTEMS = ("hf-eager-f32", "hf-compile-f32", "specdec-eager-f32", "specdec-eager-bf16",
            "specdec-compiled-f32", "specdec-compiled-bf16")
 BASELINE = "hf-eager-f32"
@@ -158,20 +160,6 @@ def _load_questions(path: str | Path, n: int) -> list[tuple[object, str]]:
     if n < 1 or n > len(prompts):
         raise ValueError(f"--num-prompts={n}: {path} holds {len(prompts)} prompts")
     return prompts[:n]
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` as a user turn with the generation prompt (chat template if any)."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        return list(tokenizer(text)["input_ids"])
-    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], (list, tuple)):
-        out = out[0]
-    return [int(t) for t in out]
 
 
 def measure_bandwidth(gb: float = 1.0, runs: int = 9) -> dict:

@@ -23,7 +23,8 @@ import torch
 from tqdm.auto import tqdm
 
 from . import bench
-from .bench import _int_list, chat_ids, default_prompts_path, load_prompts
+from .bench import _int_list, default_prompts_path, load_prompts
+from .core.chat import chat_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,17 +21,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from . import DecoderModel, SamplingConfig
+    from .core.chat import chat_ids
 
     sampling = SamplingConfig(do_sample=args.temperature > 0, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p)
     model = DecoderModel.from_pretrained(args.model, n_positions=args.n_positions, amp=args.amp,
                                          backend=args.backend, sampling=sampling)
     tok = model.tokenizer
-    if args.raw or tok.chat_template is None:
-        ids = tok(args.prompt, return_tensors="pt")["input_ids"]
-    else:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok(args.prompt, return_tensors="pt")["input_ids"] if args.raw else \
+        torch.tensor([chat_ids(tok, args.prompt)])
     max_new = min(args.max_new_tokens, args.n_positions - ids.shape[1])
     if args.backend == "compiled":
         print("compiling the graphs this request needs (cached on disk after the first run) ...", file=sys.stderr)

@@ -83,6 +83,7 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .buckets import default_buckets
 from .decoder import DecoderModel
 
 __all__ = ["AdapterStats", "HFAdapter", "StaticCacheView", "as_hf"]
@@ -162,14 +163,6 @@ class StaticCacheView(Cache):
 _OWNER = "_specdec_hf_adapter_token"  # set on the DecoderModel: which adapter last ran it
 
 
-def _default_step_buckets(n_positions: int) -> list[int]:
-    out, w = [], 1
-    while w < n_positions:
-        out.append(w)
-        w *= 2
-    return out + [n_positions]
-
-
 class HFAdapter(PreTrainedModel, GenerationMixin):
     """A ``transformers`` causal LM backed by a ``DecoderModel`` (see the module docstring).
 
@@ -197,7 +190,7 @@ class HFAdapter(PreTrainedModel, GenerationMixin):
         if generation_config is not None:
             self.generation_config = copy.deepcopy(generation_config)
         if step_buckets is None and model.settings.backend != "eager":
-            step_buckets = _default_step_buckets(model.n_positions)
+            step_buckets = default_buckets(model.n_positions, smallest=1)
         if step_buckets is not None:
             step_buckets = sorted({int(w) for w in step_buckets})
             if not step_buckets or step_buckets[0] < 1:

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..core.chat import chat_ids
+
 # (category, instruction template for the meta-prompt, topics). Generic topics, not MT-Bench questions.
 TASKS: list[tuple[str, str, list[str]]] = [
     ("writing", "Write a request a user might send to an AI assistant asking it to write {t}.", [
@@ -91,13 +93,6 @@ class DataConfig:
     seed: int = 0
     amp: str = "bf16"
     backend: str = "eager"
-
-
-def chat_ids(tok, text: str) -> list[int]:
-    out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    if isinstance(out, dict) or hasattr(out, "keys"):
-        out = out["input_ids"]
-    return list(out)
 
 
 def clean_question(text: str) -> str:
