@@ -1,4 +1,5 @@
-"""``specdec`` command line: ``generate``, ``bench`` (runtime), ``bench-spec`` (speculation), ``train-draft``."""
+"""``specdec`` command line: ``generate``, ``bench`` (runtime), ``bench-spec`` (speculation), ``train-draft``,
+``plan`` (capacity planning)."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.tp_degree > 1:   # one process per rank; rank 0 prints
+        from .core.parallel import launch
+        return launch(generate_on_rank, args.tp_degree, args, timeout_s=24 * 3600.0)
+    return generate_on_rank(args)
+
+
+def generate_on_rank(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from . import DecoderModel, SamplingConfig
@@ -26,20 +34,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(do_sample=args.temperature > 0, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p)
     model = DecoderModel.from_pretrained(args.model, n_positions=args.n_positions, amp=args.amp,
-                                         backend=args.backend, sampling=sampling)
+                                         backend=args.backend, sampling=sampling, tp_degree=args.tp_degree,
+                                         gqa_strategy=args.gqa_strategy)
+    rank0 = model.tp.rank == 0
     tok = model.tokenizer
     ids = tok(args.prompt, return_tensors="pt")["input_ids"] if args.raw else \
         torch.tensor([chat_ids(tok, args.prompt)])
     max_new = min(args.max_new_tokens, args.n_positions - ids.shape[1])
     if args.backend == "compiled":
-        print("compiling the graphs this request needs (cached on disk after the first run) ...", file=sys.stderr)
+        if rank0:
+            print("compiling the graphs this request needs (cached on disk after the first run) ...", file=sys.stderr)
         model.compile(prompt_length=ids.shape[1], max_length=ids.shape[1] + max_new)
-    streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True) if rank0 else None
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=max_new, streamer=streamer, seed=args.seed)
     elapsed = time.perf_counter() - start
     n = out.shape[1] - ids.shape[1]
-    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, {args.backend} {args.amp}]", file=sys.stderr)
+    if rank0:
+        print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, {args.backend} {args.amp}, "
+              f"tp_degree {args.tp_degree}]", file=sys.stderr)
     return 0
 
 
@@ -55,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--tp-degree", type=int, default=1,
+                   help="tensor parallelism: shard the model over this many processes (launched for you)")
+    g.add_argument("--gqa-strategy", default=None, choices=["replicate-to-tp-degree", "convert-to-mha"],
+                   help="how KV heads are sharded when they do not divide --tp-degree (default: automatic)")
     g.set_defaults(func=cmd_generate)
     from . import bench, bench_spec
     b = sub.add_parser("bench", help="target-only decoding benchmark vs transformers (prints JSON)")
@@ -63,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("bench-spec", help="speculative decoding benchmark with the trained draft (prints JSON)")
     bench_spec.add_arguments(s)
     s.set_defaults(func=lambda a: bench_spec.print_result(bench_spec.run(a), a))
+    from . import plan
+    pl = sub.add_parser("plan", help="capacity planner: memory per core and the smallest tp_degree that fits")
+    plan.add_arguments(pl)
+    pl.set_defaults(func=plan.run)
     from .train import cli as train_cli
     t = sub.add_parser("train-draft", help="train a draft for the target: data -> distillation -> export (resumable)")
     train_cli.add_arguments(t)

@@ -25,6 +25,7 @@ import torch
 from .acceptance import accept
 from .core.decoder import DecoderModel
 from .core.generation import format_output, prepare_request, stop_requested
+from .core.parallel import broadcast
 from .draft.proposer import DraftModelProposer
 from .proposer import Proposer
 from .stats import SpecStats
@@ -123,7 +124,8 @@ class SpeculativeGenerator:
                 n, emitted = accept(drafts.to(target.device), None if greedy else verify.probs,
                                     None if proposal is None else proposal.probs,
                                     target_tokens=verify.tokens, greedy_rows=greedy_rows, generator=generator)
-                n, emitted = n.cpu(), emitted.cpu()
+                # rank 0 decides for every rank of a sharded target: the ranks stay in lockstep
+                n, emitted = broadcast(n, target.tp).cpu(), broadcast(emitted, target.tp).cpu()
                 target.set_lengths(torch.where(active, lengths + n, lengths - 1))
                 self.proposer.accepted(n, verify)
                 was_active = active.clone()

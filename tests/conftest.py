@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import save_torch_state_dict
+from safetensors.torch import load_file, save_file
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
@@ -49,6 +50,15 @@ VARIANTS = {
     "qwen2": ("qwen2", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "llama3-rope": ("llama", {"rope_parameters": dict(LLAMA3_ROPE)}),
+    # tensor parallelism at tp=2: heads (9 / 3, as SmolLM2), MLP (97) and vocab (163) all need padding
+    "llama-tp-padded": ("llama", {"hidden_size": 72, "intermediate_size": 97, "num_attention_heads": 9,
+                                  "num_key_value_heads": 3, "vocab_size": 163, "tie_word_embeddings": True,
+                                  "attention_bias": True}),
+    # one KV head (replicated on every rank), 3 query heads (split 2 + 1 padding at tp=2)
+    "llama-tp-mqa": ("llama", {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}),
+    "llama-draft": ("llama", {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64}),
+    "llama-tp-padded-draft": ("llama", {"num_hidden_layers": 1, "hidden_size": 36, "intermediate_size": 64,
+                                        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 163}),
 }
 
 
@@ -63,7 +73,7 @@ class Checkpoint:
 def build_hf(variant: str, seed: int = 0) -> torch.nn.Module:
     arch, extra = VARIANTS[variant]
     config_cls, model_cls, arch_extra = ARCHS[arch]
-    config = config_cls(**TINY, **arch_extra, **extra)
+    config = config_cls(**{**TINY, **arch_extra, **extra})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     gen = torch.Generator().manual_seed(1000 + seed)
@@ -101,6 +111,18 @@ def save_checkpoint(model: torch.nn.Module, directory: Path, layout: str) -> Pat
         index = json.loads((directory / LAYOUT_FILES[layout]).read_text())
         assert len(set(index["weight_map"].values())) > 1, "sharded layout produced a single shard"
     return directory
+
+
+def save_reduced_vocab(src, dst, token_ids):
+    """A copy of checkpoint ``src`` whose LM head only scores ``token_ids`` (draft_vocab_size)."""
+    state = load_file(src / "model.safetensors")
+    state["lm_head.weight"] = state["lm_head.weight"][token_ids].contiguous()
+    state["output_token_ids"] = token_ids
+    save_file(state, dst / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config.update(draft_vocab_size=len(token_ids), tie_word_embeddings=False)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
 
 
 @pytest.fixture(scope="session")

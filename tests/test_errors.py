@@ -117,7 +117,7 @@ def test_sliding_window_shorter_than_n_positions(tmp_path, checkpoint):
 @pytest.mark.parametrize("kwargs,match", [
     ({"backend": "tpu"}, r"backend='tpu' is not supported; use one of eager, compiled, neuron"),
     ({"amp": "int8"}, r"amp='int8' is not supported"),
-    ({"tp_degree": 2}, r"tp_degree=2: tensor parallelism is not implemented"),
+    ({"tp_degree": 0}, r"tp_degree must be an integer >= 1, got 0"),
     ({"n_positions": 512}, r"n_positions=512 exceeds the model's max_position_embeddings=256"),
     ({"kv_buckets": [16, 256]}, r"kv_buckets=\[16, 256\]: buckets must be positive and at most n_positions=128"),
     ({"batch_size": 0}, r"batch_size must be >= 1"),

@@ -1,13 +1,12 @@
 """SpeculativeGenerator with a vanilla draft model: exactness (greedy), losslessness (sampling),
 KV bookkeeping, statistics and validation — on tiny random models saved as real checkpoints."""
-import json
-
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import save_reduced_vocab
 
 import specdec.speculative as speculative
 from specdec import DecoderModel
@@ -176,18 +175,6 @@ def lossless_models(tmp_path_factory):
     return (target_hf, DecoderModel.from_pretrained(target_dir, **kw),
             {"full": DecoderModel.from_pretrained(draft_dir, **kw),
              "reduced": DecoderModel.from_pretrained(reduced_dir, **kw)})
-
-
-def save_reduced_vocab(src, dst, token_ids):
-    """A copy of checkpoint ``src`` whose LM head only scores ``token_ids`` (draft_vocab_size)."""
-    state = load_file(src / "model.safetensors")
-    state["lm_head.weight"] = state["lm_head.weight"][token_ids].contiguous()
-    state["output_token_ids"] = token_ids
-    save_file(state, dst / "model.safetensors")
-    config = json.loads((src / "config.json").read_text())
-    config.update(draft_vocab_size=len(token_ids), tie_word_embeddings=False)
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 @pytest.mark.parametrize("draft_kind,sample_kwargs", [

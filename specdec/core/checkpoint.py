@@ -3,17 +3,24 @@
 Layouts (first found wins): ``model.safetensors.index.json``, ``model.safetensors``,
 ``pytorch_model.bin.index.json``, ``pytorch_model.bin``. Each tensor is copied into the module's
 own parameter and released, so peak memory is the model plus one shard (one tensor for safetensors).
+
+Tensor-parallel ranks load only their shards (``parallel.shard_plan``): safetensors are read with
+``get_slice`` so the other ranks' rows are never materialised; ``.bin`` files are memory-mapped
+and sliced. Padding rows/columns are zeros.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from itertools import groupby
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
+
+from .parallel import Shard
 
 LAYOUTS = ("model.safetensors.index.json", "model.safetensors",
            "pytorch_model.bin.index.json", "pytorch_model.bin")
@@ -37,13 +44,14 @@ def checkpoint_shards(path: str | Path) -> list[Path]:
     raise FileNotFoundError(f"no weights in {path}: expected one of {', '.join(LAYOUTS)}")
 
 
-def iter_tensors(shards: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time; a .bin shard is memory-mapped, not copied."""
+def iter_sources(shards: list[Path]) -> Iterator[tuple[str, object]]:
+    """Yield (name, source) one at a time: a safetensors slice handle (nothing read yet) or a
+    memory-mapped tensor of a .bin shard; both are indexed (``source[a:b]``) to read them."""
     for shard in shards:
         if shard.suffix == ".safetensors":
             with safe_open(shard, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name)
         else:
             state = torch.load(shard, map_location="cpu", weights_only=True, mmap=True)
             while state:
@@ -51,29 +59,61 @@ def iter_tensors(shards: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             del state
 
 
-def load_weights(module: nn.Module, path: str | Path, progress: bool = True) -> None:
-    """Copy a checkpoint into ``module``'s parameters (names = HF keys), casting to their dtype.
+def iter_tensors(shards: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time, each read in full."""
+    for name, source in iter_sources(shards):
+        yield name, source[...]
+
+
+def source_shape(source) -> tuple[int, ...]:
+    return tuple(source.get_shape() if hasattr(source, "get_shape") else source.shape)
+
+
+def copy_shard(param: torch.Tensor, source, shard: Shard | None) -> None:
+    """Copy ``source`` (or only the rows ``shard`` names, one read per contiguous run) into ``param``."""
+    if shard is None:
+        param.copy_(source[...])
+        return
+    param.zero_()
+    # consecutive source rows have a constant (source - param) row offset: one slice per run
+    for offset, run in groupby(enumerate(shard.index), key=lambda p: p[1] - p[0] if p[1] >= 0 else None):
+        if offset is None:        # padding rows stay zero
+            continue
+        rows = [i for i, _ in run]
+        start, stop = rows[0] + offset, rows[-1] + offset + 1
+        part = source[start:stop] if shard.dim == 0 else source[:, start:stop]
+        param.narrow(shard.dim, rows[0], len(rows)).copy_(part)
+
+
+def load_weights(module: nn.Module, path: str | Path, progress: bool = True,
+                 shards: dict[str, Shard] | None = None) -> None:
+    """Copy a checkpoint into ``module``'s parameters (names = HF keys), casting to their dtype;
+    tensors named in ``shards`` are loaded partially (tensor parallelism).
 
     Raises KeyError for missing tensors and ValueError for shape mismatches, naming the tensor.
     Unknown tensors (e.g. ``rotary_emb.inv_freq``) are ignored.
     """
+    shards = shards or {}
     # tied weights appear once, under their first name; persistent buffers (e.g. a reduced
     # vocabulary's token ids) load like weights
     persistent = set(module.state_dict())
     params = dict(module.named_parameters())
     params.update((n, b) for n, b in module.named_buffers() if n in persistent)
     loaded: set[str] = set()
-    shards = checkpoint_shards(path)
     with torch.no_grad(), tqdm(total=len(params), desc=f"loading {Path(path).name}", unit="tensor",
                                disable=not progress) as bar:
-        for name, tensor in iter_tensors(shards):
+        for name, source in iter_sources(checkpoint_shards(path)):
             param = params.get(name)
             if param is None or name in loaded:
                 continue
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
-                                 f"but the config implies {tuple(param.shape)}")
-            param.copy_(tensor)
+            shard = shards.get(name)
+            expected = list(param.shape)
+            if shard is not None:
+                expected[shard.dim] = shard.size
+            if source_shape(source) != tuple(expected):
+                raise ValueError(f"tensor {name!r} in {path} has shape {source_shape(source)}, "
+                                 f"but the config implies {tuple(expected)}")
+            copy_shard(param, source, shard)
             loaded.add(name)
             bar.update()
     missing = sorted(set(params) - loaded)

@@ -24,7 +24,9 @@ from .config import ModelConfig, amp_dtype
 from .gguf import resolve_model_path
 from .graphs import BACKENDS, GraphKey, StepGraph, build_graph, configure_compile_cache
 from .model import DecoderLM
+from .parallel import TPGroup, barrier, check_tp_degree, shard_plan, tp_group
 from .sampling import SamplingConfig, sampling_params
+from .tp_layout import head_layout, parse_gqa
 
 
 @dataclass
@@ -35,6 +37,7 @@ class RuntimeSettings:
     n_positions: int = 2048
     amp: str = "f32"
     tp_degree: int = 1
+    gqa_strategy: str | None = None
     context_buckets: list[int] | None = None
     kv_buckets: list[int] | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -67,18 +70,24 @@ class DecoderModel:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, batch_size: int = 1, n_positions: int = 2048,
-                        amp: str = "f32", tp_degree: int = 1, context_buckets: list[int] | None = None,
-                        kv_buckets: list[int] | None = None, sampling: SamplingConfig | None = None,
-                        backend: str = "compiled", device: str = "cpu", progress: bool = True) -> "DecoderModel":
+                        amp: str = "f32", tp_degree: int = 1, gqa_strategy: str | None = None,
+                        context_buckets: list[int] | None = None, kv_buckets: list[int] | None = None,
+                        sampling: SamplingConfig | None = None, backend: str = "compiled", device: str = "cpu",
+                        progress: bool = True) -> "DecoderModel":
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, or (``None``) the embedded
-        SmolLM2-135M-Instruct. Graphs are built lazily on first use, or all at once by ``compile()``."""
-        settings = RuntimeSettings(batch_size, n_positions, amp, tp_degree, context_buckets, kv_buckets,
-                                   sampling or SamplingConfig(), backend, device)
+        SmolLM2-135M-Instruct. Graphs are built lazily on first use, or all at once by ``compile()``.
+
+        ``tp_degree > 1`` shards the model over the ranks of the running process group (its world
+        size; see ``specdec.core.parallel.launch``), each rank loading only its shards;
+        ``gqa_strategy`` ('replicate-to-tp-degree' / 'convert-to-mha', None = automatic) sets how
+        query/KV heads are laid out over the ranks (``tp_layout``)."""
+        gqa = parse_gqa(gqa_strategy)
+        settings = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa and gqa.value, context_buckets,
+                                   kv_buckets, sampling or SamplingConfig(), backend, device)
         dtype = amp_dtype(amp)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")
-        if tp_degree != 1:
-            raise NotImplementedError(f"tp_degree={tp_degree}: tensor parallelism is not implemented yet; use 1")
+        check_tp_degree(tp_degree)
         if batch_size < 1 or n_positions < 2:
             raise ValueError(f"batch_size must be >= 1 and n_positions >= 2 (got {batch_size}, {n_positions})")
         path = resolve_model_path(path)
@@ -89,11 +98,13 @@ class DecoderModel:
         if config.sliding_window is not None and n_positions > config.sliding_window:
             raise ValueError(f"n_positions={n_positions} exceeds sliding_window={config.sliding_window}; "
                              "sliding-window attention is not implemented")
+        tp = tp_group(tp_degree, device)
+        layout = head_layout(config.num_heads, config.num_kv_heads, tp_degree, gqa)
         with torch.device("meta"):
-            lm = DecoderLM(config, batch_size, n_positions, dtype)
+            lm = DecoderLM(config, batch_size, n_positions, dtype, tp, layout)
         lm = lm.to_empty(device=device).to(dtype)
         lm.init_buffers()
-        load_weights(lm, path, progress=progress)
+        load_weights(lm, path, progress=progress and tp.rank == 0, shards=shard_plan(config, layout, tp.rank))
         lm.eval().requires_grad_(False)
         return cls(path, config, lm, settings)
 
@@ -104,6 +115,11 @@ class DecoderModel:
     @property
     def n_positions(self) -> int:
         return self.settings.n_positions
+
+    @property
+    def tp(self) -> TPGroup:
+        """This rank's tensor-parallel group (size 1 = not sharded)."""
+        return self.lm.tp
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,7 +171,7 @@ class DecoderModel:
 
     def _warm(self, keys: list[GraphKey], desc: str, progress: bool) -> "DecoderModel":
         """Build each graph and run it once on example inputs (timed); then clear the KV cache."""
-        for key in tqdm(keys, desc=desc, unit="graph", disable=not progress or not keys):
+        for key in tqdm(keys, desc=desc, unit="graph", disable=not progress or not keys or self.tp.rank > 0):
             start = time.perf_counter()
             with torch.no_grad():
                 self.graph(key)(*StepGraph(self.lm, key, None).example_inputs(self.batch_size))
@@ -307,17 +323,22 @@ class DecoderModel:
 
     def save(self, directory: str | Path) -> None:
         """Write the runtime settings and (``compiled``) the Inductor cache artifacts of every
-        graph built so far, so ``load`` in a fresh process skips code generation."""
+        graph built so far, so ``load`` in a fresh process skips code generation. At
+        ``tp_degree > 1`` every rank calls it: rank 0 writes the settings, each rank its artifacts."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        settings = asdict(self.settings)
-        meta = {"checkpoint": str(self.path.resolve()), "settings": settings,
-                "graphs": [asdict(k) for k in self._graphs]}
-        (directory / "specdec.json").write_text(json.dumps(meta, indent=2))
+        if self.tp.rank == 0:
+            meta = {"checkpoint": str(self.path.resolve()), "settings": asdict(self.settings),
+                    "graphs": [asdict(k) for k in self._graphs]}
+            (directory / "specdec.json").write_text(json.dumps(meta, indent=2))
         if self.settings.backend == "compiled":
             artifacts = torch.compiler.save_cache_artifacts()
             if artifacts is not None:
-                (directory / "compile_cache.bin").write_bytes(artifacts[0])
+                self._compile_cache_file(directory).write_bytes(artifacts[0])
+        barrier(self.tp)
+
+    def _compile_cache_file(self, directory: Path) -> Path:
+        return directory / ("compile_cache.bin" if self.tp.size == 1 else f"compile_cache.rank{self.tp.rank}.bin")
 
     @classmethod
     def load(cls, directory: str | Path, progress: bool = True) -> "DecoderModel":
@@ -329,10 +350,10 @@ class DecoderModel:
         meta = json.loads(meta_file.read_text())
         s = meta["settings"]
         s["sampling"] = SamplingConfig(**s["sampling"])
-        cache = directory / "compile_cache.bin"
+        model = cls.from_pretrained(meta["checkpoint"], progress=progress, **s)
+        cache = model._compile_cache_file(directory)
         if cache.is_file():
             configure_compile_cache()  # unpack into the cache directory the graphs will read
             torch.compiler.load_cache_artifacts(cache.read_bytes())
-        model = cls.from_pretrained(meta["checkpoint"], progress=progress, **s)
         return model._warm([GraphKey(**k) for k in meta["graphs"]], "loading graphs", progress)
 

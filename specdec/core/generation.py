@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .parallel import broadcast
+
 
 def resolve_budget(model, prompts: list[torch.Tensor], max_new_tokens: int | None,
                    sequence_length: int | None) -> torch.Tensor:
@@ -89,6 +91,8 @@ def prepare_request(model, input_ids, attention_mask=None, *, max_new_tokens=Non
     if pad_token_id is None:
         pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else \
             (int(eos[0]) if eos.numel() else 0)
+    if seed is None and model.tp.size > 1:   # every rank must draw the same sampling noise
+        seed = int(broadcast(torch.randint(2**62, (1,), device=model.device), model.tp))
     generator = torch.Generator(model.device).manual_seed(seed) if seed is not None else None
     return Request(prompts, budget, params, eos, pad_token_id, generator)
 

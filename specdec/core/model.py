@@ -14,6 +14,12 @@ Invariants:
 - attention reads only the first ``kv_len`` slots (the KV bucket); stale slots past a row's length
   are masked, so rollback is just lowering ``cache_lengths``.
 Parameter names equal the Hugging Face ``LlamaForCausalLM`` state-dict keys.
+
+Tensor parallelism (``tp.size > 1``, see ``parallel``): every module holds its rank's shard — head
+slots from the ``HeadLayout``, ``ceil(intermediate / tp)`` MLP rows, ``ceil(vocab / tp)`` embedding
+and LM-head rows; the KV cache holds the rank's KV slots. Collectives: all-reduce after the
+embedding, o_proj and down_proj, all-gather of the logits; every rank returns the same full logits
+and hidden states. At ``tp.size == 1`` no collective is traced.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .config import ModelConfig
+from .parallel import TPGroup, all_gather_last, all_reduce, per_rank
+from .tp_layout import HeadLayout, head_layout
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -59,14 +67,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype):
+    """Column-parallel q/k/v over the rank's head slots, row-parallel o_proj (+ all-reduce)."""
+
+    def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype,
+                 layout: HeadLayout, tp: TPGroup):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        shape = (batch_size, n_positions, c.num_kv_heads, c.head_dim)  # [B, S, Hkv, D]
+        self.n_heads, self.n_kv, self.head_dim, self.tp = layout.q_per_rank, layout.kv_per_rank, c.head_dim, tp
+        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=False)
+        shape = (batch_size, n_positions, self.n_kv, c.head_dim)  # [B, S, Hkv per rank, D]
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
@@ -86,27 +97,33 @@ class Attention(nn.Module):
         values = self.v_cache[:, :kv_len].transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=self.n_heads != self.n_kv)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+        out = self.o_proj(out.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+        return all_reduce(out, self.tp) if self.tp.size > 1 else out
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """Column-parallel gate/up, row-parallel down (+ all-reduce); intermediate zero-padded to tp."""
+
+    def __init__(self, c: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        inter, self.tp = per_rank(c.intermediate_size, tp.size), tp
+        self.gate_proj = nn.Linear(c.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return all_reduce(out, self.tp) if self.tp.size > 1 else out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype):
+    def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype,
+                 layout: HeadLayout, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, batch_size, n_positions, dtype)
+        self.self_attn = Attention(c, batch_size, n_positions, dtype, layout, tp)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c, tp)
 
     def forward(self, x, cos, sin, slots, mask, kv_len: int):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, kv_len)
@@ -114,10 +131,12 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype):
+    def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype,
+                 layout: HeadLayout, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, batch_size, n_positions, dtype) for _ in range(c.num_layers))
+        self.embed_tokens = nn.Embedding(per_rank(c.vocab_size, tp.size), c.hidden_size)  # vocab-parallel
+        self.layers = nn.ModuleList(DecoderLayer(c, batch_size, n_positions, dtype, layout, tp)
+                                    for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -133,16 +152,24 @@ def attention_mask(cache_lengths: torch.Tensor, token_mask: torch.Tensor, kv_len
 
 
 class DecoderLM(nn.Module):
-    """Llama-family causal LM with a preallocated KV cache of ``n_positions`` slots per row."""
+    """Llama-family causal LM with a preallocated KV cache of ``n_positions`` slots per row.
 
-    def __init__(self, config: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype):
+    ``tp``: this rank's tensor-parallel group (default: not sharded); ``layout``: the head slots
+    (default: ``head_layout`` with the automatic GQA strategy for ``tp.size``).
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype,
+                 tp: TPGroup = TPGroup(), layout: HeadLayout | None = None):
         super().__init__()
-        self.config = config
-        self.model = Backbone(config, batch_size, n_positions, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.output_vocab_size or config.vocab_size, bias=False)
+        self.config, self.tp = config, tp
+        self.layout = layout or head_layout(config.num_heads, config.num_kv_heads, tp.size)
+        self.model = Backbone(config, batch_size, n_positions, dtype, self.layout, tp)
+        self.out_vocab = config.output_vocab_size or config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, per_rank(self.out_vocab, tp.size), bias=False)  # vocab-parallel
         if config.output_vocab_size:
             # reduced output vocabulary (small drafts): lm_head row i scores token output_token_ids[i];
-            # every other token gets logit -inf, i.e. probability 0 (rejection sampling stays lossless)
+            # every other token gets logit -inf, i.e. probability 0 (rejection sampling stays lossless);
+            # the ids are replicated (the logits are gathered before they are scattered)
             self.register_buffer("output_token_ids", torch.empty(config.output_vocab_size, dtype=torch.long))
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -158,8 +185,18 @@ class DecoderLM(nn.Module):
             layer.self_attn.k_cache.zero_()
             layer.self_attn.v_cache.zero_()
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, n] → [B, n, H]; vocab-parallel: the owning rank's row, summed over ranks."""
+        table = self.model.embed_tokens
+        if self.tp.size == 1:
+            return table(input_ids)
+        local = input_ids - self.tp.rank * table.num_embeddings
+        inside = (local >= 0) & (local < table.num_embeddings)
+        x = table(local.clamp(0, table.num_embeddings - 1)).masked_fill(~inside.unsqueeze(-1), 0)
+        return all_reduce(x, self.tp)
+
     def forward(self, input_ids, position_ids, cache_lengths, token_mask, logit_index, kv_len: int):
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         freqs = position_ids.unsqueeze(-1).float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scaling).to(x.dtype)
@@ -171,7 +208,10 @@ class DecoderLM(nn.Module):
             x = layer(x, cos, sin, slots, mask, kv_len)
         hidden = self.model.norm(x)
         picked = torch.gather(hidden, 1, logit_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        logits = self.lm_head(picked).float()
+        logits = self.lm_head(picked)
+        if self.tp.size > 1:
+            logits = all_gather_last(logits, self.tp)[..., :self.out_vocab]   # drop the vocab padding
+        logits = logits.float()
         if self.config.output_vocab_size:
             full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
             logits = full.scatter(-1, self.output_token_ids.expand_as(logits), logits)

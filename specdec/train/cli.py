@@ -74,9 +74,8 @@ def run(args: argparse.Namespace) -> int:
     tcfg = TrainConfig(steps=args.steps, batch_rows=args.batch_rows, lr=args.lr, seed=args.seed,
                        save_every=args.save_every, eval_every=args.eval_every)
     start = time.perf_counter()
-    with torch.enable_grad():  # `specdec` disables autograd globally
-        train_draft(out / "data", out / "train", target, spec, tcfg, progress=progress,
-                    log=lambda m: print(m, file=sys.stderr))
+    train_draft(out / "data", out / "train", target, spec, tcfg, progress=progress,
+                log=lambda m: print(m, file=sys.stderr))
     times["train_s"] = time.perf_counter() - start
     export_draft(out / "train" / "ckpt.pt", ship)
     size = sum(f.stat().st_size for f in ship.iterdir())

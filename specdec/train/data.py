@@ -83,8 +83,8 @@ def all_topics() -> list[tuple[str, str]]:
 
 @dataclass
 class DataConfig:
-    num_prompts: int = 384
-    batch_size: int = 96
+    num_prompts: int = 3072
+    batch_size: int = 128
     max_new_tokens: int = 256
     max_question_tokens: int = 64
     question_temperature: float = 0.9
@@ -93,6 +93,7 @@ class DataConfig:
     seed: int = 0
     amp: str = "bf16"
     backend: str = "eager"
+    global_topk: int = 1024   # sampled rows draw from the target's top-1024 (see SamplingConfig)
 
 
 def clean_question(text: str) -> str:
@@ -204,7 +205,7 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
                                          backend=cfg.backend, progress=False,
                                          context_buckets=[64, 128, 256],
                                          kv_buckets=sorted({128, 256, n_pos}),
-                                         sampling=SamplingConfig(do_sample=False))
+                                         sampling=SamplingConfig(global_topk=cfg.global_topk))
     for f in tqdm(stale, desc="adding soft labels", unit="batch", disable=not progress or not stale):
         batch = torch.load(f, weights_only=False)  # made by an older version: add the target's top-k
         for start in range(0, len(batch["tokens"]), cfg.batch_size):

@@ -253,6 +253,7 @@ def calibrate_norm(trainer: DraftTrainer, rows: list[dict], index_of: torch.Tens
     return best[1]
 
 
+@torch.enable_grad()  # callers (the CLI) may have disabled autograd globally
 def train_draft(data_dir: str | Path, out_dir: str | Path, target_dir: str | Path, spec: DraftSpec,
                 cfg: TrainConfig, progress: bool = True, log=print, stop_after: int | None = None) -> Path:
     """Train (or resume training) a draft; writes ``out_dir/ckpt.pt`` (resumable state) and
