@@ -36,7 +36,8 @@ divisible by tp, each core holds heads / tp of them (their attention matrices ar
 **Draft (speculation).** A draft model is planned like the target (same batch_size, n_positions and
 amp). It runs at ``draft_tp_degree`` (default: the target's degree, as NxD Inference's fused
 speculation does) on the first cores of the target's, so the fullest core holds
-target/core + draft/core. ``draft_tp_degree`` may not exceed the target's.
+target/core + draft/core. The runtime runs a draft either replicated on every core
+(``draft_tp_degree=1``) or sharded like the target (the same degree); nothing in between.
 
 **Capacity rule.** A degree fits when total/core ≤ memory_fraction × memory per core, default
 memory_fraction = 0.9. Per-core memory: 16 GB per NeuronCore on Inf2 / Trn1, 24 GB per logical
@@ -510,9 +511,8 @@ def _evaluate(tp: int, target: ModelFootprint, draft: ModelFootprint | None, req
     layout_ok = True
     if draft is not None:
         dtp = req.draft_tp_degree or tp
-        if dtp > tp:
-            head_reasons.append(f"draft tp_degree={dtp} exceeds the target's tp={tp} (the draft runs on the "
-                                "target's cores)")
+        if dtp not in (1, tp):
+            head_reasons.append(f"draft tp_degree={dtp} is neither 1 (replicated) nor the target's tp={tp}")
         head_reasons += _head_reasons(draft, dtp, "draft: ")
         d = _per_core(draft, dtp, req, nbytes, None)
         if isinstance(d, str):
@@ -574,9 +574,9 @@ def plan_capacity(config: Any, *, batch_size: int, n_positions: int, amp: str, p
         if draft_config is None:
             raise ValueError("draft_tp_degree is given but there is no draft_config")
         _check_degree_allowed("draft_tp_degree", draft_tp_degree, plat)
-        if tp_degree is not None and draft_tp_degree > tp_degree:
-            raise ValueError(f"draft_tp_degree={draft_tp_degree} exceeds tp_degree={tp_degree}: the draft runs "
-                             "on the target's cores")
+        if tp_degree is not None and draft_tp_degree not in (1, tp_degree):
+            raise ValueError(f"draft_tp_degree={draft_tp_degree} is not supported with tp_degree={tp_degree}: a "
+                             f"draft is replicated (1) or sharded like the target ({tp_degree})")
 
     req = CapacityRequest(batch_size, n_positions, str(amp), platform, cores, lnc, k, tp_degree, draft_tp_degree,
                           strategy.value if strategy else None, float(memory_fraction), replicate_embeddings)

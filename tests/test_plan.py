@@ -276,9 +276,18 @@ def test_draft_tp_larger_than_target_is_invalid():
                          n_positions=512, amp="bf16", platform="inf2", cores=2)
     assert not plan.degree(1).valid and any("draft tp_degree=2" in r for r in plan.degree(1).reasons)
     assert plan.smallest_fitting_tp == 2
-    with pytest.raises(ValueError, match="draft_tp_degree=2 exceeds tp_degree=1"):
+    with pytest.raises(ValueError, match="draft_tp_degree=2 is not supported with tp_degree=1"):
         plan_capacity(SMOLLM2_135M, draft_config=SMOLLM2_135M, k=4, draft_tp_degree=2, tp_degree=1,
                       batch_size=1, n_positions=512, amp="bf16", platform="inf2", cores=2)
+
+
+
+def test_draft_between_replicated_and_target_degree_is_invalid():
+    # the runtime replicates a draft (tp 1) or shards it like the target; tp 2 under a tp 8 target is neither
+    plan = plan_capacity(SMOLLM2_135M, draft_config=SMOLLM2_135M, k=4, draft_tp_degree=2, batch_size=1,
+                         n_positions=512, amp="bf16", platform="trn1", cores=32)
+    assert plan.degree(2).valid
+    assert not plan.degree(8).valid and any("neither 1" in r for r in plan.degree(8).reasons)
 
 
 # --- platforms ---------------------------------------------------------------------------------
