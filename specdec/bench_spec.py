@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
     parser.add_argument("--backend", default="compiled", choices=["eager", "compiled"])
     parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
-    parser.add_argument("--n-positions", type=int, default=256)
+    parser.add_argument("--n-positions", type=int, default=384,
+                        help="cache slots; must hold the longest prompt + max-new-tokens + max(ks) + 1")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -70,6 +71,10 @@ def run(args: argparse.Namespace) -> dict:
     texts = load_prompts(args.prompts or default_prompts_path(), args.num_prompts)
     prompts = [chat_ids(target.tokenizer, t) for t in texts]
     n_new = args.max_new_tokens
+    needed = max(len(p) for p in prompts) + n_new + max(args.ks) + 1
+    if needed > args.n_positions:  # else k shrinks near the end and new graph shapes compile mid-run
+        raise ValueError(f"--n-positions {args.n_positions} is too small: the longest prompt + {n_new} new tokens "
+                         f"+ k={max(args.ks)} + 1 needs {needed}")
     temps = [float(t) for t in args.temperatures.split(",")]
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
     if hf is not None:

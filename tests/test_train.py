@@ -40,7 +40,8 @@ def tiny_target(tmp_path_factory):
     return path
 
 
-DATA = dict(num_prompts=6, batch_size=3, max_new_tokens=24, max_question_tokens=6, sample_fraction=0.34, seed=3)
+DATA = dict(num_prompts=6, batch_size=3, backend="eager", max_new_tokens=24, max_question_tokens=6,
+            sample_fraction=0.34, seed=3)
 SPEC = DraftSpec(init_layers=[0, -1], draft_vocab_size=48)
 TRAIN = dict(steps=8, batch_rows=2, lr=3e-3, warmup=2, save_every=2, eval_every=4, seed=1, bf16=False)
 

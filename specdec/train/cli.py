@@ -1,6 +1,6 @@
 """``specdec train-draft``: data generation → distillation → export, each step resumable.
 
-    specdec train-draft --out DIR [--num-prompts 960] [--steps 600] [--seed 0] [--ship DIR]
+    specdec train-draft --out DIR [--num-prompts 4096] [--steps 720] [--seed 0] [--threads 2] [--ship DIR]
 
 ``DIR/data`` holds the generated batches, ``DIR/train`` the training checkpoint and log, and the
 exported draft goes to ``--ship`` (default ``DIR/ship``; the packaged draft lives in

@@ -83,7 +83,7 @@ def all_topics() -> list[tuple[str, str]]:
 
 @dataclass
 class DataConfig:
-    num_prompts: int = 3072
+    num_prompts: int = 4096
     batch_size: int = 128
     max_new_tokens: int = 256
     max_question_tokens: int = 64
@@ -92,7 +92,7 @@ class DataConfig:
     answer_temperature: float = 0.7
     seed: int = 0
     amp: str = "bf16"
-    backend: str = "eager"
+    backend: str = "compiled"   # batch-128 bf16 decoding (AMX on this CPU class): ~170 answer tokens/s on 2 cores
     global_topk: int = 1024   # sampled rows draw from the target's top-1024 (see SamplingConfig)
 
 

@@ -40,16 +40,16 @@ class DraftSpec:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    batch_rows: int = 8
+    steps: int = 720
+    batch_rows: int = 16
     lr: float = 2e-3
     warmup: int = 10
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
-    save_every: int = 25
-    eval_every: int = 50
+    save_every: int = 45
+    eval_every: int = 90
     heldout_fraction: float = 0.05
     max_len: int = 512
     bf16: bool = True     # autocast the forward/backward to bf16 (master weights stay f32)
