@@ -243,17 +243,12 @@ class ModelFootprint:
         from .core.tp_layout import head_layout
         return head_layout(self.num_heads, self.num_kv_heads, tp_degree, gqa_strategy)
 
-    def heads_per_core(self, tp_degree: int, gqa_strategy: str | None = None) -> tuple[int, int]:
-        lay = self.layout(tp_degree, gqa_strategy)
-        if lay is not None:
-            return lay.q_per_rank, lay.kv_per_rank
-        return math.ceil(self.num_heads / tp_degree), math.ceil(self.num_kv_heads / tp_degree)
-
-    def weight_elems_per_core(self, tp_degree: int, gqa_strategy: str | None = None, *,
+    def weight_elems_per_core(self, tp_degree: int, q_heads: int, kv_heads: int, *,
                               replicate_embeddings: bool = False) -> int:
-        q, kv = self.heads_per_core(tp_degree, gqa_strategy)
-        attention = q * self.q_elems_per_head + kv * self.kv_elems_per_head
-        split = lambda shapes: sum(math.ceil(rows / tp_degree) * rest for rows, rest in shapes)
+        """Weights one core holds with ``q_heads`` / ``kv_heads`` head slots (padding included)."""
+        from .core.parallel import per_rank
+        attention = q_heads * self.q_elems_per_head + kv_heads * self.kv_elems_per_head
+        split = lambda shapes: sum(per_rank(rows, tp_degree) * rest for rows, rest in shapes)
         matrices = split(self.matrix_shapes)
         embeddings = sum(r * c for r, c in self.embedding_shapes) if replicate_embeddings else \
             split(self.embedding_shapes)
@@ -466,8 +461,11 @@ def _per_core(fp: ModelFootprint, tp: int, req: CapacityRequest, nbytes: int, st
         lay = fp.layout(tp, strategy)
     except ValueError as e:
         return str(e)
-    q, kv = (lay.q_per_rank, lay.kv_per_rank) if lay is not None else fp.heads_per_core(tp)
-    weights = fp.weight_elems_per_core(tp, strategy, replicate_embeddings=req.replicate_embeddings) * nbytes
+    if lay is not None:
+        q, kv = lay.q_per_rank, lay.kv_per_rank
+    else:   # reference architectures: heads divide tp (else _head_reasons rejects the degree)
+        q, kv = math.ceil(fp.num_heads / tp), math.ceil(fp.num_kv_heads / tp)
+    weights = fp.weight_elems_per_core(tp, q, kv, replicate_embeddings=req.replicate_embeddings) * nbytes
     return q, kv, (lay.strategy.value if lay is not None else None), weights, \
         fp.kv_elems(req.batch_size, req.n_positions, kv) * nbytes
 

@@ -10,7 +10,6 @@ issue 6) are compared within PUBLISHED_TOL, with their fit / no-fit conclusions 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 

@@ -24,7 +24,7 @@ from .config import ModelConfig, amp_dtype
 from .gguf import resolve_model_path
 from .graphs import BACKENDS, GraphKey, StepGraph, build_graph, configure_compile_cache
 from .model import DecoderLM
-from .parallel import TPGroup, barrier, check_tp_degree, shard_plan, tp_group
+from .parallel import TPGroup, barrier, shard_plan, tp_group
 from .sampling import SamplingConfig, sampling_params
 from .tp_layout import head_layout, parse_gqa
 
@@ -87,7 +87,7 @@ class DecoderModel:
         dtype = amp_dtype(amp)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")
-        check_tp_degree(tp_degree)
+        tp = tp_group(tp_degree, device)   # validates tp_degree against the running processes
         if batch_size < 1 or n_positions < 2:
             raise ValueError(f"batch_size must be >= 1 and n_positions >= 2 (got {batch_size}, {n_positions})")
         path = resolve_model_path(path)
@@ -98,7 +98,6 @@ class DecoderModel:
         if config.sliding_window is not None and n_positions > config.sliding_window:
             raise ValueError(f"n_positions={n_positions} exceeds sliding_window={config.sliding_window}; "
                              "sliding-window attention is not implemented")
-        tp = tp_group(tp_degree, device)
         layout = head_layout(config.num_heads, config.num_kv_heads, tp_degree, gqa)
         with torch.device("meta"):
             lm = DecoderLM(config, batch_size, n_positions, dtype, tp, layout)

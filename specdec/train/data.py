@@ -197,8 +197,7 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
     meta.write_text(json.dumps(asdict(cfg), indent=2))
     n_batches = -(-cfg.num_prompts // cfg.batch_size)
     todo = [i for i in range(n_batches) if not (out_dir / f"batch_{i:05d}.pt").is_file()]
-    stale = [f for f in sorted(out_dir.glob("batch_*.pt")) if "topk_ids" not in torch.load(f, weights_only=False)]
-    if not todo and not stale:
+    if not todo:
         return out_dir
     n_pos = 256 + cfg.max_new_tokens
     model = DecoderModel.from_pretrained(target_path, batch_size=cfg.batch_size, n_positions=n_pos, amp=cfg.amp,
@@ -206,15 +205,6 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
                                          context_buckets=[64, 128, 256],
                                          kv_buckets=sorted({128, 256, n_pos}),
                                          sampling=SamplingConfig(global_topk=cfg.global_topk))
-    for f in tqdm(stale, desc="adding soft labels", unit="batch", disable=not progress or not stale):
-        batch = torch.load(f, weights_only=False)  # made by an older version: add the target's top-k
-        for start in range(0, len(batch["tokens"]), cfg.batch_size):
-            _, ids_, probs_ = _argmax_labels(model, batch["tokens"][start:start + cfg.batch_size])
-            batch.setdefault("topk_ids", []).extend(ids_)
-            batch.setdefault("topk_probs", []).extend(probs_)
-        tmp = f.with_suffix(".pt.tmp")
-        torch.save(batch, tmp)
-        tmp.replace(f)
     bar = tqdm(total=n_batches, initial=n_batches - len(todo), desc="generating data", unit="batch",
                disable=not progress)
     for i in todo:

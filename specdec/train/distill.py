@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..core.checkpoint import checkpoint_shards, iter_tensors
@@ -93,7 +92,7 @@ def draft_config(target_dir: Path, spec: DraftSpec) -> dict:
     return cfg
 
 
-def init_draft_state(target_state: dict, target_cfg: dict, spec: DraftSpec, token_ids: torch.Tensor) -> dict:
+def init_draft_state(target_state: dict, target_cfg: dict, spec: DraftSpec) -> dict:
     """Trainable tensors of the draft (layers + final norm), initialised from the target."""
     n_target = target_cfg["num_hidden_layers"]
     state = {"model.norm.weight": target_state["model.norm.weight"].clone()}
@@ -205,8 +204,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def evaluate(trainer: DraftTrainer, rows: list[dict], index_of: torch.Tensor, token_ids: torch.Tensor,
-             cfg: TrainConfig) -> dict:
+def evaluate(trainer: DraftTrainer, rows: list[dict], index_of: torch.Tensor, cfg: TrainConfig) -> dict:
     """Top-1 agreement with the target's argmax on answer positions of held-out rows (labels outside
     the reduced vocabulary count as misses), and the share of labels inside the vocabulary."""
     hits = total = inside = 0
@@ -292,7 +290,7 @@ def train_draft(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
     dcfg = draft_config(target_dir, spec)
     dcfg["draft_vocab_size"] = len(token_ids)
     torch.manual_seed(cfg.seed)
-    trainable = ckpt["model"] if ckpt is not None else init_draft_state(target_state, target_cfg, spec, token_ids)
+    trainable = ckpt["model"] if ckpt is not None else init_draft_state(target_state, target_cfg, spec)
     trainer = DraftTrainer(dcfg, trainable, frozen_tensors(target_state, token_ids))
     if ckpt is None:
         calibrate_norm(trainer, train_rows[: cfg.batch_rows * 2], index_of, cfg, log)
@@ -322,8 +320,8 @@ def train_draft(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
     probe = train_rows[:16]
     if ckpt is None:
         record({"step": 0, "train_rows": len(train_rows), "heldout_rows": len(held), "vocab": len(token_ids),
-                "train_probe_loss": evaluate(trainer, probe, index_of, token_ids, cfg)["loss"],
-                **evaluate(trainer, held, index_of, token_ids, cfg)})
+                "train_probe_loss": evaluate(trainer, probe, index_of, cfg)["loss"],
+                **evaluate(trainer, held, index_of, cfg)})
     bar = tqdm(total=cfg.steps, initial=step, desc="training draft", unit="step", disable=not progress)
     trainer.train()
     start, tokens_seen, loss_avg = time.perf_counter(), 0, None
@@ -355,8 +353,8 @@ def train_draft(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
                 trainer.eval()
                 record({"step": step, "train_loss": loss_avg, "seconds": time.perf_counter() - start,
                         "tokens": tokens_seen, "lr": lr_at(step - 1, cfg),
-                        "train_probe_loss": evaluate(trainer, probe, index_of, token_ids, cfg)["loss"],
-                        **evaluate(trainer, held, index_of, token_ids, cfg)})
+                        "train_probe_loss": evaluate(trainer, probe, index_of, cfg)["loss"],
+                        **evaluate(trainer, held, index_of, cfg)})
                 trainer.train()
     except KeyboardInterrupt:
         save()
