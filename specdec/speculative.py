@@ -29,6 +29,7 @@ from .core.parallel import broadcast
 from .draft.proposer import DraftModelProposer
 from .eagle.draft import EagleDraft
 from .eagle.proposer import EagleProposer
+from .medusa.draft import MedusaDraft
 from .proposer import Proposer
 from .stats import SpecStats
 
@@ -77,20 +78,35 @@ def _tokenizer_or_none(model: DecoderModel):
 class SpeculativeGenerator:
     """Speculative decoding of ``target`` with ``draft`` proposing ``k`` tokens per step.
 
-    ``draft``: a ``DecoderModel`` (vanilla draft model) or any ``specdec.proposer.Proposer``.
+    ``draft``: a ``DecoderModel`` (vanilla draft model), an ``EagleDraft``, any
+    ``specdec.proposer.Proposer``, or a ``MedusaDraft`` (a token tree verified in one forward; ``k`` is
+    then the tree's depth and may be left out — see ``specdec.medusa.draft``).
     ``stats`` accumulates over calls; ``last_stats`` holds the latest call's numbers.
     """
 
-    def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int):
+    def __init__(self, draft: DecoderModel | Proposer | MedusaDraft, target: DecoderModel, k: int | None = None):
+        self.tree = isinstance(draft, MedusaDraft)
+        if self.tree:
+            if draft.target is not target:
+                raise ValueError("this MedusaDraft was loaded for another target: "
+                                 "use MedusaDraft.from_pretrained(path, target)")
+            if k is not None and k != draft.depth:
+                raise ValueError(f"k={k!r} but a Medusa step drafts the tree's depth {draft.depth}: "
+                                 "leave k out (choose the tree instead)")
+            k = draft.depth
+        elif k is None:
+            raise ValueError("k (draft tokens per step) is required for a draft model or proposer")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"k must be an integer >= 0 (draft tokens per step), got {k!r}")
         if k + 1 > target.kv_buckets[-1] or k + 1 > target.n_positions - 1:
             raise ValueError(f"k={k} is too large: a verify step needs k+1={k + 1} slots but the target's "
                              f"largest KV bucket is {target.kv_buckets[-1]} (n_positions={target.n_positions})")
-        check_compatible(draft, target)
-        self.proposer = as_proposer(draft)
-        if not isinstance(self.proposer, Proposer):
-            raise TypeError(f"draft must be a DecoderModel or implement specdec.proposer.Proposer, got {type(draft)}")
+        if not self.tree:
+            check_compatible(draft, target)
+        self.proposer = draft if self.tree else as_proposer(draft)
+        if not self.tree and not isinstance(self.proposer, Proposer):
+            raise TypeError(f"draft must be a DecoderModel, a MedusaDraft or implement specdec.proposer.Proposer, "
+                            f"got {type(draft)}")
         self.target, self.k = target, k
         self.stats = SpecStats()
         self.last_stats = SpecStats()
@@ -126,27 +142,19 @@ class SpeculativeGenerator:
         self._emit(first.unsqueeze(1), torch.zeros(B, dtype=torch.long), seqs, new_tokens, active, budget, eos,
                    stopping_criteria, streamer, (input_ids, attention_mask, prompts, pad_token_id))
         with stats.timer("draft"):
-            self.proposer.start(prompts, params, generator, out)
+            if self.tree:
+                self.proposer.start(prompts, out)
+            else:
+                self.proposer.start(prompts, params, generator, out)
         while bool(active.any()):
             lengths = torch.tensor([len(s) if active[i] else 2 for i, s in enumerate(seqs)])
-            longest = int(lengths.max())
-            k = max(0, min(self.k, target.n_positions - longest, self.proposer.max_draft_tokens(longest)))
             tail = torch.tensor([s[-2:] for s in seqs])
-            with stats.timer("draft"):
-                proposal = self.proposer.propose(tail, lengths, k, params, generator) if k else None
-            with stats.timer("verify"):
-                target.set_lengths(lengths - 1)
-                drafts = proposal.tokens.cpu() if k else torch.zeros(B, 0, dtype=torch.long)
-                verify = target.step(torch.cat([tail[:, 1:], drafts], 1), params, generator,
-                                     advance=False, return_probs=not greedy)
+            if self.tree:
+                n, emitted, k = self.proposer.step(tail[:, 1], lengths, params, generator, greedy, stats)
+            else:
+                n, emitted, k = self._chain_step(tail, lengths, params, generator, greedy, greedy_rows, stats)
             with stats.timer("other"):
-                n, emitted = accept(drafts.to(target.device), None if greedy else verify.probs,
-                                    None if proposal is None else proposal.probs,
-                                    target_tokens=verify.tokens, greedy_rows=greedy_rows, generator=generator)
-                # rank 0 decides for every rank of a sharded target: the ranks stay in lockstep
-                n, emitted = broadcast(n, target.tp).cpu(), broadcast(emitted, target.tp).cpu()
                 target.set_lengths(torch.where(active, lengths + n, lengths - 1))
-                self.proposer.accepted(lengths, n, emitted, verify)
                 was_active = active.clone()
                 appended = self._emit(emitted, n, seqs, new_tokens, active, budget, eos, stopping_criteria,
                                       streamer, (input_ids, attention_mask, prompts, pad_token_id))
@@ -157,6 +165,28 @@ class SpeculativeGenerator:
         self.last_stats = stats
         self.stats = self.stats + stats
         return format_output(input_ids, attention_mask, prompts, new_tokens, pad_token_id)
+
+    def _chain_step(self, tail, lengths, params, generator, greedy, greedy_rows, stats):
+        """One chain step (module docstring, 1-3 and the proposer's update) → (num_accepted [B],
+        emitted [B, k+1], k). The target's length is left at len(S) - 1."""
+        target = self.target
+        k = max(0, min(self.k, target.n_positions - int(lengths.max()),
+                       self.proposer.max_draft_tokens(int(lengths.max()))))
+        with stats.timer("draft"):
+            proposal = self.proposer.propose(tail, lengths, k, params, generator) if k else None
+        with stats.timer("verify"):
+            target.set_lengths(lengths - 1)
+            drafts = proposal.tokens.cpu() if k else torch.zeros(target.batch_size, 0, dtype=torch.long)
+            verify = target.step(torch.cat([tail[:, 1:], drafts], 1), params, generator,
+                                 advance=False, return_probs=not greedy)
+        with stats.timer("other"):
+            n, emitted = accept(drafts.to(target.device), None if greedy else verify.probs,
+                                None if proposal is None else proposal.probs,
+                                target_tokens=verify.tokens, greedy_rows=greedy_rows, generator=generator)
+            # rank 0 decides for every rank of a sharded target: the ranks stay in lockstep
+            n, emitted = broadcast(n, target.tp).cpu(), broadcast(emitted, target.tp).cpu()
+            self.proposer.accepted(lengths, n, emitted, verify)
+        return n, emitted, k
 
     @staticmethod
     def _emit(emitted, num_accepted, seqs, new_tokens, active, budget, eos, stopping_criteria, streamer, fmt):

@@ -171,5 +171,5 @@ def test_config_errors(config, message):
 def test_constructor_and_save_errors(tmp_path):
     with pytest.raises(ValueError, match=r"lm_head_weight has shape \(40, 15\), expected"):
         MedusaHeads(H, V, 2, lm_head_weight=torch.zeros(V, H - 1))
-    with pytest.raises(ValueError, match="config has 3 heads x 1 layers but the module has 2 x 1"):
+    with pytest.raises(ValueError, match=r"config has 3 heads x 1 layers \(tied=False\) but the module has 2 x 1"):
         save_heads(MedusaHeads(H, V, 2), tmp_path, MedusaConfig(3))

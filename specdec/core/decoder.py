@@ -197,6 +197,17 @@ class DecoderModel:
             raise ValueError(f"lengths must be [{self.batch_size}] in [0, {self.n_positions}], got {lengths.tolist()}")
         self.lengths.copy_(lengths)
 
+    def copy_cache_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """KV compaction, on device: in every layer, row b's cache slot src[b, i] is copied to slot
+        dst[b, i] (src, dst [B, m]; all slots are read before any is written)."""
+        rows = torch.arange(self.batch_size, device=self.device).unsqueeze(1)
+        src, dst = src.to(self.device), dst.to(self.device)
+        with torch.no_grad():
+            for module in self.lm.modules():
+                if hasattr(module, "k_cache"):
+                    for cache in (module.k_cache, module.v_cache):
+                        cache.index_put_((rows, dst), cache[rows, src])
+
     # ------------------------------------------------------------------ input checks
     def prepare_prompts(self, input_ids, attention_mask=None) -> list[torch.Tensor]:
         """Validate prompts and strip padding: a [b, L] tensor (+ optional attention mask, left or

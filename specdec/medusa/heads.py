@@ -11,6 +11,10 @@ Checkpoint directory (FasterDecoding/Medusa, also read by TensorRT-LLM and TGI):
                                "{i}.{j}.linear.weight" [hidden, hidden], "{i}.{j}.linear.bias" [hidden],
                                "{i}.{L}.weight" [vocab, hidden]  (the state dict of the heads'
                                ``nn.ModuleList`` of ``nn.Sequential``, which ``MedusaHeads.heads`` mirrors).
+Reduced, tied heads (our extension, used by the shipped SmolLM2 heads): ``"medusa_tied_lm_head": true``
+means the checkpoint holds no projections: every head projects with the target's LM head, restricted to
+the rows ``token_ids`` (an int64 tensor in the weights file, ``medusa_vocab_size`` entries) when present.
+Logit column c of such a head scores token ``token_ids[c]``; ``MedusaHeads.candidates`` maps back to token ids.
 NxD Inference names the same settings ``num_medusa_heads``, ``medusa_speculation_length`` (tree nodes +
 root, e.g. 64 for ``mc_sim_7b_63``) and ``medusa_tree`` (the list of paths); ``MedusaConfig.from_dict``
 reads either naming.
@@ -53,6 +57,8 @@ _KEYS = {
     "speculation_length": ("medusa_speculation_length",),
     "tree": ("medusa_tree",),
     "base_model_name_or_path": ("base_model_name_or_path",),
+    "tied_lm_head": ("medusa_tied_lm_head",),
+    "vocab_size": ("medusa_vocab_size",),
 }
 
 
@@ -84,10 +90,16 @@ class MedusaConfig:
     tree: MedusaTree | None = None
     speculation_length: int | None = None
     base_model_name_or_path: str | None = None
+    tied_lm_head: bool = False
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("medusa_num_heads", self.num_heads, 1)
         _check_int("medusa_num_layers", self.num_layers, 0)
+        if self.vocab_size is not None:
+            _check_int("medusa_vocab_size", self.vocab_size, 1)
+            if not self.tied_lm_head:
+                raise ValueError("medusa_vocab_size (a reduced vocabulary) needs medusa_tied_lm_head=true")
         if self.speculation_length is not None:
             _check_int("medusa_speculation_length", self.speculation_length, 2)
         if self.tree is None:
@@ -120,7 +132,9 @@ class MedusaConfig:
                    num_layers=1 if num_layers is None else num_layers,
                    tree=None if paths is None else MedusaTree.from_paths(paths, num_heads=num_heads),
                    speculation_length=_pick(config, "speculation_length"),
-                   base_model_name_or_path=_pick(config, "base_model_name_or_path"))
+                   base_model_name_or_path=_pick(config, "base_model_name_or_path"),
+                   tied_lm_head=bool(_pick(config, "tied_lm_head")),
+                   vocab_size=_pick(config, "vocab_size"))
 
     def to_dict(self) -> dict:
         """FasterDecoding/Medusa names, plus ``medusa_tree`` / ``medusa_speculation_length`` when set.
@@ -135,6 +149,10 @@ class MedusaConfig:
             out["medusa_speculation_length"] = self.speculation_length
         if self.base_model_name_or_path is not None:
             out["base_model_name_or_path"] = self.base_model_name_or_path
+        if self.tied_lm_head:
+            out["medusa_tied_lm_head"] = True
+        if self.vocab_size is not None:
+            out["medusa_vocab_size"] = self.vocab_size
         return out
 
 
@@ -161,25 +179,41 @@ class MedusaHeads(nn.Module):
 
     ``lm_head_weight`` [V, H], if given, initialises every head's projection (the Medusa recipe);
     ``self.heads.state_dict()`` is the FasterDecoding/Medusa layout (``save_heads`` / ``load_heads``).
+    ``tied=True``: all heads share that one projection (the same Parameter, not saved: see the module
+    docstring); ``token_ids`` [V] (tied only): logit column c scores token ``token_ids[c]`` (a reduced
+    vocabulary, the LM head's rows ``token_ids``).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
                  lm_head_weight: torch.Tensor | None = None, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, tied: bool = False,
+                 token_ids: torch.Tensor | None = None):
         super().__init__()
         _check_int("num_heads", num_heads, 1)
         _check_int("num_layers", num_layers, 0)
+        if tied and lm_head_weight is None:
+            raise ValueError("tied heads need lm_head_weight (the target's LM head rows they project with)")
+        if token_ids is not None and (not tied or tuple(token_ids.shape) != (vocab_size,)):
+            raise ValueError(f"token_ids must be a [{vocab_size}] tensor of tied heads, got shape "
+                             f"{tuple(token_ids.shape)} (tied={tied})")
+        self.tied = tied
         self.heads = nn.ModuleList(
             nn.Sequential(*(ResBlock(hidden_size, dtype=dtype, device=device) for _ in range(num_layers)),
                           nn.Linear(hidden_size, vocab_size, bias=False, dtype=dtype, device=device))
             for _ in range(num_heads))
+        if token_ids is not None:
+            self.register_buffer("token_ids", token_ids.to(device=device, dtype=torch.long))
         if lm_head_weight is not None:
             if tuple(lm_head_weight.shape) != (vocab_size, hidden_size):
                 raise ValueError(f"lm_head_weight has shape {tuple(lm_head_weight.shape)}, expected "
                                  f"(vocab_size, hidden_size) = ({vocab_size}, {hidden_size})")
             with torch.no_grad():
-                for head in self.heads:
-                    head[-1].weight.copy_(lm_head_weight)
+                self.heads[0][-1].weight.copy_(lm_head_weight)
+                for head in self.heads[1:]:
+                    if tied:
+                        head[-1].weight = self.heads[0][-1].weight
+                    else:
+                        head[-1].weight.copy_(lm_head_weight)
 
     @property
     def num_heads(self) -> int:
@@ -195,15 +229,23 @@ class MedusaHeads(nn.Module):
 
     @property
     def vocab_size(self) -> int:
+        """Columns of each head's logits (a reduced vocabulary's size when ``token_ids`` is set)."""
         return self.heads[0][-1].out_features
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, n, H] (final-norm hidden states) → logits [B, n, num_heads, V] float32.
 
-        logits[b, t, h] scores token t + h + 2. Any leading dims work ([..., H] → [..., num_heads, V]).
+        logits[b, t, h] scores token t + h + 2 (column c: token ``token_ids[c]`` when reduced). Any
+        leading dims work ([..., H] → [..., num_heads, V]).
         """
         x = hidden.to(self.heads[0][-1].weight.dtype)
         return torch.stack([head(x).float() for head in self.heads], dim=-2)
+
+    def candidates(self, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
+        """hidden [B, H] → each head's ``top_k`` token ids [B, num_heads, top_k] (rank order)."""
+        ranks = self(hidden).topk(top_k, dim=-1).indices
+        token_ids = getattr(self, "token_ids", None)
+        return ranks if token_ids is None else token_ids[ranks]
 
 
 def load_medusa_config(directory: str | os.PathLike) -> MedusaConfig:
@@ -224,23 +266,27 @@ def _read_weights(directory: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     raise FileNotFoundError(f"no Medusa weights in {directory}: expected {WEIGHTS_NAME} or {WEIGHTS_NAME_PT}")
 
 
-def _expected_shapes(num_heads: int, num_layers: int, hidden: int, vocab: int) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(num_heads: int, num_layers: int, hidden: int, vocab: int,
+                     with_projection: bool = True) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for i in range(num_heads):
         for j in range(num_layers):
             shapes[f"{i}.{j}.linear.weight"] = (hidden, hidden)
             shapes[f"{i}.{j}.linear.bias"] = (hidden,)
-        shapes[f"{i}.{num_layers}.weight"] = (vocab, hidden)
+        if with_projection:
+            shapes[f"{i}.{num_layers}.weight"] = (vocab, hidden)
     return shapes
 
 
 def load_heads(directory: str | os.PathLike, config: MedusaConfig | None = None, *,
                hidden_size: int | None = None, vocab_size: int | None = None,
-               dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> MedusaHeads:
+               dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+               lm_head_weight: torch.Tensor | None = None) -> MedusaHeads:
     """Load heads saved in the FasterDecoding/Medusa layout (see the module docstring).
 
     ``config`` defaults to ``load_medusa_config(directory)``. ``hidden_size`` / ``vocab_size`` (the
     target's) default to the shape of head 0's projection. ``dtype`` defaults to the checkpoint's.
+    Tied heads (``medusa_tied_lm_head``) need ``lm_head_weight``, the target's full LM head [V, H].
     KeyError naming missing tensors; ValueError naming a tensor of the wrong shape (expected vs found)
     or tensors the config does not account for.
     """
@@ -248,12 +294,27 @@ def load_heads(directory: str | os.PathLike, config: MedusaConfig | None = None,
     config = load_medusa_config(directory) if config is None else config
     path, state = _read_weights(directory)
     where = f"(config: medusa_num_heads={config.num_heads}, medusa_num_layers={config.num_layers})"
-    proj = f"0.{config.num_layers}.weight"
-    if proj not in state:
-        raise KeyError(f"{path} is missing tensor {proj!r} {where}")
-    vocab_size = state[proj].shape[0] if vocab_size is None else vocab_size
-    hidden_size = state[proj].shape[-1] if hidden_size is None else hidden_size
-    expected = _expected_shapes(config.num_heads, config.num_layers, hidden_size, vocab_size)
+    token_ids = state.pop("token_ids", None)
+    if config.tied_lm_head:
+        if lm_head_weight is None:
+            raise ValueError(f"{directory} holds tied Medusa heads (medusa_tied_lm_head): pass the target's LM "
+                             "head as lm_head_weight (MedusaDraft.from_pretrained does)")
+        if (token_ids is None) != (config.vocab_size is None) or \
+                (token_ids is not None and token_ids.numel() != config.vocab_size):
+            raise ValueError(f"{path}: token_ids ({None if token_ids is None else token_ids.numel()} entries) "
+                             f"does not match medusa_vocab_size={config.vocab_size}")
+        if token_ids is not None and (int(token_ids.min()) < 0 or int(token_ids.max()) >= lm_head_weight.shape[0]):
+            raise ValueError(f"{path}: token_ids fall outside the target's vocabulary [0, {lm_head_weight.shape[0]})")
+        proj_weight = lm_head_weight if token_ids is None else lm_head_weight[token_ids]
+        hidden_size, vocab_size = proj_weight.shape[1], proj_weight.shape[0]
+    else:
+        proj = f"0.{config.num_layers}.weight"
+        if proj not in state:
+            raise KeyError(f"{path} is missing tensor {proj!r} {where}")
+        vocab_size = state[proj].shape[0] if vocab_size is None else vocab_size
+        hidden_size = state[proj].shape[-1] if hidden_size is None else hidden_size
+    expected = _expected_shapes(config.num_heads, config.num_layers, hidden_size, vocab_size,
+                                with_projection=not config.tied_lm_head)
     missing = [k for k in expected if k not in state]
     if missing:
         raise KeyError(f"{path} is missing tensor(s) {', '.join(missing)} {where}")
@@ -263,24 +324,33 @@ def load_heads(directory: str | os.PathLike, config: MedusaConfig | None = None,
     for name, shape in expected.items():
         if tuple(state[name].shape) != shape:
             raise ValueError(f"tensor {name!r} in {path} has shape {tuple(state[name].shape)}, expected {shape}")
+    if dtype is None:
+        dtype = next(iter(state.values())).dtype if state else proj_weight.dtype
     heads = MedusaHeads(hidden_size, vocab_size, config.num_heads, config.num_layers,
-                        dtype=state[proj].dtype if dtype is None else dtype, device=device)
-    heads.heads.load_state_dict(state)
+                        proj_weight.to(dtype) if config.tied_lm_head else None, dtype=dtype, device=device,
+                        tied=config.tied_lm_head, token_ids=token_ids)
+    heads.heads.load_state_dict(state, strict=not config.tied_lm_head)
     return heads
 
 
 def save_heads(heads: MedusaHeads, directory: str | os.PathLike, config: MedusaConfig | None = None) -> None:
-    """Write ``config.json`` and ``medusa_lm_head.safetensors`` in the FasterDecoding/Medusa layout.
+    """Write ``config.json`` and ``medusa_lm_head.safetensors`` in the FasterDecoding/Medusa layout
+    (tied heads: the ResBlocks and ``token_ids`` only, see the module docstring).
 
     ``config`` (e.g. to record the tree) defaults to the heads' own counts and must agree with them.
     """
+    token_ids = getattr(heads, "token_ids", None)
     if config is None:
-        config = MedusaConfig(heads.num_heads, heads.num_layers)
-    if (config.num_heads, config.num_layers) != (heads.num_heads, heads.num_layers):
-        raise ValueError(f"config has {config.num_heads} heads x {config.num_layers} layers but the module has "
-                         f"{heads.num_heads} x {heads.num_layers}")
+        config = MedusaConfig(heads.num_heads, heads.num_layers, tied_lm_head=heads.tied,
+                              vocab_size=None if token_ids is None else token_ids.numel())
+    if (config.num_heads, config.num_layers, config.tied_lm_head) != (heads.num_heads, heads.num_layers, heads.tied):
+        raise ValueError(f"config has {config.num_heads} heads x {config.num_layers} layers (tied={config.tied_lm_head}) "
+                         f"but the module has {heads.num_heads} x {heads.num_layers} (tied={heads.tied})")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in heads.heads.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in heads.heads.state_dict().items()
+             if not (heads.tied and k.endswith(f".{heads.num_layers}.weight"))}
+    if token_ids is not None:
+        state["token_ids"] = token_ids.detach().cpu().long().contiguous()
     save_file(state, directory / WEIGHTS_NAME)
     (directory / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
