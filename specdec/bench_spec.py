@@ -4,6 +4,9 @@ In one process run, for each temperature (greedy and 0.7) and each k:
   specdec-target      ``DecoderModel.generate`` (target only)
   specdec-{s}-k{k}    ``SpeculativeGenerator(proposer, target, k).sample`` with the shipped
                       ``--strategy`` s: ``draft`` (the vanilla draft model) or ``eagle`` (the EAGLE head)
+  specdec-medusa-{t}  ``--strategy medusa``: the shipped Medusa heads with tree t of ``--trees`` (a
+                      built-in name, a JSON file, or ``shipped``: the tree built from the heads' measured
+                      accuracy, stored with them); k = the tree's depth
   hf-assisted-k{k}    ``transformers`` assisted generation (batch 1 only): the target as a
                       transformers model (eager, f32), the shipped vanilla draft as assistant
                       (``HFAdapter``, eager f32), a constant ``num_assistant_tokens=k``
@@ -12,6 +15,7 @@ with EOS disabled. Reports tokens/s (median over calls), τ, acceptance rate, pe
 and speedups as JSON (stdout) and a markdown table (stderr).
 
     python bench/bench_speculative.py [--strategy draft|eagle] [--num-prompts 10] [--ks 2,4,6] [--batch-size 1]
+    python bench/bench_speculative.py --strategy medusa [--trees chain_4,mc_sim_7b_63,shipped]
 
 Both specdec systems use the same runtime settings (``--backend``, ``--amp``, one KV bucket of
 ``--n-positions`` slots so the compiled backend builds fewer graphs).
@@ -22,6 +26,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -35,8 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default=None, help="MT-Bench style jsonl (default ../shared/data/...)")
     parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--strategy", default="draft", choices=["draft", "eagle"],
-                        help="the shipped vanilla draft model or the shipped EAGLE head")
+    parser.add_argument("--strategy", default="draft", choices=["draft", "eagle", "medusa"],
+                        help="the shipped vanilla draft model, EAGLE head or Medusa heads")
+    parser.add_argument("--trees", default="chain_4,mc_sim_7b_63,shipped",
+                        help="medusa: comma list of trees (built-in names, JSON files, 'shipped')")
+    parser.add_argument("--heads", default=None, help="medusa: heads directory (default: the shipped heads)")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per call (HF assisted needs 1)")
     parser.add_argument("--ks", type=_int_list, default=[2, 4, 6], help="draft tokens per step")
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
@@ -62,8 +70,6 @@ def run(args: argparse.Namespace) -> dict:
     from .core.decoder import DecoderModel
     from .core.hf_adapter import HFAdapter
     from .draft.smollm2 import load_embedded_draft
-    from .eagle.smollm2 import load_embedded_eagle
-    from .speculative import SpeculativeGenerator
     from .stats import SpecStats
 
     torch.set_grad_enabled(False)
@@ -73,18 +79,19 @@ def run(args: argparse.Namespace) -> dict:
               kv_buckets=[args.n_positions])
     B = args.batch_size
     target = DecoderModel.from_pretrained(None, batch_size=B, **kw)
-    draft = load_embedded_eagle(target, progress=False) if args.strategy == "eagle" else \
-        load_embedded_draft(batch_size=B, **kw)
+    systems = speculative_systems(args, target, kw)      # name -> (k, generator factory)
     texts = load_prompts(args.prompts or default_prompts_path(), args.num_prompts)
     prompts = [chat_ids(target.tokenizer, t) for t in texts]
     calls = [prompts[i:i + B] for i in range(0, len(prompts), B)]
     n_new = args.max_new_tokens
-    needed = max(len(p) for p in prompts) + n_new + max(args.ks) + 1
+    width = max(make().proposer.tree.verify_size if args.strategy == "medusa" else k + 1
+                for k, make in systems.values())
+    needed = max(len(p) for p in prompts) + n_new + width
     if needed > args.n_positions:  # else k shrinks near the end and new graph shapes compile mid-run
         raise ValueError(f"--n-positions {args.n_positions} is too small: the longest prompt + {n_new} new tokens "
-                         f"+ k={max(args.ks)} + 1 needs {needed}")
+                         f"+ a verify step of {width} tokens needs {needed}")
     temps = [float(t) for t in args.temperatures.split(",")]
-    hf = None if args.no_hf or B > 1 else AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
+    hf = None if args.no_hf or B > 1 or args.strategy == "medusa" else AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
     if hf is not None:
         hf.generation_config.eos_token_id = None
     assistant = None if hf is None else HFAdapter(load_embedded_draft(**{**kw, "backend": "eager", "amp": "f32"}))
@@ -96,12 +103,11 @@ def run(args: argparse.Namespace) -> dict:
     # warm-up (graph building / compilation) on the first prompt, not timed
     for t in temps:
         target.generate([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
-        for k in args.ks:
-            SpeculativeGenerator(draft, target, k).sample([prompts[0]], max_new_tokens=8, eos_token_id=[],
-                                                        **sampling(t))
+        for k, make in systems.values():
+            make().sample([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
     spec = f"specdec-{args.strategy}"
     jobs = [(t, None, "specdec-target") for t in temps]
-    jobs += [(t, k, f"{spec}-k{k}") for t in temps for k in args.ks]
+    jobs += [(t, k, name) for t in temps for name, (k, _) in systems.items()]
     if hf is not None:
         jobs += [(t, k, f"hf-assisted-k{k}") for t in temps for k in args.ks]
     for t, k, name in tqdm(jobs, desc="benchmark", unit="config", file=sys.stderr):
@@ -112,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
                 _, dt = _timed(lambda: target.generate(batch, max_new_tokens=n_new, eos_token_id=[],
                                                        seed=seed, **sampling(t)))
             elif name.startswith(spec):
-                gen = SpeculativeGenerator(draft, target, k)
+                gen = systems[name][1]()
                 _, dt = _timed(lambda: gen.sample(batch, max_new_tokens=n_new, eos_token_id=[], seed=seed,
                                                   **sampling(t)))
                 stats = stats + gen.last_stats
@@ -137,21 +143,42 @@ def run(args: argparse.Namespace) -> dict:
         base = runs[f"specdec-target@T{e['temperature']}"]["tokens_per_s"]
         e["speedup_vs_specdec_target"] = e["tokens_per_s"] / base
         hf_key = f"hf-assisted-k{e['k']}@T{e['temperature']}"
-        if key.startswith(spec) and hf_key in runs:
+        if key.startswith(spec) and hf_key in runs and args.strategy != "medusa":
             e["speedup_vs_hf_assisted"] = e["tokens_per_s"] / runs[hf_key]["tokens_per_s"]
+    some = next(iter(systems.values()))[1]().proposer
+    draft = some.heads if args.strategy == "medusa" else getattr(some, "draft", getattr(some, "model", None)).lm
     return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
-                       "num_prompts": len(prompts),
-                       "max_new_tokens": n_new, "ks": args.ks, "temperatures": temps,
-                       "threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "draft": str(draft.path), "draft_cost_ratio": weight_bytes_read(draft) / weight_bytes_read(target)},
+                       "num_prompts": len(prompts), "max_new_tokens": n_new, "systems": list(systems),
+                       "temperatures": temps, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                       "draft_cost_ratio": weight_bytes_read(draft) / weight_bytes_read(target.lm)},
             "runs": runs}
 
 
-def weight_bytes_read(model) -> int:
-    """Weight bytes one decode step of ``model`` reads: every parameter except the input embedding
-    table (one row is read), which counts when it doubles as the (tied) LM head."""
-    lm = model.lm
+def speculative_systems(args: argparse.Namespace, target, kw: dict) -> dict:
+    """``{name: (k, factory)}``: each factory returns a fresh ``SpeculativeGenerator`` for ``target``."""
+    from .speculative import SpeculativeGenerator
+    spec = f"specdec-{args.strategy}"
+    if args.strategy == "medusa":
+        from .medusa.draft import MedusaDraft
+        drafts = {t: MedusaDraft.from_pretrained(args.heads, target, tree=None if t == "shipped" else t)
+                  for t in args.trees.split(",")}
+        return {f"{spec}-{Path(t).stem}": (d.depth, lambda d=d: SpeculativeGenerator(d, target))
+                for t, d in drafts.items()}
+    if args.strategy == "eagle":
+        from .eagle.smollm2 import load_embedded_eagle
+        draft = load_embedded_eagle(target, progress=False)
+    else:
+        from .draft.smollm2 import load_embedded_draft
+        draft = load_embedded_draft(batch_size=args.batch_size, **kw)
+    return {f"{spec}-k{k}": (k, lambda k=k: SpeculativeGenerator(draft, target, k)) for k in args.ks}
+
+
+def weight_bytes_read(lm: torch.nn.Module) -> int:
+    """Weight bytes one decode step of module ``lm`` reads: every parameter except the input embedding
+    table (one row is read), which counts when it doubles as the (tied) LM head (Medusa heads: all)."""
     total = sum(p.numel() * p.element_size() for p in lm.parameters())
+    if not hasattr(lm, "lm_head"):
+        return total
     embed = (lm.model if hasattr(lm, "model") else lm).embed_tokens.weight   # DecoderLM / EagleLM
     if embed is lm.lm_head.weight:
         return total

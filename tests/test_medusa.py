@@ -239,3 +239,30 @@ def test_errors(models):
         gen.sample([[1, 2, 99]], max_new_tokens=5)
     reference = target.generate(PROMPTS, max_new_tokens=10, eos_token_id=[])
     assert torch.equal(gen.sample(PROMPTS, max_new_tokens=10, eos_token_id=[]), reference)
+
+
+# ---------------------------------------------------------------- the shipped heads
+@pytest.mark.slow
+def test_shipped_smollm2_medusa_is_exact():
+    pytest.importorskip("gguf")
+    from specdec.core.chat import chat_ids
+    from specdec.core.gguf import embedded_gguf_path
+    from specdec.medusa.smollm2 import SHIPPED_MEDUSA
+    try:
+        embedded_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("embedded model not installed")
+    size = sum(f.stat().st_size for f in SHIPPED_MEDUSA.iterdir())
+    assert size <= 15 * 2**20, size
+    # f32: bf16 near-ties flip between the decode and verify graphs (rounding, not speculation)
+    target = DecoderModel.from_pretrained(None, batch_size=3, n_positions=256, amp="f32", backend="eager",
+                                          progress=False)
+    tok = target.tokenizer
+    questions = ["Give me three tips for learning to cook.", "What is 17 times 23?", "Write a haiku about the sea."]
+    prompts = [chat_ids(tok, q) for q in questions]
+    reference = target.generate(prompts, max_new_tokens=48)
+    for tree in ("chain_4", "mc_sim_7b_63", None):          # None: the tree shipped with the heads
+        gen = SpeculativeGenerator(MedusaDraft.from_pretrained(None, target, tree=tree), target)
+        assert torch.equal(gen.sample(prompts, max_new_tokens=48), reference)
+        assert gen.last_stats.mean_acceptance_length > 1.2, (tree, gen.last_stats)
+    assert torch.equal(gen.sample([prompts[0]], max_new_tokens=48), target.generate([prompts[0]], max_new_tokens=48))
