@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import save_checkpoint
-from test_speculative import chi2_pvalue, exact_joint, sampled_joint
+from test_speculative import lossless_pvalue
 
 from specdec import DecoderModel
 from specdec.eagle.checkpoint import copy_lm_head, target_lm_head
@@ -186,15 +186,11 @@ def lossless(tmp_path_factory):
 @pytest.mark.parametrize("sample_kwargs", [dict(temperature=0.7), dict(temperature=1.3, top_k=6, top_p=0.9)])
 def test_sampling_is_lossless(lossless, sample_kwargs):
     hf, target, draft = lossless
-    prompt = [3, 1, 4]
-    params = target.sampling_params(sample_kwargs.get("top_k"), sample_kwargs.get("top_p"),
-                                    sample_kwargs["temperature"], True)[:1]
-    exact = exact_joint(hf, prompt, params, 3)
     gen = SpeculativeGenerator(draft, target, 2)
-    counts = sampled_joint(gen, prompt, 512, 3, 40, sample_kwargs)  # 20,480 samples of 3 tokens
+    pvalue = lossless_pvalue(hf, target, gen, sample_kwargs, 3)  # 20,480 samples of 3 tokens
     assert 0.05 < gen.stats.acceptance_rate < 0.95
     assert gen.stats.per_position_acceptance[1] > 0.01   # second drafts (draft features) get accepted too
-    assert chi2_pvalue(exact, counts) > 1e-3
+    assert pvalue > 1e-3
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -318,9 +314,6 @@ def test_misaligned_draft_probabilities_are_detected(lossless, monkeypatch):
     """Power check: draft probabilities misaligned with the sampled tokens (off by one vocabulary
     index) change the distribution, and the same chi-square test catches it."""
     hf, target, draft = lossless
-    prompt = [3, 1, 4]
-    params = target.sampling_params(None, None, 0.7, True)[:1]
-    exact = exact_joint(hf, prompt, params, 3)
     gen = SpeculativeGenerator(draft, target, 2)
     real = gen.proposer.propose
 
@@ -329,8 +322,7 @@ def test_misaligned_draft_probabilities_are_detected(lossless, monkeypatch):
         return Proposal(proposal.tokens, proposal.probs.roll(1, -1))
 
     monkeypatch.setattr(gen.proposer, "propose", misaligned)
-    counts = sampled_joint(gen, prompt, 512, 3, 20, dict(temperature=0.7))
-    assert chi2_pvalue(exact, counts) < 1e-6
+    assert lossless_pvalue(hf, target, gen, dict(temperature=0.7), 3, calls=20) < 1e-6
 
 
 def test_draft_graphs_export_and_compile_keys(tiny):

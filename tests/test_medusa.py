@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from test_speculative import chi2_pvalue, exact_joint, sampled_joint
+from test_speculative import lossless_pvalue
 
 from specdec import DecoderModel
 from specdec.medusa import MedusaHeads, MedusaTree, load_tree, save_heads
@@ -170,27 +170,19 @@ def lossless(tmp_path_factory):
 @pytest.mark.parametrize("sample_kwargs", [dict(temperature=0.7), dict(temperature=1.3, top_k=6, top_p=0.9)])
 def test_sampling_is_lossless(lossless, sample_kwargs):
     hf, target, heads = lossless
-    prompt = [3, 1, 4]
-    params = target.sampling_params(sample_kwargs.get("top_k"), sample_kwargs.get("top_p"),
-                                    sample_kwargs["temperature"], True)[:1]
-    exact = exact_joint(hf, prompt, params, 3)
     gen = SpeculativeGenerator(MedusaDraft(heads, SMALL_TREE, target), target)
-    counts = sampled_joint(gen, prompt, 512, 3, 40, sample_kwargs)   # 20,480 samples of 3 tokens
+    pvalue = lossless_pvalue(hf, target, gen, sample_kwargs, 3)   # 20,480 samples of 3 tokens
     assert 0.05 < gen.stats.acceptance_rate < 0.95
     assert gen.stats.per_position_acceptance[1] > 0.01       # depth-2 nodes get accepted too
-    assert chi2_pvalue(exact, counts) > 1e-3
+    assert pvalue > 1e-3
 
 
 def test_typical_acceptance_is_not_lossless(lossless):
     """The typical rule accepts any plausible candidate outright: at a high temperature its output
     distribution is measurably not the target's (why it is offered only as an explicit lossy option)."""
     hf, target, heads = lossless
-    prompt, kw = [3, 1, 4], dict(temperature=1.5)
-    params = target.sampling_params(None, None, 1.5, True)[:1]
-    exact = exact_joint(hf, prompt, params, 3)
     gen = SpeculativeGenerator(MedusaDraft(heads, SMALL_TREE, target, acceptance="typical"), target)
-    counts = sampled_joint(gen, prompt, 512, 3, 10, kw)
-    assert chi2_pvalue(exact, counts) < 1e-6
+    assert lossless_pvalue(hf, target, gen, dict(temperature=1.5), 3, calls=10) < 1e-6
 
 
 # ---------------------------------------------------------------- loading and errors
