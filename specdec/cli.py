@@ -1,6 +1,6 @@
 """``specdec`` command line: ``generate``, ``bench`` (runtime), ``bench-spec`` / ``bench-eagle``
-(speculation), ``train-draft`` / ``train-eagle``, ``eagle-lm-head`` (EAGLE checkpoints), ``plan``
-(capacity planning)."""
+(speculation), ``train-draft`` / ``train-eagle`` / ``train-medusa``, ``build-tree`` (Medusa trees),
+``eagle-lm-head`` (EAGLE checkpoints), ``plan`` (capacity planning)."""
 from __future__ import annotations
 
 import argparse
@@ -105,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     te = sub.add_parser("train-eagle", help="train an EAGLE draft for the target: data -> features -> training -> export")
     eagle_cli.add_arguments(te)
     te.set_defaults(func=eagle_cli.run)
+    from .train import medusa_cli
+    tm = sub.add_parser("train-medusa", help="train Medusa heads for the target: data -> features -> training -> "
+                        "calibration -> export (resumable)")
+    medusa_cli.add_arguments(tm)
+    tm.set_defaults(func=medusa_cli.run)
+    bt = sub.add_parser("build-tree", help="build a Medusa tree from measured head accuracies (prints expected tau)")
+    medusa_cli.add_tree_arguments(bt)
+    bt.set_defaults(func=medusa_cli.run_build_tree)
     lm = sub.add_parser("eagle-lm-head", help="copy the target's lm_head.weight into an EAGLE draft checkpoint")
     lm.add_argument("--draft", required=True, help="EAGLE draft directory (EAGLE-1 layout, no lm_head)")
     lm.add_argument("--target", required=True, help="target checkpoint directory (single/sharded safetensors or bin)")

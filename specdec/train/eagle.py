@@ -83,6 +83,49 @@ def compute_features(rows: list[dict], target_dir: Path, out_file: Path, amp: st
     return feats
 
 
+def training_rows(data_dir: str | Path) -> list[dict]:
+    """The rows of ``data_dir`` with at least two answer tokens (``load_dataset`` format); ValueError if none."""
+    from .data import load_dataset
+    rows = [r for r in load_dataset(data_dir) if len(r["tokens"]) > r["prompt_len"] + 1]
+    if not rows:
+        raise ValueError(f"no training rows in {data_dir}")
+    return rows
+
+
+def load_features(rows: list[dict], target_dir: Path, out_file: Path, progress: bool = True) -> list[torch.Tensor]:
+    """``compute_features`` (or its cache ``out_file``), checked against ``rows``: one [len(tokens), H]
+    tensor per row, in order; ValueError naming the cache when it holds other rows' features."""
+    feats = compute_features(rows, target_dir, out_file, progress=progress)
+    if len(feats) != len(rows) or any(f.shape[0] != len(r["tokens"]) for r, f in zip(rows, feats)):
+        raise ValueError(f"{out_file} holds features of other rows ({len(feats)} rows, the data has {len(rows)}, "
+                         "or their lengths differ): delete it (or link the cache made from this data)")
+    return feats
+
+
+def check_resume_settings(ckpt: dict, cfg: OptimConfig, ckpt_file: Path,
+                          free: tuple[str, ...] = ("steps", "save_every", "eval_every")) -> None:
+    """ValueError unless checkpoint ``ckpt`` was trained with ``cfg`` (dataclass), up to the ``free`` fields."""
+    if {k: v for k, v in ckpt["config"].items() if k not in free} != \
+            {k: v for k, v in asdict(cfg).items() if k not in free}:
+        raise ValueError(f"{ckpt_file} was trained with other settings ({ckpt['config']}); use another --out")
+
+
+def step_rows(step: int, train_idx: list[int], cfg: OptimConfig) -> list[int]:
+    """The rows (indices into the data) of optimisation step ``step``: ``batch_order`` of its epoch."""
+    per_epoch = len(batch_order(len(train_idx), cfg.batch_rows, cfg.seed, 0))
+    epoch, i = divmod(step, per_epoch)
+    return [train_idx[j] for j in batch_order(len(train_idx), cfg.batch_rows, cfg.seed, epoch)[i]]
+
+
+def jsonl_recorder(out_dir: Path, log):
+    """``record(entry)``: append ``entry`` to ``out_dir/train_log.jsonl`` and ``log`` it as JSON."""
+    def record(entry: dict) -> None:
+        with (out_dir / "train_log.jsonl").open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        log(json.dumps(entry))
+    return record
+
+
 # ----------------------------------------------------------------------------- model
 class EagleTrainer(torch.nn.Module):
     """Trainable EAGLE draft (parameter names = the shipped checkpoint keys) with an unrolled,
@@ -229,23 +272,17 @@ def init_state(target_state: dict, target_cfg: dict, cfg: EagleTrainConfig, g: t
 def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Path, cfg: EagleTrainConfig,
                 progress: bool = True, log=print, stop_after: int | None = None) -> Path:
     """Train (or resume) an EAGLE draft; ``out_dir/ckpt.pt``, ``out_dir/train_log.jsonl``."""
-    from .data import load_dataset
-
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [r for r in load_dataset(data_dir) if len(r["tokens"]) > r["prompt_len"] + 1]
-    if not rows:
-        raise ValueError(f"no training rows in {data_dir}")
-    feats = compute_features(rows, target_dir, out_dir / "features.pt", progress=progress)
+    rows = training_rows(data_dir)
+    feats = load_features(rows, target_dir, out_dir / "features.pt", progress=progress)
     train_idx, held_idx = split_rows(list(range(len(rows))), cfg.heldout_fraction, cfg.seed)
     target_cfg = json.loads((target_dir / "config.json").read_text())
     target_state = load_target_state(target_dir)
     ckpt_file = out_dir / "ckpt.pt"
     ckpt = torch.load(ckpt_file, weights_only=False) if ckpt_file.is_file() else None
     if ckpt is not None:
-        if {k: v for k, v in ckpt["config"].items() if k not in ("steps", "save_every", "eval_every")} != \
-                {k: v for k, v in asdict(cfg).items() if k not in ("steps", "save_every", "eval_every")}:
-            raise ValueError(f"{ckpt_file} was trained with other settings ({ckpt['config']}); use another --out")
+        check_resume_settings(ckpt, cfg, ckpt_file)
         token_ids = ckpt["output_token_ids"]
     else:
         token_ids = target_vocab([rows[i] for i in train_idx], target_dir, cfg.draft_vocab_size)
@@ -263,11 +300,7 @@ def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
                     "output_token_ids": token_ids, "config": asdict(cfg), "target_config": target_cfg}, tmp)
         tmp.replace(ckpt_file)
 
-    def record(entry):
-        with (out_dir / "train_log.jsonl").open("a") as f:
-            f.write(json.dumps(entry) + "\n")
-        log(json.dumps(entry))
-
+    record = jsonl_recorder(out_dir, log)
     probe = train_idx[:16]
 
     def scores() -> dict:
@@ -276,11 +309,9 @@ def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
     if ckpt is None:
         record({"step": 0, "train_rows": len(train_idx), "heldout_rows": len(held_idx), "vocab": len(token_ids),
                 **scores()})
-    per_epoch = len(batch_order(len(train_idx), cfg.batch_rows, cfg.seed, 0))
 
     def batch_loss(step: int):
-        epoch, i = divmod(step, per_epoch)
-        index = [train_idx[j] for j in batch_order(len(train_idx), cfg.batch_rows, cfg.seed, epoch)[i]]
+        index = step_rows(step, train_idx, cfg)
         loss, agree = eagle_loss(trainer, make_batch(rows, feats, index, cfg.max_len), cfg)
         return loss, {"agree": f"{agree[0]:.2f}"}
 
