@@ -10,7 +10,7 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 
 from conftest import load, prompt_ids
 from specdec import SamplingConfig
-from specdec.core.sampling import sample, sampling_params, warp
+from specdec.core.sampling import needs_filter, sample, sampling_params, warp
 
 V = 24
 N = 20_000
@@ -59,11 +59,11 @@ def logits():
     return torch.randn(V, generator=g) * 1.5
 
 
-def draw(logits, top_k, top_p, temperature, global_topk=None, seed=0, n=N):
+def draw(logits, top_k, top_p, temperature, global_topk=None, seed=0, n=N, top_filter=True):
     """n samples from ``sample`` for one row whose m=n positions share ``logits``."""
     params = sampling_params(1, top_k, top_p, temperature)
     uniform = torch.rand(1, n, generator=torch.Generator().manual_seed(seed))
-    return sample(logits.expand(1, n, V).contiguous(), params, uniform, global_topk)
+    return sample(logits.expand(1, n, V).contiguous(), params, uniform, global_topk, top_filter=top_filter)
 
 
 CASES = [  # temperature, top_k, top_p, global_topk
@@ -86,6 +86,24 @@ def test_sample_matches_warped_distribution(logits, temperature, top_k, top_p, g
     params = sampling_params(1, top_k, top_p, temperature)
     _, probs = sample(logits.view(1, 1, V), params, torch.zeros(1, 1), global_topk, return_probs=True)
     torch.testing.assert_close(probs[0, 0].double(), expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+def test_temperature_only_path_matches_warped_distribution(logits, temperature):
+    """Without top-k / top-p the graphs skip the vocabulary sort (``top_filter=False``): same target
+    distribution for the samples and for the probabilities returned to speculative acceptance."""
+    params = sampling_params(1, 0, 1.0, temperature)
+    assert not needs_filter(params, None)
+    assert needs_filter(sampling_params(2, [0, 3], 1.0, temperature), None)
+    assert needs_filter(sampling_params(1, 0, 0.9, temperature), None) and needs_filter(params, 8)
+    expected = hf_warped(logits, temperature, 0, 1.0)
+    assert chi2_pvalue(draw(logits, 0, 1.0, temperature, top_filter=False), expected) > P_MIN
+    _, probs = sample(logits.view(1, 1, V), params, torch.zeros(1, 1), None, return_probs=True, top_filter=False)
+    torch.testing.assert_close(probs[0, 0].double(), expected, atol=1e-6, rtol=1e-5)
+    # a greedy row in the same call is the argmax, with a one-hot distribution
+    both = sampling_params(2, 0, 1.0, [temperature, 0.0])
+    tokens, probs = sample(logits.expand(2, 1, V).contiguous(), both, torch.rand(2, 1), None, True, top_filter=False)
+    assert int(tokens[1, 0]) == int(logits.argmax()) and float(probs[1, 0, logits.argmax()]) == 1.0
 
 
 @pytest.mark.parametrize("wrong", ["temperature", "top_k", "top_p"])
@@ -149,6 +167,21 @@ def test_graph_sampling_matches_warped_distribution(wide):
     out = wide.step(token, params, gen, advance=False, return_probs=True)
     torch.testing.assert_close(out.probs[0, 0].double(), expected[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(out.probs[-1, 0].double(), expected[1], atol=1e-6, rtol=1e-5)
+
+
+def test_graph_without_top_filter_is_chosen_and_exact(wide):
+    """Temperature-only requests run the sort-free graph, with the same target distribution."""
+    half = ROWS // 2
+    params = wide.sampling_params(temperature=[0.7] * half + [1.3] * half, do_sample=True)
+    gen = torch.Generator().manual_seed(1)
+    wide.prefill([torch.tensor(prompt_ids(5, seed=2))] * ROWS, params, gen)
+    token = torch.full((ROWS, 1), 17)
+    samples = torch.stack([wide.step(token, params, gen, advance=False).tokens[:, 0] for _ in range(STEPS)], 1)
+    assert any(k.do_sample and not k.top_filter for k in wide._graphs)
+    ref_logits = wide.step(token, params, gen, advance=False).logits[0, 0]
+    assert chi2_pvalue(samples[:half], hf_warped(ref_logits, 0.7, 0, 1.0)) > P_MIN
+    assert chi2_pvalue(samples[half:], hf_warped(ref_logits, 1.3, 0, 1.0)) > P_MIN
+    assert chi2_pvalue(samples[:half], hf_warped(ref_logits, 1.3, 0, 1.0)) < 1e-6
 
 
 # ----------------------------------------------------------------------------- generate()

@@ -25,7 +25,7 @@ from .gguf import resolve_model_path
 from .graphs import BACKENDS, GraphKey, StepGraph, build_graph, configure_compile_cache
 from .model import DecoderLM
 from .parallel import TPGroup, barrier, shard_plan, tp_group
-from .sampling import SamplingConfig, sampling_params
+from .sampling import SamplingConfig, needs_filter, sampling_params
 from .tp_layout import head_layout, parse_gqa
 
 
@@ -149,16 +149,18 @@ class DecoderModel:
         """Context-encoding keys (one per context bucket) and token-generation keys (one per KV
         bucket, plus n-token keys for each entry of ``spec_tokens``). ``prompt_length`` /
         ``max_length`` keep only the buckets that prompts / sequences up to those lengths use."""
-        s = self.settings.sampling.do_sample if do_sample is None else do_sample
+        cfg = self.settings.sampling
+        s = cfg.do_sample if do_sample is None else do_sample
+        f = s and needs_filter(self.sampling_params(do_sample=s), cfg.global_topk)
         ctx = self.context_buckets
         if prompt_length is not None:
             ctx = [c for c in ctx if c <= pick_bucket(ctx, prompt_length, "prompt length")]
         kvs = self.kv_buckets
         if max_length is not None:
             kvs = [kv for kv in kvs if kv <= pick_bucket(kvs, max_length, "max_length")]
-        keys = [GraphKey(c, 1, c, s) for c in ctx]
+        keys = [GraphKey(c, 1, c, s, False, f) for c in ctx]
         for n in (1, *spec_tokens):
-            keys += [GraphKey(n, n, kv, s, n > 1) for kv in kvs if kv >= n]
+            keys += [GraphKey(n, n, kv, s, n > 1, f) for kv in kvs if kv >= n]
         return keys
 
     def compile(self, progress: bool = True, spec_tokens: tuple[int, ...] = (), prompt_length: int | None = None,
@@ -266,6 +268,12 @@ class DecoderModel:
         return params
 
     # ------------------------------------------------------------------ running graphs
+    def _key(self, n: int, m: int, kv: int, params: torch.Tensor, return_probs: bool = False) -> GraphKey:
+        """The graph for n tokens, m logits, KV bucket kv and these sampling params [B, 3]."""
+        do_sample = bool((params[:, 2] > 0).any())
+        top_filter = do_sample and needs_filter(params, self.settings.sampling.global_topk)
+        return GraphKey(n, m, kv, do_sample, return_probs, top_filter)
+
     def _run(self, key: GraphKey, input_ids, position_ids, cache_lengths, token_mask, logit_index,
              params, generator, features: torch.Tensor | None = None) -> StepOutput:
         dev = self.device
@@ -291,7 +299,7 @@ class DecoderModel:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = p
         b = self.batch_size
-        key = GraphKey(bucket, 1, bucket, bool((params[:, 2] > 0).any()))
+        key = self._key(bucket, 1, bucket, params)
         out = self._run(key, ids, torch.arange(bucket).expand(b, bucket), torch.zeros(b, dtype=torch.long),
                         torch.ones(bucket, bucket, dtype=torch.bool).tril().expand(b, bucket, bucket),
                         (lens - 1).unsqueeze(1), params, generator, _fit(features, bucket))
@@ -322,10 +330,9 @@ class DecoderModel:
             token_mask = token_mask.expand(b, n, n)
         if position_ids is None:
             position_ids = self.lengths.unsqueeze(1) + torch.arange(n)
-        do_sample = bool((params[:, 2] > 0).any())
         if logit_index is None:
             logit_index = torch.arange(n).expand(b, n)
-        key = GraphKey(n, logit_index.shape[1], kv, do_sample, return_probs)
+        key = self._key(n, logit_index.shape[1], kv, params, return_probs)
         out = self._run(key, tokens.long(), position_ids, self.lengths.clone(), token_mask,
                         logit_index, params, generator, features)
         if advance:

@@ -26,16 +26,19 @@ from .sampling import sample
 @dataclass(frozen=True)
 class GraphKey:
     """What a graph is compiled for: n new tokens per row, logits at m of them, a KV bucket,
-    greedy (argmax) or sampling, and whether warped probabilities are returned."""
+    greedy (argmax) or sampling, whether warped probabilities are returned, and (sampling) whether
+    top-k / top-p warping is compiled in (``top_filter``; without it a sampling graph warps by
+    temperature only, no vocabulary sort; chosen per request by ``sampling.needs_filter``)."""
 
     n_tokens: int
     n_logits: int
     kv_len: int
     do_sample: bool
     return_probs: bool = False
+    top_filter: bool = False
 
     def describe(self) -> str:
-        mode = "sample" if self.do_sample else "greedy"
+        mode = ("sample" if self.top_filter else "sample-T") if self.do_sample else "greedy"
         return f"n={self.n_tokens} m={self.n_logits} kv={self.kv_len} {mode}{' +probs' if self.return_probs else ''}"
 
 
@@ -48,7 +51,7 @@ class StepGraph(nn.Module):
         logits, hidden = self.lm(input_ids, position_ids, cache_lengths, token_mask, logit_index, *features,
                                  kv_len=self.key.kv_len)
         if self.key.do_sample:
-            out = sample(logits, params, uniform, self.global_topk, self.key.return_probs)
+            out = sample(logits, params, uniform, self.global_topk, self.key.return_probs, self.key.top_filter)
             return (out + (logits, hidden)) if self.key.return_probs else (out, logits, hidden)
         tokens = logits.argmax(-1)
         if self.key.return_probs:

@@ -95,13 +95,39 @@ def full_probs(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch
     return out.scatter(-1, ids, probs)
 
 
+def needs_filter(params: torch.Tensor, global_topk: int | None) -> bool:
+    """Whether sampling with ``params`` [B, 3] needs the sorted top-k / top-p warping (``warp``):
+    some row has top_k > 0 or top_p < 1, or a ``global_topk`` prefilter is configured. Otherwise
+    ``warp_temperature`` gives the same distribution without sorting the vocabulary."""
+    return global_topk is not None or bool(((params[:, 0] > 0) | (params[:, 1] < 1)).any())
+
+
+def warp_temperature(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Temperature-only warping in vocabulary order: logits [B, m, V] f32 → probs [B, m, V]
+    (softmax(logits / T); one-hot argmax for greedy rows). Equals ``warp`` (scattered back to the
+    vocabulary) for rows with top_k = 0 and top_p = 1, without its sort."""
+    temperature = params[:, 2].view(-1, 1, 1)
+    greedy = temperature <= 0
+    probs = torch.softmax(logits / torch.where(greedy, torch.ones_like(temperature), temperature), dim=-1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
+    return torch.where(greedy, one_hot, probs)
+
+
 def sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tensor, global_topk: int | None,
-           return_probs: bool = False):
+           return_probs: bool = False, top_filter: bool = True):
     """Draw one token per position: logits [B, m, V], uniform [B, m] in [0, 1) → tokens [B, m].
 
     Greedy rows (temperature 0) return the argmax exactly. With ``return_probs`` also returns the
-    warped distribution [B, m, V].
+    warped distribution [B, m, V]. ``top_filter=False`` (only valid when ``needs_filter`` is false)
+    samples by inverse CDF in vocabulary order from ``warp_temperature``: the same distribution,
+    no sort.
     """
+    if not top_filter:
+        probs = warp_temperature(logits, params)
+        cdf = torch.cumsum(probs, dim=-1)
+        tokens = (cdf < uniform.unsqueeze(-1) * cdf[..., -1:]).sum(-1).clamp(max=probs.shape[-1] - 1)
+        tokens = torch.where((params[:, 2] <= 0).unsqueeze(1), logits.argmax(-1), tokens)
+        return (tokens, probs) if return_probs else tokens
     probs, ids = warp(logits, params, global_topk)
     cdf = torch.cumsum(probs, dim=-1)
     choice = (cdf < uniform.unsqueeze(-1) * cdf[..., -1:]).sum(-1, keepdim=True)

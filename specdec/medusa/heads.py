@@ -239,6 +239,9 @@ class MedusaHeads(nn.Module):
         leading dims work ([..., H] → [..., num_heads, V]).
         """
         x = hidden.to(self.heads[0][-1].weight.dtype)
+        if self.tied:   # one matmul with the shared projection for all heads
+            blocks = torch.stack([head[:-1](x) for head in self.heads], dim=-2)
+            return self.heads[0][-1](blocks).float()
         return torch.stack([head(x).float() for head in self.heads], dim=-2)
 
     def candidates(self, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
