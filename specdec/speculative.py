@@ -12,6 +12,9 @@ One step, per row (S = prompt + emitted tokens, the target's cache holds S[:-1])
      correction / bonus token (greedy: exact match with the argmax; sampled: lossless rejection);
   4. the target's length moves to len(S) + n (rollback of rejected slots is just that);
      the n + 1 new tokens are appended, cut at EOS / stopping criteria / the row's budget.
+With a ``MedusaDraft`` steps 1-3 are one tree step instead (``specdec.medusa.draft``: a token tree
+verified in one forward with the tree mask, the accepted path's KV rows compacted, the next
+candidates read from the same forward); step 4 is shared.
 Rows finish independently; finished rows stay in the fixed-shape batch but their output is frozen.
 Near ``n_positions`` the step's k shrinks so no graph writes past the cache; at k = 0 a step is a
 plain decode step.
