@@ -41,6 +41,29 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-backend", default=d.backend, choices=["eager", "compiled"])
 
 
+def add_optim_arguments(p: argparse.ArgumentParser, cfg) -> argparse._ArgumentGroup:
+    """The "training" group with the optimisation options every trainer shares (defaults from ``cfg``, an
+    ``OptimConfig``); returns the group for the trainer's own options."""
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=cfg.steps)
+    g.add_argument("--batch-rows", type=int, default=cfg.batch_rows)
+    g.add_argument("--lr", type=float, default=cfg.lr)
+    g.add_argument("--save-every", type=int, default=cfg.save_every)
+    g.add_argument("--eval-every", type=int, default=cfg.eval_every)
+    return g
+
+
+def optim_settings(args: argparse.Namespace) -> dict:
+    """The ``OptimConfig`` fields set on the command line (``add_optim_arguments`` + ``--seed``)."""
+    return dict(steps=args.steps, batch_rows=args.batch_rows, lr=args.lr, seed=args.seed,
+                save_every=args.save_every, eval_every=args.eval_every)
+
+
+def ship_bytes(ship_dir: str | Path) -> int:
+    """Total size of the files in a ship directory."""
+    return sum(f.stat().st_size for f in Path(ship_dir).iterdir() if f.is_file())
+
+
 def prepare_data(args: argparse.Namespace) -> Path:
     """Generate (or finish) the target's data in ``--data`` / OUT/data; returns the directory."""
     from .data import DataConfig, generate_data
@@ -66,12 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target layers the draft's layers are initialised from (e.g. 0,1 or 0,-1)")
     g.add_argument("--draft-vocab", type=int, default=s.draft_vocab_size, help="reduced output vocabulary size")
     g.add_argument("--intermediate-size", type=int, default=None)
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=t.steps)
-    g.add_argument("--batch-rows", type=int, default=t.batch_rows)
-    g.add_argument("--lr", type=float, default=t.lr)
-    g.add_argument("--save-every", type=int, default=t.save_every)
-    g.add_argument("--eval-every", type=int, default=t.eval_every)
+    add_optim_arguments(p, t)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,15 +107,13 @@ def run(args: argparse.Namespace) -> int:
     times["data_s"] = time.perf_counter() - start
     spec = DraftSpec(init_layers=[int(x) for x in args.layers.split(",")], draft_vocab_size=args.draft_vocab,
                      intermediate_size=args.intermediate_size)
-    tcfg = TrainConfig(steps=args.steps, batch_rows=args.batch_rows, lr=args.lr, seed=args.seed,
-                       save_every=args.save_every, eval_every=args.eval_every)
+    tcfg = TrainConfig(**optim_settings(args))
     start = time.perf_counter()
     train_draft(data, out / "train", target, spec, tcfg, progress=progress,
                 log=lambda m: print(m, file=sys.stderr))
     times["train_s"] = time.perf_counter() - start
     export_draft(out / "train" / "ckpt.pt", ship)
-    size = sum(f.stat().st_size for f in ship.iterdir())
-    print(json.dumps({"ship": str(ship), "ship_bytes": size, **times}))
+    print(json.dumps({"ship": str(ship), "ship_bytes": ship_bytes(ship), **times}))
     return 0
 
 

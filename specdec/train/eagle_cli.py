@@ -17,21 +17,16 @@ from pathlib import Path
 
 import torch
 
-from .cli import add_common_arguments, prepare_data, resolve_target
+from .cli import add_common_arguments, add_optim_arguments, optim_settings, prepare_data, resolve_target, ship_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .eagle import EagleTrainConfig
     c = EagleTrainConfig()
     add_common_arguments(p)
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=c.steps)
-    g.add_argument("--batch-rows", type=int, default=c.batch_rows)
-    g.add_argument("--lr", type=float, default=c.lr)
+    g = add_optim_arguments(p, c)
     g.add_argument("--unroll", type=int, default=c.unroll, help="drafting steps simulated in training")
     g.add_argument("--draft-vocab", type=int, default=c.draft_vocab_size, help="reduced LM-head vocabulary size")
-    g.add_argument("--save-every", type=int, default=c.save_every)
-    g.add_argument("--eval-every", type=int, default=c.eval_every)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,14 +38,11 @@ def run(args: argparse.Namespace) -> int:
     times, start = {}, time.perf_counter()
     data = prepare_data(args)
     times["data_s"] = time.perf_counter() - start
-    cfg = EagleTrainConfig(steps=args.steps, batch_rows=args.batch_rows, lr=args.lr, unroll=args.unroll,
-                           draft_vocab_size=args.draft_vocab, seed=args.seed, save_every=args.save_every,
-                           eval_every=args.eval_every)
+    cfg = EagleTrainConfig(unroll=args.unroll, draft_vocab_size=args.draft_vocab, **optim_settings(args))
     start = time.perf_counter()
     train_eagle(data, out / "train", resolve_target(args), cfg, progress=not args.no_progress,
                 log=lambda m: print(m, file=sys.stderr))
     times["train_s"] = time.perf_counter() - start
     export_eagle(out / "train" / "ckpt.pt", ship)
-    size = sum(f.stat().st_size for f in ship.iterdir())
-    print(json.dumps({"ship": str(ship), "ship_bytes": size, **times}))
+    print(json.dumps({"ship": str(ship), "ship_bytes": ship_bytes(ship), **times}))
     return 0

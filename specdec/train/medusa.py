@@ -22,7 +22,6 @@ final heads on the held-out rows, ``head_accuracy.json``; ``export_medusa`` buil
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -309,8 +308,3 @@ def tree_summary(tree: MedusaTree, matrix: torch.Tensor) -> dict:
     length = expected_accept_length(tree, matrix)
     return {"num_nodes": tree.num_nodes, "depth": tree.depth, "expected_accept_length": length,
             "expected_tau": 1.0 + length}
-
-
-def ship_bytes(ship_dir: str | os.PathLike) -> int:
-    """Total size of the files in a ship directory."""
-    return sum(f.stat().st_size for f in Path(ship_dir).iterdir() if f.is_file())

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import add_common_arguments, prepare_data, resolve_target
+from .cli import add_common_arguments, add_optim_arguments, optim_settings, prepare_data, resolve_target, ship_bytes
 
 TREE_SIZES = (15, 31, 63)   # trees whose expected τ is reported
 
@@ -45,15 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p)
     p.add_argument("--features", default=None,
                    help="existing features cache of the same rows to link (e.g. a train-eagle run's train/features.pt)")
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=c.steps)
-    g.add_argument("--batch-rows", type=int, default=c.batch_rows)
-    g.add_argument("--lr", type=float, default=c.lr)
+    g = add_optim_arguments(p, c)
     g.add_argument("--heads", type=int, default=c.num_heads, help="number of Medusa heads")
     g.add_argument("--layers", type=int, default=c.num_layers, help="ResBlocks per head")
     g.add_argument("--medusa-vocab", type=int, default=c.medusa_vocab_size, help="reduced vocabulary size")
-    g.add_argument("--save-every", type=int, default=c.save_every)
-    g.add_argument("--eval-every", type=int, default=c.eval_every)
     g = p.add_argument_group("export")
     g.add_argument("--tree-nodes", type=int, default=31,
                    help="nodes of the shipped tree (built from the accuracy)")
@@ -74,8 +69,8 @@ def heldout_scores(entry: dict) -> dict:
 def run(args: argparse.Namespace) -> int:
     from ..core.gguf import EMBEDDED_MODEL
     from ..medusa.tree import build_tree
-    from .medusa import (MedusaTrainConfig, calibrate, export_medusa, link_features, load_data, ship_bytes,
-                         train_medusa, tree_summary)
+    from .medusa import (MedusaTrainConfig, calibrate, export_medusa, link_features, load_data, train_medusa,
+                         tree_summary)
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -85,9 +80,8 @@ def run(args: argparse.Namespace) -> int:
     data_dir = prepare_data(args)
     target = resolve_target(args)
     times["data_s"] = time.perf_counter() - start
-    cfg = MedusaTrainConfig(steps=args.steps, batch_rows=args.batch_rows, lr=args.lr, num_heads=args.heads,
-                            num_layers=args.layers, medusa_vocab_size=args.medusa_vocab, seed=args.seed,
-                            save_every=args.save_every, eval_every=args.eval_every)
+    cfg = MedusaTrainConfig(num_heads=args.heads, num_layers=args.layers, medusa_vocab_size=args.medusa_vocab,
+                            **optim_settings(args))
     start = time.perf_counter()
     if args.features:
         link_features(args.features, train_dir)
