@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -79,13 +80,12 @@ def run(args: argparse.Namespace) -> dict:
               kv_buckets=[args.n_positions])
     B = args.batch_size
     target = DecoderModel.from_pretrained(None, batch_size=B, **kw)
-    systems = speculative_systems(args, target, kw)      # name -> (k, generator factory)
+    systems, draft_module = speculative_systems(args, target, kw)   # name -> System
     texts = load_prompts(args.prompts or default_prompts_path(), args.num_prompts)
     prompts = [chat_ids(target.tokenizer, t) for t in texts]
     calls = [prompts[i:i + B] for i in range(0, len(prompts), B)]
     n_new = args.max_new_tokens
-    width = max(make().proposer.tree.verify_size if args.strategy == "medusa" else k + 1
-                for k, make in systems.values())
+    width = max(system.width for system in systems.values())
     needed = max(len(p) for p in prompts) + n_new + width
     if needed > args.n_positions:  # else k shrinks near the end and new graph shapes compile mid-run
         raise ValueError(f"--n-positions {args.n_positions} is too small: the longest prompt + {n_new} new tokens "
@@ -103,11 +103,11 @@ def run(args: argparse.Namespace) -> dict:
     # warm-up (graph building / compilation) on the first prompt, not timed
     for t in temps:
         target.generate([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
-        for k, make in systems.values():
-            make().sample([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
+        for system in systems.values():
+            system.make().sample([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
     spec = f"specdec-{args.strategy}"
     jobs = [(t, None, "specdec-target") for t in temps]
-    jobs += [(t, k, name) for t in temps for name, (k, _) in systems.items()]
+    jobs += [(t, system.k, name) for t in temps for name, system in systems.items()]
     if hf is not None:
         jobs += [(t, k, f"hf-assisted-k{k}") for t in temps for k in args.ks]
     for t, k, name in tqdm(jobs, desc="benchmark", unit="config", file=sys.stderr):
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
                 _, dt = _timed(lambda: target.generate(batch, max_new_tokens=n_new, eos_token_id=[],
                                                        seed=seed, **sampling(t)))
             elif name.startswith(spec):
-                gen = systems[name][1]()
+                gen = systems[name].make()
                 _, dt = _timed(lambda: gen.sample(batch, max_new_tokens=n_new, eos_token_id=[], seed=seed,
                                                   **sampling(t)))
                 stats = stats + gen.last_stats
@@ -143,34 +143,44 @@ def run(args: argparse.Namespace) -> dict:
         base = runs[f"specdec-target@T{e['temperature']}"]["tokens_per_s"]
         e["speedup_vs_specdec_target"] = e["tokens_per_s"] / base
         hf_key = f"hf-assisted-k{e['k']}@T{e['temperature']}"
-        if key.startswith(spec) and hf_key in runs and args.strategy != "medusa":
+        if key.startswith(spec) and hf_key in runs:
             e["speedup_vs_hf_assisted"] = e["tokens_per_s"] / runs[hf_key]["tokens_per_s"]
-    some = next(iter(systems.values()))[1]().proposer
-    draft = some.heads if args.strategy == "medusa" else getattr(some, "draft", getattr(some, "model", None)).lm
     return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
                        "num_prompts": len(prompts), "max_new_tokens": n_new, "systems": list(systems),
                        "temperatures": temps, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "draft_cost_ratio": weight_bytes_read(draft) / weight_bytes_read(target.lm)},
+                       "draft_cost_ratio": weight_bytes_read(draft_module) / weight_bytes_read(target.lm)},
             "runs": runs}
 
 
-def speculative_systems(args: argparse.Namespace, target, kw: dict) -> dict:
-    """``{name: (k, factory)}``: each factory returns a fresh ``SpeculativeGenerator`` for ``target``."""
+class System(NamedTuple):
+    """One speculative configuration: draft tokens per step k, verify width (tokens per target
+    forward) and a factory of fresh ``SpeculativeGenerator`` objects."""
+
+    k: int
+    width: int
+    make: Callable
+
+
+def speculative_systems(args: argparse.Namespace, target, kw: dict) -> tuple[dict[str, System], torch.nn.Module]:
+    """``{name: System}`` for ``--strategy`` and the draft's module (for its weight-read cost)."""
     from .speculative import SpeculativeGenerator
     spec = f"specdec-{args.strategy}"
     if args.strategy == "medusa":
         from .medusa.draft import MedusaDraft
         drafts = {t: MedusaDraft.from_pretrained(args.heads, target, tree=None if t == "shipped" else t)
                   for t in args.trees.split(",")}
-        return {f"{spec}-{Path(t).stem}": (d.depth, lambda d=d: SpeculativeGenerator(d, target))
-                for t, d in drafts.items()}
+        systems = {f"{spec}-{Path(t).stem}": System(d.depth, d.tree.verify_size,
+                                                    lambda d=d: SpeculativeGenerator(d, target))
+                   for t, d in drafts.items()}
+        return systems, next(iter(drafts.values())).heads
     if args.strategy == "eagle":
         from .eagle.smollm2 import load_embedded_eagle
         draft = load_embedded_eagle(target, progress=False)
     else:
         from .draft.smollm2 import load_embedded_draft
         draft = load_embedded_draft(batch_size=args.batch_size, **kw)
-    return {f"{spec}-k{k}": (k, lambda k=k: SpeculativeGenerator(draft, target, k)) for k in args.ks}
+    return {f"{spec}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(draft, target, k))
+            for k in args.ks}, draft.lm
 
 
 def weight_bytes_read(lm: torch.nn.Module) -> int:

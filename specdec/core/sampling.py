@@ -122,19 +122,16 @@ def sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tensor, gl
     samples by inverse CDF in vocabulary order from ``warp_temperature``: the same distribution,
     no sort.
     """
-    if not top_filter:
-        probs = warp_temperature(logits, params)
-        cdf = torch.cumsum(probs, dim=-1)
-        tokens = (cdf < uniform.unsqueeze(-1) * cdf[..., -1:]).sum(-1).clamp(max=probs.shape[-1] - 1)
-        tokens = torch.where((params[:, 2] <= 0).unsqueeze(1), logits.argmax(-1), tokens)
-        return (tokens, probs) if return_probs else tokens
-    probs, ids = warp(logits, params, global_topk)
+    if top_filter:
+        probs, ids = warp(logits, params, global_topk)
+    else:
+        probs, ids = warp_temperature(logits, params), None    # vocabulary order: the candidate is the token
     cdf = torch.cumsum(probs, dim=-1)
     choice = (cdf < uniform.unsqueeze(-1) * cdf[..., -1:]).sum(-1, keepdim=True)
     choice = choice.clamp(max=probs.shape[-1] - 1)
-    tokens = torch.gather(ids, -1, choice).squeeze(-1)
+    tokens = choice.squeeze(-1) if ids is None else torch.gather(ids, -1, choice).squeeze(-1)
     greedy = (params[:, 2] <= 0).unsqueeze(1)
     tokens = torch.where(greedy, logits.argmax(-1), tokens)
     if return_probs:
-        return tokens, full_probs(probs, ids, logits.shape[-1])
+        return tokens, probs if ids is None else full_probs(probs, ids, logits.shape[-1])
     return tokens

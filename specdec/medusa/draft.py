@@ -109,7 +109,7 @@ class MedusaDraft:
         with stats.timer("verify"):
             target.set_lengths(lengths - 1)
             tokens = gather_tree_tokens(root.to(target.device), self.candidates, buf.candidate_index)[:, :nodes]
-            positions = (lengths - 1).unsqueeze(1) + buf.depth[:nodes].cpu()
+            positions = (lengths.to(target.device) - 1).unsqueeze(1) + buf.depth[:nodes]
             out = target.step(tokens, params, generator, token_mask=buf.mask[:nodes, :nodes], position_ids=positions,
                               advance=False, return_probs=not greedy and nodes > 1)
         with stats.timer("other"):
