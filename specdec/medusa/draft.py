@@ -26,7 +26,6 @@ import torch
 
 from ..acceptance import accept_tree_greedy, accept_tree_sampled, accept_tree_typical, draw_tree_uniforms
 from ..core.decoder import DecoderModel
-from ..core.parallel import broadcast
 from .heads import MedusaHeads, load_heads, load_medusa_config
 from .tree import MedusaTree, gather_tree_tokens, load_tree, tree_buffers
 
@@ -57,9 +56,6 @@ class MedusaDraft:
         """Load heads in the FasterDecoding/Medusa layout (``None``: the heads shipped for the embedded
         SmolLM2). ``tree``: a built-in name (``builtin_trees()``), a JSON file, a ``MedusaTree``, or
         ``None`` for the checkpoint's ``medusa_tree`` (else ``mc_sim_7b_63``)."""
-        if target.tp.size > 1:
-            raise ValueError(f"Medusa needs a target at tp_degree=1 (got {target.tp.size}): "
-                             "tensor-parallel Medusa is not supported yet")
         if path is None:
             from .smollm2 import SHIPPED_MEDUSA
             path = SHIPPED_MEDUSA
@@ -104,12 +100,13 @@ class MedusaDraft:
         is left at len(S) - 1; the caller moves it to len(S) + num_accepted.
         """
         target, buf = self.target, self.buffers
+        base = lengths.to(target.device) - 1          # slot (and position) of the root
         room = target.n_positions - int(lengths.max())
         nodes = self.tree.verify_size if room >= self.tree.num_nodes else 1
         with stats.timer("verify"):
             target.set_lengths(lengths - 1)
             tokens = gather_tree_tokens(root.to(target.device), self.candidates, buf.candidate_index)[:, :nodes]
-            positions = (lengths.to(target.device) - 1).unsqueeze(1) + buf.depth[:nodes]
+            positions = base.unsqueeze(1) + buf.depth[:nodes]
             out = target.step(tokens, params, generator, token_mask=buf.mask[:nodes, :nodes], position_ids=positions,
                               advance=False, return_probs=not greedy and nodes > 1)
         with stats.timer("other"):
@@ -118,10 +115,7 @@ class MedusaDraft:
                 best, emitted = n, out.tokens[:, :1]
             else:
                 n, best, emitted = self._accept(tokens, out, greedy, generator)
-            n, best = broadcast(n, target.tp), broadcast(best, target.tp)
-            emitted = broadcast(emitted, target.tp)
-            if nodes > 1:
-                self._compact(lengths.to(target.device) - 1, best, n)
+                self._compact(base, best, n)
         with stats.timer("draft"):
             hidden = out.hidden.gather(1, best.view(-1, 1, 1).expand(-1, 1, out.hidden.shape[-1])).squeeze(1)
             self.candidates = self.heads.candidates(hidden, self.tree.top_k)
@@ -153,6 +147,9 @@ def check_medusa(heads: MedusaHeads, tree: MedusaTree, target: DecoderModel, acc
     """ValueError when heads / tree / target / acceptance do not fit together (what, and what is allowed)."""
     if acceptance not in ACCEPTANCE:
         raise ValueError(f"acceptance={acceptance!r} is not supported; use one of {', '.join(ACCEPTANCE)}")
+    if target.tp.size > 1:
+        raise ValueError(f"Medusa needs a target at tp_degree=1 (got {target.tp.size}): "
+                         "tensor-parallel Medusa is not supported yet")
     if heads.hidden_size != target.config.hidden_size:
         raise ValueError(f"Medusa heads have hidden size {heads.hidden_size} but the target {target.config.hidden_size}: "
                          "the heads must be trained for this target")
