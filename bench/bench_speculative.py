@@ -1,7 +1,12 @@
-"""Speculative-decoding benchmark (see specdec/bench_spec.py): python bench/bench_speculative.py --help"""
+#!/usr/bin/env python
+"""Speculative-decoding benchmark: thin wrapper around :mod:`specdec.bench.speculative`
+(``python bench/bench_speculative.py --help``)."""
 import sys
+from pathlib import Path
 
-from specdec.bench_spec import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdec.bench.speculative import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

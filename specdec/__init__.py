@@ -1,7 +1,20 @@
-"""specdec: speculative decoding on static-shape LLM decoders."""
-from .core.decoder import DecoderModel, RuntimeSettings, StepOutput
-from .core.graphs import GraphKey
-from .core.sampling import SamplingConfig
+"""specdec: speculative decoding on static-shape LLM decoders.
 
-__all__ = ["DecoderModel", "GraphKey", "RuntimeSettings", "SamplingConfig", "StepOutput"]
+    from specdec import DecoderModel, SpeculativeGenerator, shipped
+    target = DecoderModel.from_pretrained()                       # the embedded SmolLM2-135M-Instruct
+    gen = SpeculativeGenerator(shipped("eagle", target), target, k=5)
+"""
+from .core.decoder import DecoderModel
+from .core.engine import Engine
+from .core.sampling import SamplingConfig
+from .core.stats import SpecStats
+from .draft.proposer import DraftModel
+from .eagle.proposer import EagleDraft
+from .generator import SpeculativeGenerator
+from .medusa.draft import MedusaDraft
+from .proposer import Proposal, Proposer
+from .shipped import shipped
+
+__all__ = ["DecoderModel", "DraftModel", "EagleDraft", "Engine", "MedusaDraft", "Proposal", "Proposer",
+           "SamplingConfig", "SpecStats", "SpeculativeGenerator", "shipped"]
 __version__ = "0.1.0"

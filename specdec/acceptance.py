@@ -43,7 +43,7 @@ The math
       accept_j  = u_j * q_j(x_j) < p_j(x_j)       <=>  u_j < min(1, p_j(x_j) / q_j(x_j))
                                                         (u_j in [0,1); no division, q = 0 safe)
       valid_j   = j < d
-      n         = sum_j cumprod_j(accept_j & valid_j)   (index of the first rejection, or d)
+      n         = #{ j : accept_i & valid_i for all i <= j }   (index of the first rejection, or d)
       if n < d:  r = max(p_n - q_n, 0);  emit y ~ r / sum(r)   (if sum(r) == 0 then p_n == q_n, use p_n)
       if n == d: emit the bonus y ~ p_d
     For each position, P(emit y) = q(y) min(1, p(y)/q(y)) + (1 - sum_z min(p(z), q(z))) r(y)/sum(r)
@@ -67,6 +67,8 @@ argmax has ties.
 from __future__ import annotations
 
 import torch
+
+from .core.sampling import inverse_cdf
 
 __all__ = [
     "accept",
@@ -106,8 +108,12 @@ def _valid_mask(draft_tokens: torch.Tensor, num_drafts: torch.Tensor | None) -> 
 
 
 def _prefix_length(accepted: torch.Tensor) -> torch.Tensor:
-    """Length of the all-True prefix of each row of ``accepted [B, k]`` → [B] long (cumprod, no loop)."""
-    return torch.cumprod(accepted.to(torch.long), dim=1).sum(dim=1)
+    """Length of the all-True prefix of each row of ``accepted [B, k]`` → [B] long.
+
+    Position j is in the prefix iff no False occurs at or before j, i.e. the running count of
+    rejections is 0 (a cumsum: integer cumprod has no XLA lowering)."""
+    rejected_so_far = torch.cumsum((~accepted).to(torch.long), dim=1)
+    return (rejected_so_far == 0).sum(dim=1)
 
 
 def _assemble(prefix_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor,
@@ -119,20 +125,6 @@ def _assemble(prefix_tokens: torch.Tensor, num_accepted: torch.Tensor, next_toke
     padded = torch.cat([prefix_tokens, next_token.view(B, 1).to(prefix_tokens.dtype)], dim=1)
     out = torch.where(pos == n, next_token.view(B, 1).to(prefix_tokens.dtype), padded)
     return torch.where(pos <= n, out, torch.full_like(out, pad_token_id))
-
-
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Draw from unnormalised ``weights [B, V]`` (>= 0, positive sum) with ``u [B]`` in [0, 1) → [B] long.
-
-    y = #{i : cdf_i <= u * total}: zero-weight tokens are never chosen (their cdf equals the previous
-    one), also for u == 0; clamped to the first index where the cdf reaches the total, so rounding of
-    u * total up to total cannot select a zero-weight tail token.
-    """
-    cdf = torch.cumsum(weights, dim=-1)
-    total = cdf[:, -1:]
-    choice = (cdf <= u.view(-1, 1) * total).sum(-1)
-    last = (cdf < total).sum(-1)
-    return torch.minimum(choice, last)
 
 
 def _correction_distribution(p_n: torch.Tensor, q_n: torch.Tensor | None, x_n: torch.Tensor,
@@ -203,7 +195,7 @@ def _accept_sampled(draft_tokens, draft_probs, target_probs, uniform, residual_u
         if draft_probs is not None:
             q_n = draft_probs.gather(1, n_c.view(B, 1, 1).expand(B, 1, V)).squeeze(1).to(dt)
     weights = _correction_distribution(p_n, q_n, x_n, is_bonus)
-    y = _inverse_cdf(weights, residual_uniform.reshape(B).to(weights.dtype))
+    y = inverse_cdf(weights, residual_uniform.reshape(B).to(weights.dtype))
     return n, _assemble(draft_tokens, n, y, pad_token_id)
 
 
@@ -289,19 +281,35 @@ def accept(draft_tokens: torch.Tensor, target_probs: torch.Tensor | None = None,
 
 
 # ----------------------------------------------------------------------------- token trees
-# Shared by every tree strategy (Medusa, EAGLE trees). Tree inputs, N nodes + root in node order
-# (``specdec.medusa.tree``: node 0 = root = the last accepted token, already emitted; parents before
-# children; siblings in rank order), max depth D, at most C children per node:
+# Shared by every tree strategy. Tree inputs, N nodes + root in node order (``specdec.tree``: node
+# 0 = root = the last accepted token, already emitted; parents before children; siblings in rank
+# order), max depth D, at most C children per node:
 #   tree_tokens   [B, N+1]     token of every node (node 0: the root token)
 #   target_probs  [B, N+1, V]  p_i = the target distribution of the token AFTER node i (conditioned on
 #                              the path root..i), warped as for normal sampling
 #   target_tokens [B, N+1]     argmax of p_i (greedy rule)
-#   parent [N+1], ancestors [N+1, D+1], child_nodes [N+1, C]: the static ``TreeBuffers`` (root's
-#                              parent is 0; ``ancestors`` / ``child_nodes`` padded with -1)
+#   parent [B, N+1], ancestors [B, N+1, D+1], child_nodes [B, N+1, C]: the ``TreeBuffers`` of each
+#                              row's tree (``TreeBuffers.per_row``; one tree for all rows may also be
+#                              given without the batch dimension). The root's parent is 0;
+#                              ``ancestors`` / ``child_nodes`` are padded with -1.
 # Outputs, all tree rules: (num_accepted [B] long = accepted depth n, best_node [B] long = the last
 # accepted node (0 when none), out_tokens [B, D+1]: the n accepted tokens (root excluded), then the
 # correction / bonus token drawn at best_node, then ``pad_token_id``). Each row emits n + 1 tokens
-# and the tree path to keep is ancestors[best_node, :n+1].
+# and the tree path to keep is ancestors[b, best_node, :n+1].
+
+
+def _per_row(buffer: torch.Tensor, batch_size: int, node_dims: int) -> torch.Tensor:
+    """A tree buffer with a leading batch dimension (one tree for all rows is expanded)."""
+    return buffer.expand(batch_size, *buffer.shape) if buffer.dim() == node_dims else buffer
+
+
+def _gather_nodes(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values [B, N+1, ...] at node indices index [B, *S] (>= 0) → [B, *S, ...]."""
+    B, S = index.shape[0], index.shape[1:]
+    flat = index.reshape(B, -1)
+    tail = values.shape[2:]
+    picked = values.gather(1, flat.view(B, -1, *([1] * len(tail))).expand(B, flat.shape[1], *tail))
+    return picked.view(B, *S, *tail)
 
 
 def draw_tree_uniforms(batch_size: int, max_depth: int, max_children: int,
@@ -319,13 +327,13 @@ def draw_tree_uniforms(batch_size: int, max_depth: int, max_children: int,
 
 def _tree_path_ok(node_ok: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
     """[B, N+1] bool: every node on the path root..i has ``node_ok`` (padding counts as ok)."""
-    on_path = node_ok[:, ancestors.clamp(min=0)]                                    # [B, N+1, D+1]
+    on_path = _gather_nodes(node_ok, ancestors.clamp(min=0))                        # [B, N+1, D+1]
     return (on_path | (ancestors < 0)).all(dim=-1)
 
 
 def _tree_path_tokens(tree_tokens: torch.Tensor, ancestors: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
     """[B, D]: tokens of the nodes at depths 1..D on the path root..best (garbage past its depth)."""
-    path = ancestors.index_select(0, best)[:, 1:].clamp(min=0)                      # [B, D]
+    path = _gather_nodes(ancestors, best.view(-1, 1)).squeeze(1)[:, 1:].clamp(min=0)   # [B, D]
     return tree_tokens.gather(1, path)
 
 
@@ -348,13 +356,14 @@ def accept_tree_greedy(tree_tokens: torch.Tensor, target_tokens: torch.Tensor, p
     taken, they carry the same tokens). Shapes: see the tree section above → (num_accepted [B],
     best_node [B], out_tokens [B, D+1]).
     """
-    n1 = tree_tokens.shape[1]
+    B, n1 = tree_tokens.shape
+    parent, ancestors = _per_row(parent, B, 1), _per_row(ancestors, B, 2)
     is_root = torch.arange(n1, device=tree_tokens.device) == 0
-    match = (tree_tokens == target_tokens.index_select(1, parent)) | is_root
+    match = (tree_tokens == target_tokens.gather(1, parent)) | is_root
     ok = _tree_path_ok(match, ancestors)
     depth = _node_depth(ancestors)
     best = torch.argmax(torch.where(ok, depth, -1), dim=-1)        # first maximum = lowest index
-    n = depth.index_select(0, best)
+    n = depth.gather(1, best.view(-1, 1)).squeeze(1)
     nxt = target_tokens.gather(1, best.view(-1, 1)).squeeze(1)
     return n, best, _assemble(_tree_path_tokens(tree_tokens, ancestors, best), n, nxt, pad_token_id)
 
@@ -391,7 +400,8 @@ def accept_tree_sampled(tree_tokens: torch.Tensor, target_probs: torch.Tensor, c
     see the tree section above → (num_accepted [B], best_node [B], out_tokens [B, D+1]).
     """
     B, _, V = target_probs.shape
-    D, C = uniform.shape[1], child_nodes.shape[1]
+    child_nodes = _per_row(child_nodes, B, 2)
+    D, C = uniform.shape[1], child_nodes.shape[2]
     dt = torch.promote_types(target_probs.dtype, torch.float32)
     u = uniform.to(dt)
 
@@ -404,7 +414,7 @@ def accept_tree_sampled(tree_tokens: torch.Tensor, target_probs: torch.Tensor, c
     n = torch.zeros_like(node)
     accepted_tokens = []
     for d in range(D):
-        kids = child_nodes.index_select(0, node)                                      # [B, C]
+        kids = _gather_nodes(child_nodes, node.view(B, 1)).squeeze(1)                  # [B, C]
         moved = torch.zeros_like(walking)
         nxt = node
         for j in range(C):
@@ -422,7 +432,7 @@ def accept_tree_sampled(tree_tokens: torch.Tensor, target_probs: torch.Tensor, c
         n = n + moved.to(n.dtype)
         walking = moved
     weights = torch.where((residual.sum(-1) > 0).view(B, 1), residual, probs_at(node))
-    y = _inverse_cdf(weights, residual_uniform.reshape(B).to(dt))
+    y = inverse_cdf(weights, residual_uniform.reshape(B).to(dt))
     return n, node, _assemble(torch.stack(accepted_tokens, dim=1), n, y, pad_token_id)
 
 
@@ -443,21 +453,22 @@ def accept_tree_typical(tree_tokens: torch.Tensor, target_probs: torch.Tensor, p
     above → (num_accepted [B], best_node [B], out_tokens [B, D+1]).
     """
     B, n1, V = target_probs.shape
+    parent, ancestors = _per_row(parent, B, 1), _per_row(ancestors, B, 2)
     dt = torch.promote_types(target_probs.dtype, torch.float32)
     p = target_probs.to(dt)
     entropy = torch.special.entr(p).sum(-1)                                         # [B, N+1]
-    threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon).index_select(1, parent)
-    p_x = p.index_select(1, parent).gather(2, tree_tokens.unsqueeze(-1)).squeeze(-1)  # [B, N+1]
+    threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon).gather(1, parent)
+    p_x = _gather_nodes(p, parent).gather(2, tree_tokens.unsqueeze(-1)).squeeze(-1)  # [B, N+1]
     is_root = torch.arange(n1, device=tree_tokens.device) == 0
     ok = _tree_path_ok((p_x > threshold) | is_root, ancestors)
-    below_root = ancestors[:, 1:]                                                   # [N+1, D]
-    log_px = torch.log(p_x)[:, below_root.clamp(min=0)]                             # [B, N+1, D]
+    below_root = ancestors[..., 1:]                                                 # [B, N+1, D]
+    log_px = _gather_nodes(torch.log(p_x), below_root.clamp(min=0))                 # [B, N+1, D]
     loglik = torch.where(below_root >= 0, log_px, 0.0).sum(-1)
     depth = _node_depth(ancestors)
     key = torch.where(ok, depth, -1)
     deepest = key == key.max(dim=-1, keepdim=True).values
     best = torch.argmax(torch.where(deepest, loglik, float("-inf")), dim=-1)
-    n = depth.index_select(0, best)
+    n = depth.gather(1, best.view(-1, 1)).squeeze(1)
     p_best = p.gather(1, best.view(B, 1, 1).expand(B, 1, V)).squeeze(1)
-    y = _inverse_cdf(p_best, residual_uniform.reshape(B).to(dt))
+    y = inverse_cdf(p_best, residual_uniform.reshape(B).to(dt))
     return n, best, _assemble(_tree_path_tokens(tree_tokens, ancestors, best), n, y, pad_token_id)

@@ -58,7 +58,7 @@ def generate_on_rank(args: argparse.Namespace) -> int:
 
 
 def cmd_eagle_lm_head(args: argparse.Namespace) -> int:
-    from .core.gguf import resolve_model_path
+    from .core.paths import resolve_model_path
     from .eagle.checkpoint import copy_lm_head
     try:
         out = copy_lm_head(args.draft, resolve_model_path(args.target), args.out)
@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--gqa-strategy", default=None, choices=["replicate-to-tp-degree", "convert-to-mha"],
                    help="how KV heads are sharded when they do not divide --tp-degree (default: automatic)")
     g.set_defaults(func=cmd_generate)
-    from . import bench, bench_spec
+    from .bench import runtime as bench_runtime, speculative as bench_spec
     b = sub.add_parser("bench", help="target-only decoding benchmark vs transformers (prints JSON)")
-    bench.add_arguments(b)
-    b.set_defaults(func=lambda a: bench.print_result(bench.run(a), a))
+    bench_runtime.add_arguments(b)
+    b.set_defaults(func=lambda a: bench_runtime.print_result(bench_runtime.run(a), a))
     s = sub.add_parser("bench-spec", help="speculative decoding benchmark with the trained draft (prints JSON)")
     bench_spec.add_arguments(s)
     s.set_defaults(func=lambda a: bench_spec.print_result(bench_spec.run(a), a))

@@ -1,22 +1,23 @@
-"""The proposer protocol: what the speculation loop needs from any draft strategy.
+"""The proposer protocol: what speculation needs from any draft strategy.
 
-A proposer guesses the next tokens of every row; the target verifies them. The loop
-(``SpeculativeGenerator``) calls, per request:
+A proposer only proposes; a verifier (``specdec.verify``) runs the target over the proposal and
+applies the shared acceptance rules. The speculation step (``specdec.speculative.Speculator``) calls:
 
-    start(prompts, params, generator, target_out)       once, after the target's context encoding
-    propose(tail, lengths, k, params, generator)        every step with k > 0 → Proposal
-    accepted(lengths, num_accepted, emitted, target_out) every step, after acceptance
+    start(rows, prompts, params, rng, target_out)   after the target's context encoding of ``rows``
+    propose(tail, lengths, k, params, rng)          every step with k > 0 → Proposal
+    accepted(lengths, verified)                     every step, after acceptance
+    max_draft_tokens(length)                        the largest k a row of ``length`` tokens allows
 
-``tail`` [B, 2] holds the last two tokens of each row's sequence S (prompt + emitted tokens) and
-``lengths`` [B] = len(S). The last token S[-1] is not in the target's KV cache yet; the proposer
-must return ``k`` tokens that continue S. ``Proposal.probs`` is the distribution each token was
-*sampled* from (lossless rejection sampling needs it); ``None`` means the tokens are deterministic
-(argmax, lookup), for which the one-hot rule is used. ``target_out`` is the target's
-``StepOutput``: in ``start`` the context encoding's (tokens [B, 1] = the first sampled token, hidden
-states of every prompt position), in ``accepted`` the verify step's (tokens, logits, hidden states of
-the k+1 verified positions), which EAGLE/Medusa read. In ``accepted``, ``lengths`` [B] = len(S)
-before the step (the k+1 verified positions were len(S)-1 .. len(S)-1+k), ``num_accepted`` [B] = a,
-``emitted`` [B, k+1] = the a accepted drafts then the correction / bonus token (-1 after).
+Per row r, S_r = prompt + emitted tokens. ``tail`` [B, 2] holds the last two tokens of S_r and
+``lengths`` [B] = len(S_r); S_r[-1] is not in the target's KV cache yet. ``rows`` names the batch rows
+that (re)start (None: rows 0 .. len(prompts)-1 and every row restarts); a proposer keeps per-row state
+and must leave the other rows' state alone. ``target_out`` (a ``StepOutput``) holds, in ``prompts``
+order, the token sampled after each prompt and the hidden state of every prompt position. ``rng`` is
+the per-row ``RowGenerators`` every random draw must come from. ``verified`` (``Verified``) holds the
+accepted count, the emitted tokens and the target's verify outputs, which EAGLE / Medusa read.
+
+A proposal is a chain or a tree (``Proposal``). ``verifier`` (optional attribute) is the verifier the
+proposals are checked with: ``ChainVerifier()`` unless the proposer says otherwise.
 """
 from __future__ import annotations
 
@@ -25,13 +26,41 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .core.decoder import StepOutput
+from .core.sampling import RowGenerators
+from .tree import TreeBuffers
+
 
 @dataclass
 class Proposal:
-    """tokens [B, k] long; probs [B, k, V] f32 or None (deterministic proposals)."""
+    """Draft tokens for every row: a chain or a tree.
+
+    tokens [B, N] long: a chain's drafts x_1 .. x_k (N = k), or a tree's N non-root nodes in node order
+    (``specdec.tree``; the root is S[-1]).
+    probs [B, N, V] f32 or None: the distribution each token was *sampled* from (lossless rejection
+    sampling needs it); None means deterministic proposals (argmax, lookup, top-k trees), for which the
+    one-hot rule is used.
+    tree: None for a chain, else the per-row tree buffers (``TreeBuffers.per_row``: mask [B, N+1, N+1],
+    depth, parent [B, N+1], ancestors [B, N+1, D+1], child_nodes [B, N+1, C]); rows may differ.
+    """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    tree: TreeBuffers | None = None
+
+
+@dataclass
+class Verified:
+    """The verifier's result (device tensors): num_accepted [B] long; emitted [B, D+1] long — the
+    accepted drafts, then the correction / bonus token, then -1; target_out: the target's verify
+    ``StepOutput`` over the N+1 verified positions ([S[-1], drafts...]); last_node [B] long: the index
+    into those positions of the last accepted token (chain: num_accepted; tree: the deepest accepted
+    node), whose hidden state predicts the next token."""
+
+    num_accepted: torch.Tensor
+    emitted: torch.Tensor
+    target_out: StepOutput
+    last_node: torch.Tensor
 
 
 @runtime_checkable
@@ -39,15 +68,14 @@ class Proposer(Protocol):
     vocab_size: int
     batch_size: int
 
-    def start(self, prompts: list[torch.Tensor], params: torch.Tensor,
-              generator: torch.Generator | None, target_out) -> None: ...
+    def start(self, rows: list[int] | None, prompts: list[torch.Tensor], params: torch.Tensor,
+              rng: RowGenerators, target_out: StepOutput) -> None: ...
 
     def propose(self, tail: torch.Tensor, lengths: torch.Tensor, k: int, params: torch.Tensor,
-                generator: torch.Generator | None) -> Proposal: ...
+                rng: RowGenerators) -> Proposal: ...
 
-    def accepted(self, lengths: torch.Tensor, num_accepted: torch.Tensor, emitted: torch.Tensor,
-                 target_out) -> None: ...
+    def accepted(self, lengths: torch.Tensor, verified: Verified) -> None: ...
 
     def max_draft_tokens(self, length: int) -> int:
-        """How many tokens can be proposed for a row whose sequence has ``length`` tokens."""
+        """The largest k a step may ask for when the longest row has ``length`` tokens."""
         ...

@@ -13,9 +13,9 @@ from test_speculative import lossless_pvalue
 
 from specdec import DecoderModel
 from specdec.eagle.checkpoint import copy_lm_head, target_lm_head
-from specdec.eagle.draft import EagleDraft
+from specdec import EagleDraft
 from specdec.proposer import Proposal
-from specdec.speculative import SpeculativeGenerator
+from specdec import SpeculativeGenerator
 
 H, I = 32, 64
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
@@ -138,22 +138,23 @@ def test_features_fed_to_draft_are_the_targets(tiny, monkeypatch):
     draft = EagleDraft.from_pretrained(tiny["nxd"], target, progress=False)
     gen = SpeculativeGenerator(draft, target, 3)
     fed = []   # (row, position, feature, token)
-    real_prefill, real_step = draft.prefill, draft.step
+    net = draft.model
+    real_prefill, real_step = net.prefill, net.step
 
-    def prefill(prompts, params, generator=None, features=None):
+    def prefill(prompts, params, rng=None, features=None, rows=None):
         for b, p in enumerate(prompts):
             fed.extend((b, i, features[b, i].clone(), int(p[i])) for i in range(len(p)))
-        return real_prefill(prompts, params, generator, features=features)
+        return real_prefill(prompts, params, rng, features=features, rows=rows)
 
-    def step(tokens, params, generator=None, features=None, logit_index=None, **kw):
+    def step(tokens, params, rng=None, features=None, logit_index=None, **kw):
         if logit_index is not None:   # the re-read step: positions lengths .. lengths + logit_index are true
             for b in range(tokens.shape[0]):
                 for j in range(int(logit_index[b, 0]) + 1):
-                    fed.append((b, int(draft.lengths[b]) + j, features[b, j].clone(), int(tokens[b, j])))
-        return real_step(tokens, params, generator, features=features, logit_index=logit_index, **kw)
+                    fed.append((b, int(net.lengths[b]) + j, features[b, j].clone(), int(tokens[b, j])))
+        return real_step(tokens, params, rng, features=features, logit_index=logit_index, **kw)
 
-    monkeypatch.setattr(draft, "prefill", prefill)
-    monkeypatch.setattr(draft, "step", step)
+    monkeypatch.setattr(net, "prefill", prefill)
+    monkeypatch.setattr(net, "step", step)
     out = gen.sample(PROMPTS, max_new_tokens=30, eos_token_id=[])
     width = max(map(len, PROMPTS))
     seqs = [p + out[b, width:].tolist() for b, p in enumerate(PROMPTS)]
@@ -273,9 +274,9 @@ def test_nxd_layout_with_prefix_and_embedding_loads(tiny, tmp_path):
     target = load_target(tiny["target_dir"])
     a = EagleDraft.from_pretrained(d, target, progress=False)
     b = EagleDraft.from_pretrained(tiny["nxd"], target, progress=False)
-    assert a.lm.embed_tokens.weight.data_ptr() != target.lm.model.embed_tokens.weight.data_ptr()
-    assert b.lm.embed_tokens.weight.data_ptr() == target.lm.model.embed_tokens.weight.data_ptr()  # shared
-    for (name, x), (_, y) in zip(a.lm.state_dict().items(), b.lm.state_dict().items()):
+    assert a.model.lm.embed_tokens.weight.data_ptr() != target.lm.model.embed_tokens.weight.data_ptr()
+    assert b.model.lm.embed_tokens.weight.data_ptr() == target.lm.model.embed_tokens.weight.data_ptr()  # shared
+    for (name, x), (_, y) in zip(a.model.lm.state_dict().items(), b.model.lm.state_dict().items()):
         assert torch.equal(x, y), name
     ref = SpeculativeGenerator(b, target, 3).sample(PROMPTS, max_new_tokens=20, eos_token_id=[])
     assert torch.equal(SpeculativeGenerator(a, target, 3).sample(PROMPTS, max_new_tokens=20, eos_token_id=[]), ref)
@@ -288,8 +289,8 @@ def test_input_norm_option(tiny, tmp_path):
     with pytest.raises(ValueError, match="eagle_input_norm=True"):
         EagleDraft.from_pretrained(d, target, progress=False)
     draft = EagleDraft.from_pretrained(d, target, eagle_input_norm=True, progress=False)
-    assert isinstance(draft.lm.layers[0].input_layernorm, torch.nn.Module)
-    assert draft.lm.layers[0].input_layernorm.weight.shape == (H,)
+    assert isinstance(draft.model.lm.layers[0].input_layernorm, torch.nn.Module)
+    assert draft.model.lm.layers[0].input_layernorm.weight.shape == (H,)
     reference = target.generate(PROMPTS, max_new_tokens=30, eos_token_id=[])
     assert torch.equal(SpeculativeGenerator(draft, target, 3).sample(PROMPTS, max_new_tokens=30, eos_token_id=[]),
                        reference)
@@ -329,8 +330,8 @@ def test_draft_graphs_export_and_compile_keys(tiny):
     """Every EAGLE graph (context, one-token, (k+1)-token re-read) exports with torch.export strict."""
     target = load_target(tiny["target_dir"])
     draft = EagleDraft.from_pretrained(tiny["nxd"], target, progress=False)
-    keys = draft.graph_keys(do_sample=True, spec_tokens=(3,), max_length=32)
+    keys = draft.model.graph_keys(do_sample=True, spec_tokens=(3,), max_length=32)
     assert {(k.n_tokens, k.n_logits) for k in keys} == {(16, 1), (32, 1), (1, 1), (4, 1)}
     for key in keys:
-        program = draft.export(key)
+        program = draft.model.export(key)
         assert len(program.graph_signature.user_inputs) == 8   # the seven runtime inputs + features

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import hf_logits, load, prompt_ids
-from specdec import GraphKey
+from specdec.core.graphs import GraphKey
 from specdec.core.graphs import StepGraph
 
 SPEC = 4

@@ -7,10 +7,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from test_speculative import lossless_pvalue
 
-from specdec import DecoderModel
-from specdec.medusa import MedusaHeads, MedusaTree, load_tree, save_heads
+from specdec import DecoderModel, shipped
+from specdec.medusa import MedusaHeads, load_tree, save_heads
+from specdec.tree import TokenTree
 from specdec.medusa.draft import MedusaDraft
-from specdec.speculative import SpeculativeGenerator
+from specdec import SpeculativeGenerator
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
 TREES = ["chain_4", "small_8", "mc_sim_7b_63"]
@@ -152,7 +153,7 @@ def test_near_n_positions_falls_back_to_plain_steps(models):
 
 # ---------------------------------------------------------------- sampling
 VOCAB = 16
-SMALL_TREE = MedusaTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0]], num_heads=2)
+SMALL_TREE = TokenTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0]], num_heads=2)
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +239,7 @@ def test_errors(models):
 def test_shipped_smollm2_medusa_is_exact():
     pytest.importorskip("gguf")
     from specdec.core.chat import chat_ids
-    from specdec.core.gguf import embedded_gguf_path
+    from specdec.core.paths import embedded_gguf_path
     from specdec.medusa.smollm2 import SHIPPED_MEDUSA
     try:
         embedded_gguf_path()
@@ -254,7 +255,7 @@ def test_shipped_smollm2_medusa_is_exact():
     prompts = [chat_ids(tok, q) for q in questions]
     reference = target.generate(prompts, max_new_tokens=48)
     for tree in ("chain_4", "mc_sim_7b_63", None):          # None: the tree shipped with the heads
-        gen = SpeculativeGenerator(MedusaDraft.from_pretrained(None, target, tree=tree), target)
+        gen = SpeculativeGenerator(shipped("medusa", target, tree=tree), target)
         assert torch.equal(gen.sample(prompts, max_new_tokens=48), reference)
         assert gen.last_stats.mean_acceptance_length > 1.2, (tree, gen.last_stats)
     assert torch.equal(gen.sample([prompts[0]], max_new_tokens=48), target.generate([prompts[0]], max_new_tokens=48))

@@ -7,15 +7,16 @@ import json
 import pytest
 import torch
 
-from specdec.medusa.tree import (PAD_NODE, MedusaTree, build_tree, builtin_trees, expected_accept_length,
-                                 gather_tree_tokens, load_tree, measure_head_accuracy, save_tree, tree_buffers)
+from specdec.medusa.tree import (build_tree, builtin_trees, expected_accept_length, gather_tree_tokens, load_tree,
+                                 measure_head_accuracy, save_tree)
+from specdec.tree import PAD_NODE, TokenTree, tree_buffers
 
 SMALL = [[0], [1], [0, 0], [0, 1], [1, 0]]
 
 
 def test_small_tree_buffers_hand_derived():
     # given out of order: node order is (depth, lexicographic)
-    tree = MedusaTree.from_paths([[1, 0], [0], [0, 1], [1], [0, 0]])
+    tree = TokenTree.from_paths([[1, 0], [0], [0, 1], [1], [0, 0]])
     assert tree.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0))
     assert (tree.num_heads, tree.top_k, tree.num_nodes, tree.verify_size, tree.depth) == (2, 2, 5, 6, 2)
     b = tree_buffers(tree)
@@ -43,7 +44,7 @@ def test_small_tree_buffers_hand_derived():
 
 
 def test_candidate_index_with_explicit_top_k_and_gather():
-    tree = MedusaTree.from_paths(SMALL, num_heads=3, top_k=4)
+    tree = TokenTree.from_paths(SMALL, num_heads=3, top_k=4)
     b = tree_buffers(tree)
     assert b.candidate_index.tolist() == [0, 1, 4, 5, 4]
     # head h's rank-r candidate token = 100 * h + r
@@ -105,7 +106,7 @@ def test_builtin_trees():
 ])
 def test_validation_errors_name_the_problem(paths, kwargs, message):
     with pytest.raises(ValueError) as e:
-        MedusaTree.from_paths(paths, **kwargs)
+        TokenTree.from_paths(paths, **kwargs)
     assert message in str(e.value)
 
 
@@ -152,7 +153,7 @@ def test_build_tree_is_optimal_against_brute_force():
     acc = torch.sort(torch.rand(2, 3, generator=g), dim=1, descending=True).values
     all_paths = [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)]
     for n in range(1, 7):
-        best = max(expected_accept_length(MedusaTree(c, 2, 3), acc)
+        best = max(expected_accept_length(TokenTree(c, 2, 3), acc)
                    for c in combinations(all_paths, n)
                    if all(len(p) == 1 or p[:1] in c for p in c))
         assert expected_accept_length(build_tree(acc, n), acc) == pytest.approx(best)

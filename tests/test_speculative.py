@@ -8,10 +8,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import save_reduced_vocab
 
-import specdec.speculative as speculative
+import specdec.verify as verify_module
 from specdec import DecoderModel
 from specdec.core.sampling import warp, full_probs
-from specdec.speculative import SpeculativeGenerator
+from specdec import SpeculativeGenerator
 
 VOCAB = 16
 
@@ -212,7 +212,7 @@ def test_wrong_acceptor_is_detected(lossless_models, monkeypatch):
         bonus = target_probs[:, -1].argmax(-1, keepdim=True)
         return n, torch.cat([drafts, bonus], 1)
 
-    monkeypatch.setattr(speculative, "accept", accept_all)
+    monkeypatch.setattr(verify_module, "accept", accept_all)
     counts = sampled_joint(SpeculativeGenerator(draft, target, 2), prompt, 512, 2, 20, dict(temperature=0.7))
     assert chi2_pvalue(exact, counts) < 1e-6
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec.acceptance import accept_rejection, draw_uniforms
-from specdec.stats import SpecStats
+from specdec import SpecStats
 
 
 def _random_steps(seed, steps=30, B=8, k=5):

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from conftest import load, prompt_ids, save_reduced_vocab
-from specdec import DecoderModel, GraphKey
+from specdec import DecoderModel
+from specdec.core.graphs import GraphKey
 from specdec.core.parallel import launch
-from specdec.speculative import SpeculativeGenerator
+from specdec import SpeculativeGenerator
 
 PROMPTS = [prompt_ids(7, seed=61), prompt_ids(12, seed=62)]
 N_NEW = 12

@@ -8,10 +8,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdec import DecoderModel
-from specdec.speculative import SpeculativeGenerator
+from specdec.draft.assemble import assemble
+from specdec import SpeculativeGenerator
 from specdec.train.data import DataConfig, generate_data, load_dataset
 from specdec.train.distill import DraftSpec, TrainConfig, train_draft
-from specdec.train.export import assemble, export_draft
+from specdec.train.export import export_draft
 
 VOCAB = 160
 CHAT = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
@@ -121,8 +122,9 @@ def test_export_loads_and_speculation_is_exact(data_dir, tiny_target, tmp_path):
 @pytest.mark.slow
 def test_shipped_smollm2_draft_is_exact():
     pytest.importorskip("gguf")
-    from specdec.core.gguf import embedded_gguf_path
-    from specdec.draft.smollm2 import SHIPPED_DRAFT, load_embedded_draft
+    from specdec.core.paths import embedded_gguf_path
+    from specdec import shipped
+    from specdec.draft.smollm2 import SHIPPED_DRAFT
     try:
         embedded_gguf_path()
     except FileNotFoundError:
@@ -132,8 +134,8 @@ def test_shipped_smollm2_draft_is_exact():
     # f32: in bf16 this model has near-ties (top-3 logits within 0.05) that flip between the 1-token
     # decode graph and the (k+1)-token verify graph, which is rounding, not a speculation bug
     kw = dict(n_positions=256, amp="f32", backend="eager", progress=False)
-    draft = load_embedded_draft(**kw)
     target = DecoderModel.from_pretrained(None, **kw)
+    draft = shipped("draft", target).model
     assert draft.config.output_vocab_size and draft.config.num_layers < target.config.num_layers
     assert draft.config.bytes_read_per_token(torch.bfloat16) <= 0.15 * target.config.bytes_read_per_token(torch.bfloat16)
     tok = target.tokenizer

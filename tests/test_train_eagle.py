@@ -11,12 +11,12 @@ from test_train import data_dir, tiny_target  # noqa: F401  (module fixtures)
 from specdec import DecoderModel
 from specdec.core.chat import chat_ids
 from specdec.eagle.checkpoint import copy_lm_head
-from specdec.eagle.draft import EagleDraft
-from specdec.speculative import SpeculativeGenerator
+from specdec import EagleDraft
+from specdec import SpeculativeGenerator
 from specdec.train.data import load_dataset
-from specdec.train.eagle import (EagleTrainConfig, EagleTrainer, compute_features, export_eagle, init_state,
-                                 train_eagle, unrolled_mask)
 from specdec.train.distill import load_target_state
+from specdec.train.eagle import EagleTrainConfig, EagleTrainer, export_eagle, init_state, train_eagle, unrolled_mask
+from specdec.train.features import compute_features
 
 TRAIN = dict(steps=8, batch_rows=2, lr=3e-3, warmup=2, save_every=2, eval_every=4, seed=1, bf16=False,
              draft_vocab_size=48, unroll=3)
@@ -50,7 +50,7 @@ def test_unrolled_training_forward_equals_runtime_drafting(tiny_target, tmp_path
     ship = export_eagle(tmp_path / "ckpt.pt", tmp_path / "ship", dtype=torch.float32)
     draft_dir = copy_lm_head(ship, tiny_target, tmp_path / "draft")
     target = DecoderModel.from_pretrained(tiny_target, batch_size=1, n_positions=64, backend="eager", progress=False)
-    draft = EagleDraft.from_pretrained(draft_dir, target, progress=False)
+    draft = EagleDraft.from_pretrained(draft_dir, target, progress=False).model
 
     L = 12
     tokens = torch.randint(5, 150, (1, L + 1), generator=g)
@@ -108,7 +108,7 @@ def test_training_reduces_loss_resumes_exactly_and_exports(data_dir, tiny_target
     with pytest.raises(KeyError, match="eagle-lm-head"):
         EagleDraft.from_pretrained(ship, target, progress=False)
     draft = EagleDraft.from_pretrained(copy_lm_head(ship, tiny_target, tmp_path / "draft"), target, progress=False)
-    assert draft.lm.input_norm and draft.config.output_vocab_size == TRAIN["draft_vocab_size"]
+    assert draft.model.lm.input_norm and draft.model.config.output_vocab_size == TRAIN["draft_vocab_size"]
     prompts = [[1, 5, 9, 12, 40, 41], [1, 77, 3]]
     reference = target.generate(prompts, max_new_tokens=40, eos_token_id=[])
     for k in (1, 3, 5):
@@ -119,8 +119,9 @@ def test_training_reduces_loss_resumes_exactly_and_exports(data_dir, tiny_target
 @pytest.mark.slow
 def test_shipped_smollm2_eagle_is_exact():
     pytest.importorskip("gguf")
-    from specdec.core.gguf import embedded_gguf_path
-    from specdec.eagle.smollm2 import SHIPPED_EAGLE, load_embedded_eagle
+    from specdec.core.paths import embedded_gguf_path
+    from specdec import shipped
+    from specdec.eagle.smollm2 import SHIPPED_EAGLE
     try:
         embedded_gguf_path()
     except FileNotFoundError:
@@ -130,7 +131,7 @@ def test_shipped_smollm2_eagle_is_exact():
     # f32: bf16 near-ties flip between the decode and verify graphs (rounding, not speculation)
     target = DecoderModel.from_pretrained(None, batch_size=3, n_positions=256, amp="f32", backend="eager",
                                           progress=False)
-    draft = load_embedded_eagle(target, progress=False)
+    draft = shipped("eagle", target, progress=False)
     tok = target.tokenizer
     questions = ["Give me three tips for learning to cook.", "What is 17 times 23?",
                  "Write a haiku about the sea."]

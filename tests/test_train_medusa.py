@@ -11,7 +11,7 @@ import torch
 from test_train import tiny_target  # noqa: F401  (module fixture)
 
 from specdec.cli import main as specdec_main
-from specdec.eagle.checkpoint import target_lm_head
+from specdec.core.checkpoint import target_lm_head
 from specdec.medusa.heads import WEIGHTS_NAME, load_heads, load_medusa_config
 from specdec.medusa.tree import build_tree, expected_accept_length, load_tree
 from specdec.train.medusa import (ACCURACY_FILE, MedusaTrainConfig, build_heads, calibrate, evaluate, export_medusa,

@@ -10,10 +10,11 @@ from scipy.stats import chisquare
 from torch import nn
 
 from specdec.acceptance import accept_tree_greedy, accept_tree_sampled, accept_tree_typical, draw_tree_uniforms
-from specdec.medusa.tree import MedusaTree, load_tree, tree_buffers
+from specdec.medusa.tree import load_tree
+from specdec.tree import TokenTree, tree_buffers
 
 PAD = -1
-SMALL = MedusaTree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])
+SMALL = TokenTree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])
 # nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0]
 
 
@@ -139,7 +140,7 @@ def test_sampled_with_one_hot_targets_is_greedy_decoding():
 # ----------------------------------------------------------------------------- losslessness
 V = 5
 # tree: root children [0] [1] [2] (tokens 0, 1, 1: a repeated sibling token), grandchildren [0,0] [0,1] [1,0]
-TREE = MedusaTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+TREE = TokenTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
 NODE_TOKENS = [0, 1, 1, 2, 3, 4]               # nodes 1..6; node 5 proposes 3, impossible after 0 (below)
 P0 = torch.tensor([0.35, 0.25, 0.2, 0.12, 0.08])
 

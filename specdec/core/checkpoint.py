@@ -81,6 +81,15 @@ def embedding_and_lm_head(path: str | Path) -> tuple[torch.Tensor | None, torch.
     return embed, embed if head is None or tied else head
 
 
+def target_lm_head(target_dir: str | Path) -> torch.Tensor:
+    """The target's LM head [V, H] as stored (its embedding when the weights are tied)."""
+    _, head = embedding_and_lm_head(target_dir)
+    if head is None:
+        raise KeyError(f"target checkpoint {target_dir} has neither lm_head.weight nor (tied) "
+                       "model.embed_tokens.weight")
+    return head
+
+
 def source_shape(source) -> tuple[int, ...]:
     return tuple(source.get_shape() if hasattr(source, "get_shape") else source.shape)
 

@@ -30,6 +30,19 @@ def amp_dtype(amp: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"amp={amp!r} is not supported; use one of 'f32', 'bf16', 'f16'")
 
 
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters, each distinct tensor in memory counted once (tied weights once).
+
+    The measured counterpart of :meth:`ModelConfig.weight_bytes`, for any module (draft heads too)."""
+    seen: dict[object, int] = {}
+    for p in module.parameters():
+        nbytes = p.numel() * p.element_size()
+        # tied weights: the same tensor, or the same memory under another Parameter object
+        key = id(p) if p.device.type == "meta" else (p.device, p.data_ptr(), nbytes)
+        seen[key] = nbytes
+    return sum(seen.values())
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""

@@ -3,7 +3,8 @@
 State: the KV cache (inside the module) and ``lengths`` [batch_size] (host copy, the authority
 for bucket choice). Graph-level API used by the strategies:
 
-- ``prefill(prompts, ...)``: context encoding of up to ``batch_size`` prompts → first tokens;
+- ``prefill(prompts, ..., rows=None)``: context encoding of up to ``batch_size`` prompts → first
+  tokens; all rows restart, or (``rows``) only the named rows, the others untouched;
 - ``step(tokens [B, n], ...)``: n new tokens per row at slots ``lengths + i`` with an explicit
   mask among them (causal by default) → tokens/logits/hidden for all n;
 - ``set_lengths(lengths)``: rollback (or commit) by moving each row's length.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -21,11 +22,11 @@ from tqdm.auto import tqdm
 from .buckets import check_buckets, pick_bucket
 from .checkpoint import load_weights
 from .config import ModelConfig, amp_dtype
-from .gguf import resolve_model_path
+from .paths import resolve_model_path
 from .graphs import BACKENDS, GraphKey, StepGraph, build_graph, configure_compile_cache
 from .model import DecoderLM
 from .parallel import TPGroup, barrier, shard_plan, tp_group
-from .sampling import SamplingConfig, needs_filter, sampling_params
+from .sampling import TEMPERATURE, RowGenerators, SamplingConfig, any_sampled, needs_filter, sampling_params
 from .tp_layout import head_layout, parse_gqa
 
 
@@ -264,21 +265,31 @@ class DecoderModel:
         params = sampling_params(self.batch_size, s.top_k if top_k is None else top_k,
                                  s.top_p if top_p is None else top_p, temperature)
         if not do_sample:
-            params[:, 2] = 0.0
+            params[:, TEMPERATURE] = 0.0
         return params
 
     # ------------------------------------------------------------------ running graphs
     def _key(self, n: int, m: int, kv: int, params: torch.Tensor, return_probs: bool = False) -> GraphKey:
         """The graph for n tokens, m logits, KV bucket kv and these sampling params [B, 3]."""
-        do_sample = bool((params[:, 2] > 0).any())
+        do_sample = any_sampled(params)
         top_filter = do_sample and needs_filter(params, self.settings.sampling.global_topk)
         return GraphKey(n, m, kv, do_sample, return_probs, top_filter)
 
     def _run(self, key: GraphKey, input_ids, position_ids, cache_lengths, token_mask, logit_index,
-             params, generator, features: torch.Tensor | None = None) -> StepOutput:
-        dev = self.device
-        uniform = torch.rand(self.batch_size, key.n_logits, generator=generator, device=dev)
-        extra = () if features is None else (features.to(dev, self.dtype),)
+             params, rng: RowGenerators | torch.Generator | None, features: torch.Tensor | None = None,
+             seq_ids: torch.Tensor | None = None) -> StepOutput:
+        """Run one graph. Sampling graphs draw their noise from ``rng``: one generator per row
+        (``RowGenerators``), one for all rows (``torch.Generator``), or None (torch's global one);
+        greedy graphs draw nothing."""
+        dev, b = self.device, key.batch(self.batch_size)
+        if not key.do_sample:
+            uniform = torch.zeros(b, key.n_logits, device=dev)
+        elif rng is None or isinstance(rng, torch.Generator):   # one stream for every row
+            uniform = torch.rand(b, key.n_logits, generator=rng, device=dev)
+        else:
+            uniform = rng.uniform(key.n_logits, None if seq_ids is None else seq_ids.tolist())
+        extra = () if seq_ids is None else (seq_ids.to(dev),)
+        extra += () if features is None else (features.to(dev, self.dtype),)
         with torch.no_grad():
             out = self.graph(key)(input_ids.to(dev), position_ids.to(dev), cache_lengths.to(dev),
                                   token_mask.to(dev), logit_index.to(dev), params.to(dev), uniform, *extra)
@@ -289,10 +300,22 @@ class DecoderModel:
         return StepOutput(tokens, logits, hidden)
 
     def prefill(self, prompts: list[torch.Tensor], params: torch.Tensor,
-                generator: torch.Generator | None = None, features: torch.Tensor | None = None) -> StepOutput:
-        """Context encoding: rows get lengths = prompt lengths; unused batch rows get a 1-token
-        dummy prompt. Returns tokens [B, 1] sampled after each prompt (logits of the last token).
-        ``features`` [B, >= longest prompt, F]: per-token inputs of feature-reading models (EAGLE)."""
+                rng: RowGenerators | torch.Generator | None = None, features: torch.Tensor | None = None,
+                rows: list[int] | None = None) -> StepOutput:
+        """Context encoding → tokens [b, 1] sampled after each prompt (logits of its last token),
+        hidden [b, L, H] of every prompt position, in ``prompts`` order.
+
+        ``rows=None``: prompt i goes to row i and every row restarts (one batch graph; rows past the
+        prompts get a 1-token dummy prompt; b = batch_size). ``rows``: prompt i goes to row rows[i]
+        (one single-row graph each, NxD's ``seq_ids``) and no other row's cache or length changes
+        (b = len(rows)). ``params`` [batch_size, 3] are indexed by row. ``features`` [b, >= longest
+        prompt, F]: per-token inputs of feature-reading models (EAGLE)."""
+        if rows is not None:
+            outs = [self._prefill_row(r, p, params, rng, None if features is None else features[i:i + 1])
+                    for i, (r, p) in enumerate(zip(rows, prompts))]
+            width = max(o.hidden.shape[1] for o in outs)
+            hidden = torch.cat([_fit(o.hidden, width) for o in outs])
+            return StepOutput(torch.cat([o.tokens for o in outs]), torch.cat([o.logits for o in outs]), hidden)
         lens = torch.tensor([len(p) for p in prompts] + [1] * (self.batch_size - len(prompts)))
         bucket = pick_bucket(self.context_buckets, int(lens.max()), "prompt length")
         ids = torch.zeros(self.batch_size, bucket, dtype=torch.long)
@@ -302,11 +325,28 @@ class DecoderModel:
         key = self._key(bucket, 1, bucket, params)
         out = self._run(key, ids, torch.arange(bucket).expand(b, bucket), torch.zeros(b, dtype=torch.long),
                         torch.ones(bucket, bucket, dtype=torch.bool).tril().expand(b, bucket, bucket),
-                        (lens - 1).unsqueeze(1), params, generator, _fit(features, bucket))
+                        (lens - 1).unsqueeze(1), params, rng, _fit(features, bucket))
         self.lengths.copy_(lens)
         return out
 
-    def step(self, tokens: torch.Tensor, params: torch.Tensor, generator: torch.Generator | None = None,
+    def _prefill_row(self, row: int, prompt: torch.Tensor, params: torch.Tensor, rng: RowGenerators | None,
+                     features: torch.Tensor | None) -> StepOutput:
+        """Context encoding of one prompt into cache row ``row`` (a single-row graph)."""
+        if not 0 <= row < self.batch_size:
+            raise ValueError(f"row {row} is outside the batch [0, {self.batch_size})")
+        n = len(prompt)
+        bucket = pick_bucket(self.context_buckets, n, "prompt length")
+        ids = torch.zeros(1, bucket, dtype=torch.long)
+        ids[0, :n] = prompt
+        row_params = params[row:row + 1]
+        key = replace(self._key(bucket, 1, bucket, row_params), single_row=True)
+        out = self._run(key, ids, torch.arange(bucket).unsqueeze(0), torch.zeros(1, dtype=torch.long),
+                        torch.ones(bucket, bucket, dtype=torch.bool).tril().unsqueeze(0),
+                        torch.tensor([[n - 1]]), row_params, rng, _fit(features, bucket), torch.tensor([row]))
+        self.lengths[row] = n
+        return out
+
+    def step(self, tokens: torch.Tensor, params: torch.Tensor, rng: RowGenerators | torch.Generator | None = None,
              token_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
              advance: bool = True, return_probs: bool = False, rows: torch.Tensor | None = None,
              logit_index: torch.Tensor | None = None, features: torch.Tensor | None = None) -> StepOutput:
@@ -334,16 +374,17 @@ class DecoderModel:
             logit_index = torch.arange(n).expand(b, n)
         key = self._key(n, logit_index.shape[1], kv, params, return_probs)
         out = self._run(key, tokens.long(), position_ids, self.lengths.clone(), token_mask,
-                        logit_index, params, generator, features)
+                        logit_index, params, rng, features)
         if advance:
             self.lengths += n if rows is None else rows.long().cpu() * n
         return out
 
     # ------------------------------------------------------------------ generation / persistence
     def generate(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
-        """Target-only generation; see :func:`specdec.core.generation.generate` for arguments."""
-        from .generation import generate
-        return generate(self, input_ids, attention_mask=attention_mask, **kwargs)
+        """Target-only generation: the request loop of ``specdec.core.engine`` with no proposer
+        (arguments: ``Engine.generate``)."""
+        from .engine import Engine
+        return Engine(self).generate(input_ids, attention_mask, **kwargs)
 
     def save(self, directory: str | Path) -> None:
         """Write the runtime settings and (``compiled``) the Inductor cache artifacts of every
@@ -375,11 +416,15 @@ class DecoderModel:
         s = meta["settings"]
         s["sampling"] = SamplingConfig(**s["sampling"])
         model = cls.from_pretrained(meta["checkpoint"], progress=progress, **s)
-        cache = model._compile_cache_file(directory)
+        return model._load_compiled(directory, [GraphKey(**k) for k in meta["graphs"]], progress)
+
+    def _load_compiled(self, directory: Path, keys: list[GraphKey], progress: bool) -> "DecoderModel":
+        """Unpack the saved compile cache (if any) and warm ``keys`` from it."""
+        cache = self._compile_cache_file(directory)
         if cache.is_file():
             configure_compile_cache()  # unpack into the cache directory the graphs will read
             torch.compiler.load_cache_artifacts(cache.read_bytes())
-        return model._warm([GraphKey(**k) for k in meta["graphs"]], "loading graphs", progress)
+        return self._warm(keys, "loading graphs", progress)
 
 
 

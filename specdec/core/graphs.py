@@ -3,10 +3,14 @@
 A graph is ``StepGraph(lm, key)``: the decoder forward followed by on-device sampling, a pure
 function of fixed-shape tensors plus the KV-cache buffers it updates in place:
 
-    inputs : input_ids [B, n] i64, position_ids [B, n] i64, cache_lengths [B] i64,
-             token_mask [B, n, n] bool, logit_index [B, m] i64, params [B, 3] f32, uniform [B, m] f32,
-             (features [B, n, F] — modules with ``feature_size``, i.e. EAGLE drafts: target features)
-    outputs: tokens [B, m] i64, logits [B, m, V] f32, hidden [B, n, H], (probs [B, m, V] f32)
+    inputs : input_ids [b, n] i64, position_ids [b, n] i64, cache_lengths [b] i64,
+             token_mask [b, n, n] bool, logit_index [b, m] i64, params [b, 3] f32, uniform [b, m] f32,
+             (seq_ids [1] i64 — ``single_row`` graphs: the cache row the one input row reads and writes),
+             (features [b, n, F] — modules with ``feature_size``, i.e. EAGLE drafts: target features)
+    outputs: tokens [b, m] i64, logits [b, m, V] f32, hidden [b, n, H], (probs [b, m, V] f32)
+
+b is the batch size B, or 1 for ``single_row`` graphs (context encoding into one slot of a running
+batch, the other rows' caches untouched).
 
 Backends: ``eager`` runs the module; ``compiled`` wraps it in ``torch.compile(fullgraph=True,
 dynamic=False)`` with Inductor's on-disk cache; ``neuron`` is reserved (not implemented yet).
@@ -36,10 +40,16 @@ class GraphKey:
     do_sample: bool
     return_probs: bool = False
     top_filter: bool = False
+    single_row: bool = False
 
     def describe(self) -> str:
         mode = ("sample" if self.top_filter else "sample-T") if self.do_sample else "greedy"
-        return f"n={self.n_tokens} m={self.n_logits} kv={self.kv_len} {mode}{' +probs' if self.return_probs else ''}"
+        return (f"n={self.n_tokens} m={self.n_logits} kv={self.kv_len} {mode}{' +probs' if self.return_probs else ''}"
+                f"{' row' if self.single_row else ''}")
+
+    def batch(self, batch_size: int) -> int:
+        """Rows of the graph's inputs for a model compiled at ``batch_size``."""
+        return 1 if self.single_row else batch_size
 
 
 class StepGraph(nn.Module):
@@ -47,9 +57,11 @@ class StepGraph(nn.Module):
         super().__init__()
         self.lm, self.key, self.global_topk = lm, key, global_topk
 
-    def forward(self, input_ids, position_ids, cache_lengths, token_mask, logit_index, params, uniform, *features):
+    def forward(self, input_ids, position_ids, cache_lengths, token_mask, logit_index, params, uniform, *extra):
+        seq_ids = extra[0] if self.key.single_row else None
+        features = extra[1:] if self.key.single_row else extra
         logits, hidden = self.lm(input_ids, position_ids, cache_lengths, token_mask, logit_index, *features,
-                                 kv_len=self.key.kv_len)
+                                 kv_len=self.key.kv_len, seq_ids=seq_ids)
         if self.key.do_sample:
             out = sample(logits, params, uniform, self.global_topk, self.key.return_probs, self.key.top_filter)
             return (out + (logits, hidden)) if self.key.return_probs else (out, logits, hidden)
@@ -60,8 +72,10 @@ class StepGraph(nn.Module):
         return tokens, logits, hidden
 
     def example_inputs(self, batch_size: int) -> tuple[torch.Tensor, ...]:
-        """Valid inputs of the graph's shapes (a causal chain written from slot 0)."""
+        """Valid inputs of the graph's shapes for a model compiled at ``batch_size`` (a causal chain
+        written from slot 0; a ``single_row`` graph writes cache row 0)."""
         n, m = self.key.n_tokens, self.key.n_logits
+        batch_size = self.key.batch(batch_size)
         dev = self.lm.inv_freq.device
         pos = torch.arange(n, device=dev).expand(batch_size, n).contiguous()
         causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(batch_size, n, n).contiguous()
@@ -70,9 +84,11 @@ class StepGraph(nn.Module):
                   torch.zeros(batch_size, dtype=torch.long, device=dev), causal,
                   torch.arange(n - m, n, device=dev).expand(batch_size, m).contiguous(), params,
                   torch.full((batch_size, m), 0.5, device=dev))
+        if self.key.single_row:
+            inputs += (torch.zeros(1, dtype=torch.long, device=dev),)
         size = getattr(self.lm, "feature_size", None)
         if size:
-            inputs += (torch.zeros(batch_size, n, size, dtype=self.lm.fc.weight.dtype, device=dev),)
+            inputs += (torch.zeros(batch_size, n, size, dtype=self.lm.feature_dtype, device=dev),)
         return inputs
 
 
@@ -84,7 +100,7 @@ def configure_compile_cache() -> None:
     compiled entry per graph."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from .gguf import cache_dir
+    from .paths import cache_dir
 
     # torch writes its own default into the variable on first use (importing transformers' modeling
     # code is enough), so a value equal to that default does not count as the user's choice.

@@ -3,7 +3,10 @@
 One forward serves every graph (context encoding, token generation, multi-token verify):
 
     forward(input_ids [B, n], position_ids [B, n], cache_lengths [B], token_mask [B, n, n],
-            logit_index [B, m], kv_len: static int) -> (logits [B, m, V] f32, hidden [B, n, H])
+            logit_index [B, m], kv_len: static int, seq_ids [b] | None) -> (logits [B, m, V] f32, hidden [B, n, H])
+
+With ``seq_ids`` the inputs hold b rows (usually 1) that read and write cache rows ``seq_ids`` and no
+other (NxD Inference's ``seq_ids``: context encoding of one request into its slot of a running batch).
 
 Invariants:
 - row b's committed tokens live in cache slots ``[0, cache_lengths[b])``; the n new tokens are
@@ -90,19 +93,22 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
-    def forward(self, x, cos, sin, slots, mask, kv_len: int):
-        """x [B, n, H]; cos/sin [B, n, D]; slots [B, n] cache slots to write; mask [B, 1, n, kv_len]."""
+    def forward(self, x, cos, sin, slots, mask, kv_len: int, seq_ids=None):
+        """x [b, n, H]; cos/sin [b, n, D]; slots [b, n] cache slots to write; mask [b, 1, n, kv_len];
+        seq_ids [b]: the cache row of each input row (None: input row i is cache row i, b = batch)."""
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, n, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rows = torch.arange(b, device=x.device).unsqueeze(1)
+        rows = (torch.arange(b, device=x.device) if seq_ids is None else seq_ids).unsqueeze(1)
         self.k_cache.index_put_((rows, slots), k.to(self.k_cache.dtype))
         self.v_cache.index_put_((rows, slots), v.to(self.v_cache.dtype))
-        keys = self.k_cache[:, :kv_len].transpose(1, 2)  # [B, Hkv, kv_len, D]
-        values = self.v_cache[:, :kv_len].transpose(1, 2)
+        k_rows, v_rows = ((self.k_cache, self.v_cache) if seq_ids is None
+                          else (self.k_cache[seq_ids], self.v_cache[seq_ids]))
+        keys = k_rows[:, :kv_len].transpose(1, 2)  # [b, Hkv, kv_len, D]
+        values = v_rows[:, :kv_len].transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=self.n_heads != self.n_kv)
         out = self.o_proj(out.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
@@ -133,8 +139,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c, tp)
 
-    def forward(self, x, cos, sin, slots, mask, kv_len: int):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, kv_len)
+    def forward(self, x, cos, sin, slots, mask, kv_len: int, seq_ids=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, kv_len, seq_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -203,12 +209,13 @@ class DecoderLM(nn.Module):
         x = table(local.clamp(0, table.num_embeddings - 1)).masked_fill(~inside.unsqueeze(-1), 0)
         return all_reduce(x, self.tp)
 
-    def forward(self, input_ids, position_ids, cache_lengths, token_mask, logit_index, kv_len: int):
+    def forward(self, input_ids, position_ids, cache_lengths, token_mask, logit_index, kv_len: int,
+                seq_ids=None):
         x = self.embed(input_ids)
         cos, sin = rope_tables(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
         slots, mask = new_token_slots(cache_lengths, token_mask, kv_len)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, slots, mask, kv_len)
+            x = layer(x, cos, sin, slots, mask, kv_len, seq_ids)
         hidden = self.model.norm(x)
         logits = self.lm_head(pick_positions(hidden, logit_index))
         if self.tp.size > 1:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+TOP_K, TOP_P, TEMPERATURE = 0, 1, 2
+"""Columns of the per-row parameter tensor ``params [B, 3]``."""
 
 
 @dataclass(frozen=True)
@@ -99,14 +103,24 @@ def needs_filter(params: torch.Tensor, global_topk: int | None) -> bool:
     """Whether sampling with ``params`` [B, 3] needs the sorted top-k / top-p warping (``warp``):
     some row has top_k > 0 or top_p < 1, or a ``global_topk`` prefilter is configured. Otherwise
     ``warp_temperature`` gives the same distribution without sorting the vocabulary."""
-    return global_topk is not None or bool(((params[:, 0] > 0) | (params[:, 1] < 1)).any())
+    return global_topk is not None or bool(((params[:, TOP_K] > 0) | (params[:, TOP_P] < 1)).any())
+
+
+def greedy_rows(params: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the rows of ``params`` [B, 3] that decode greedily (temperature 0)."""
+    return params[:, TEMPERATURE] <= 0
+
+
+def any_sampled(params: torch.Tensor) -> bool:
+    """Whether some row of ``params`` [B, 3] samples (needs a sampling graph); one host read."""
+    return bool((params[:, TEMPERATURE] > 0).any())
 
 
 def warp_temperature(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Temperature-only warping in vocabulary order: logits [B, m, V] f32 → probs [B, m, V]
     (softmax(logits / T); one-hot argmax for greedy rows). Equals ``warp`` (scattered back to the
     vocabulary) for rows with top_k = 0 and top_p = 1, without its sort."""
-    temperature = params[:, 2].view(-1, 1, 1)
+    temperature = params[:, TEMPERATURE].view(-1, 1, 1)
     greedy = temperature <= 0
     probs = torch.softmax(logits / torch.where(greedy, torch.ones_like(temperature), temperature), dim=-1)
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
@@ -124,14 +138,58 @@ def sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tensor, gl
     """
     if top_filter:
         probs, ids = warp(logits, params, global_topk)
+        probs = full_probs(probs, ids, logits.shape[-1])
     else:
-        probs, ids = warp_temperature(logits, params), None    # vocabulary order: the candidate is the token
-    cdf = torch.cumsum(probs, dim=-1)
-    choice = (cdf < uniform.unsqueeze(-1) * cdf[..., -1:]).sum(-1, keepdim=True)
-    choice = choice.clamp(max=probs.shape[-1] - 1)
-    tokens = choice.squeeze(-1) if ids is None else torch.gather(ids, -1, choice).squeeze(-1)
-    greedy = (params[:, 2] <= 0).unsqueeze(1)
-    tokens = torch.where(greedy, logits.argmax(-1), tokens)
-    if return_probs:
-        return tokens, probs if ids is None else full_probs(probs, ids, logits.shape[-1])
-    return tokens
+        probs = warp_temperature(logits, params)
+    b, m, V = probs.shape
+    tokens = inverse_cdf(probs.reshape(b * m, V), uniform.reshape(b * m)).view(b, m)
+    tokens = torch.where(greedy_rows(params).unsqueeze(1), logits.argmax(-1), tokens)
+    return (tokens, probs) if return_probs else tokens
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw from unnormalised ``weights [N, V]`` (>= 0, positive sum) with ``u [N]`` in [0, 1) → [N] long.
+
+    y = #{i : cdf_i <= u * total}, in vocabulary order: zero-weight tokens are never chosen (their cdf
+    equals the previous one), also for u == 0; clamped to the first index where the cdf reaches the
+    total, so rounding of u * total up to total cannot select a zero-weight tail token. Every
+    categorical draw of the package (sampling and the acceptance rules) goes through it, so one
+    uniform gives one token whichever warping produced the weights.
+    """
+    cdf = torch.cumsum(weights, dim=-1)
+    total = cdf[:, -1:]
+    choice = (cdf <= u.view(-1, 1) * total).sum(-1)
+    last = (cdf < total).sum(-1)
+    return torch.minimum(choice, last)
+
+
+class RowGenerators:
+    """One seeded ``torch.Generator`` per batch row (slot), so a row's random draws depend only on
+    its own seed and its own history, never on its neighbours.
+
+    ``seed(row, seed)`` (re)starts a row's stream; ``release(row)`` frees it; ``uniform(m)`` →
+    [B, m] in [0, 1) with row r drawn from row r's generator (zeros for rows without one).
+    Draws happen outside the graphs (host loop over rows) and enter them as inputs.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.generators: list[torch.Generator | None] = [None] * batch_size
+
+    def seed(self, row: int, seed: int) -> None:
+        self.generators[row] = torch.Generator(self.device).manual_seed(seed)
+
+    def release(self, row: int) -> None:
+        self.generators[row] = None
+
+    def uniform(self, m: int, rows: list[int] | None = None) -> torch.Tensor:
+        """[len(rows), m] (default every row): each listed row draws m numbers from its own stream;
+        rows not listed draw nothing."""
+        zeros = torch.zeros(m, device=self.device)
+        gens = self.generators if rows is None else [self.generators[r] for r in rows]
+        return torch.stack([zeros if g is None else torch.rand(m, generator=g, device=self.device) for g in gens])
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row ``row`` of a request seeded with ``seed`` (independent streams per row)."""
+    return int(np.random.SeedSequence([seed, row]).generate_state(1, np.uint64)[0])

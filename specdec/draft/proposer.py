@@ -9,39 +9,73 @@ draft when it was proposed.
 """
 from __future__ import annotations
 
+from dataclasses import asdict
+from pathlib import Path
+
 import torch
 
 from ..core.decoder import DecoderModel
+from ..core.sampling import any_sampled
 from ..proposer import Proposal
 
 
-class DraftModelProposer:
-    """Wraps a ``DecoderModel`` as a proposer (see ``specdec.proposer``)."""
+class DraftModel:
+    """A small ``DecoderModel`` proposing for a target with the same tokenizer (a ``Proposer``)."""
 
     def __init__(self, model: DecoderModel):
-        self.model = model
-        self.vocab_size = model.vocab_size
-        self.batch_size = model.batch_size
+        if getattr(model.lm, "feature_size", None):
+            raise ValueError("this is an EAGLE draft network: use EagleDraft.from_pretrained(path, target)")
+        self.model, self.module = model, model.lm
+        self.vocab_size, self.batch_size = model.vocab_size, model.batch_size
 
-    def start(self, prompts, params, generator, target_out) -> None:
-        self.model.reset()
-        self.model.prefill(prompts, params, generator)
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None, target: DecoderModel, **overrides) -> "DraftModel":
+        """Load a draft checkpoint with the target's runtime settings (batch size, ``n_positions``,
+        ``amp``, buckets, sampling config, backend, device, ``tp_degree``; the head layout is chosen for the
+        draft's own heads) unless ``overrides`` (any
+        ``DecoderModel.from_pretrained`` argument) say otherwise."""
+        settings = {**asdict(target.settings), "sampling": target.settings.sampling, "gqa_strategy": None,
+                    **overrides}
+        model = DecoderModel.from_pretrained(path, **settings)
+        draft = cls(model)
+        draft.check_target(target)
+        return draft
+
+    def check_target(self, target: DecoderModel) -> None:
+        """ValueError when this draft cannot propose for ``target`` (device, tokenizer)."""
+        m = self.model
+        if m.device != target.device:
+            raise ValueError(f"draft is on {m.device}, target on {target.device}: use one device")
+        dt, tt = _tokenizer_or_none(m), _tokenizer_or_none(target)
+        if dt is not None and tt is not None and dt.get_vocab() != tt.get_vocab():
+            raise ValueError(f"draft tokenizer ({m.path}) differs from the target's ({target.path}): "
+                             "same vocab size but different token ids")
+
+    def start(self, rows, prompts, params, rng, target_out) -> None:
+        self.model.prefill(prompts, params, rng, rows=rows)
 
     def max_draft_tokens(self, length: int) -> int:
         return self.model.n_positions - length + 1
 
-    def propose(self, tail, lengths, k, params, generator) -> Proposal:
+    def propose(self, tail, lengths, k, params, rng) -> Proposal:
         m = self.model
-        sampled = bool((params[:, 2] > 0).any())
+        sampled = any_sampled(params)
         m.set_lengths(lengths - 2)
-        out = m.step(tail, params, generator, return_probs=sampled)
+        out = m.step(tail, params, rng, return_probs=sampled)
         tokens, probs = [out.tokens[:, -1]], [out.probs[:, -1]] if sampled else []
         for _ in range(k - 1):
-            out = m.step(tokens[-1].unsqueeze(1), params, generator, return_probs=sampled)
+            out = m.step(tokens[-1].unsqueeze(1), params, rng, return_probs=sampled)
             tokens.append(out.tokens[:, -1])
             if sampled:
                 probs.append(out.probs[:, -1])
         return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if sampled else None)
 
-    def accepted(self, lengths, num_accepted, emitted, target_out) -> None:
+    def accepted(self, lengths, verified) -> None:
         """Nothing to do: the next ``propose`` resets the draft's lengths from the sequence."""
+
+
+def _tokenizer_or_none(model: DecoderModel):
+    try:
+        return model.tokenizer
+    except (OSError, ValueError):
+        return None

@@ -3,7 +3,7 @@
 The package ships only the draft's own tensors (``specdec/draft/weights/smollm2-135m-instruct/``:
 decoder layers + final norm in bf16, the reduced vocabulary's ``output_token_ids``, config.json);
 the input embedding and the LM head rows come from the target. ``embedded_draft_path()`` assembles a
-full checkpoint directory once, in ``$SPECDEC_CACHE/drafts/``, and ``load_embedded_draft`` loads it.
+full checkpoint directory once, in ``$SPECDEC_CACHE/drafts/``, and ``specdec.shipped("draft", target)`` loads it.
 
 Reproduce the shipped weights with ``specdec train-draft`` (see ``specdec.train.cli``).
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ..core.gguf import cache_dir, resolve_model_path
-from ..train.export import SHIP_WEIGHTS, assemble
+from ..core.paths import cache_dir, resolve_model_path
+from .assemble import SHIP_WEIGHTS, assemble
 
 SHIPPED_DRAFT = Path(__file__).parent / "weights" / "smollm2-135m-instruct"
 
@@ -27,10 +27,3 @@ def embedded_draft_path(ship_dir: str | Path | None = None) -> Path:
     digest = hashlib.sha256(weights.read_bytes() + (ship_dir / "config.json").read_bytes()).hexdigest()[:16]
     target = resolve_model_path(None)
     return assemble(ship_dir, target, cache_dir() / "drafts" / f"smollm2-135m-instruct-{digest}")
-
-
-def load_embedded_draft(**from_pretrained_kwargs):
-    """``DecoderModel.from_pretrained(embedded_draft_path(), **kwargs)`` (same arguments as the target:
-    batch_size, n_positions, amp, backend, ...)."""
-    from ..core.decoder import DecoderModel
-    return DecoderModel.from_pretrained(embedded_draft_path(), **from_pretrained_kwargs)

@@ -1,6 +1,7 @@
-"""EAGLE-1 speculation: the draft network, its checkpoints (LM-head copying) and chain drafting."""
+"""EAGLE-1 speculation: the draft network (``EagleModel``), its checkpoints (LM-head copying) and chain
+drafting (``EagleDraft``, the strategy handed to ``SpeculativeGenerator``)."""
 from .checkpoint import copy_lm_head
-from .draft import EagleDraft
-from .proposer import EagleProposer
+from .draft import EagleModel
+from .proposer import EagleDraft
 
-__all__ = ["EagleDraft", "EagleProposer", "copy_lm_head"]
+__all__ = ["EagleDraft", "EagleModel", "copy_lm_head"]

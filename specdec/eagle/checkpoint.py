@@ -17,10 +17,9 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
-from ..core.checkpoint import checkpoint_shards, embedding_and_lm_head, iter_sources, iter_tensors
+from ..core.checkpoint import checkpoint_shards, iter_sources, iter_tensors, target_lm_head
 
 LM_HEAD_COMMAND = "specdec eagle-lm-head --draft {draft} --target TARGET_CHECKPOINT"
 
@@ -33,15 +32,6 @@ def eagle_key(name: str) -> str:
 def tensor_names(path: str | Path) -> set[str]:
     """The (normalised) tensor names of a checkpoint directory, without reading any tensor."""
     return {eagle_key(name) for name, _ in iter_sources(checkpoint_shards(path))}
-
-
-def target_lm_head(target_dir: str | Path) -> torch.Tensor:
-    """The target's LM head [V, H] as stored (its embedding when the weights are tied)."""
-    _, head = embedding_and_lm_head(target_dir)
-    if head is None:
-        raise KeyError(f"target checkpoint {target_dir} has neither lm_head.weight nor (tied) "
-                       "model.embed_tokens.weight")
-    return head
 
 
 def copy_lm_head(draft_dir: str | Path, target_dir: str | Path, out_dir: str | Path | None = None) -> Path:

@@ -1,4 +1,5 @@
-"""``EagleDraft``: an EAGLE-1 draft checkpoint on the static runtime, bound to its target.
+"""``EagleModel``: an EAGLE-1 draft network on the static runtime, bound to its target (the drafting
+strategy around it is ``specdec.eagle.proposer.EagleDraft``).
 
 It is a ``DecoderModel`` (own KV cache, buckets, graphs, ``compile``/``save``/``load`` of graphs)
 whose graphs take one more input, the target features [B, n, H]. Its runtime settings (batch size,
@@ -22,11 +23,11 @@ from .checkpoint import check_layout, eagle_key, tensor_names
 from .model import EagleLM
 
 
-class EagleDraft(DecoderModel):
+class EagleModel(DecoderModel):
     @classmethod
     def from_pretrained(cls, path: str | Path, target: DecoderModel, *, eagle_input_norm: bool | None = None,
-                        backend: str | None = None, progress: bool = True) -> "EagleDraft":
-        """Load an EAGLE draft for ``target`` (a ``DecoderModel``).
+                        backend: str | None = None, progress: bool = True) -> "EagleModel":
+        """Load an EAGLE draft network for ``target`` (a ``DecoderModel``).
 
         ``eagle_input_norm``: apply the layer's input RMSNorm (NxD Inference's
         ``enable_eagle_draft_input_norm``); default: config.json's ``eagle_input_norm``, else False.
@@ -76,12 +77,22 @@ class EagleDraft(DecoderModel):
     def graph_keys(self, do_sample: bool | None = None, spec_tokens: tuple[int, ...] = (),
                    prompt_length: int | None = None, max_length: int | None = None) -> list[GraphKey]:
         """Context keys and one-token keys as a target's, plus for each k in ``spec_tokens`` the
-        (k+1)-position re-read step with logits at one position (see ``EagleProposer``)."""
+        (k+1)-position re-read step with logits at one position (see ``specdec.eagle.proposer``)."""
         keys = super().graph_keys(do_sample, (), prompt_length, max_length)
         one = [replace(k, return_probs=k.do_sample) for k in keys if k.n_tokens == 1]
         context = [k for k in keys if k.n_tokens > 1]
         return context + one + [replace(k, n_tokens=n + 1) for n in spec_tokens for k in one if k.kv_len >= n + 1]
 
-    def save(self, directory: str | Path) -> None:
-        raise NotImplementedError("EagleDraft.save is not supported: load the draft with "
-                                  "EagleDraft.from_pretrained(path, target) (graphs come from the on-disk cache)")
+    @classmethod
+    def load(cls, directory: str | Path, target: DecoderModel, progress: bool = True) -> "EagleModel":
+        """Re-create a draft written by ``save`` (the inherited ``DecoderModel.save``: checkpoint path,
+        runtime settings, compiled graphs) for ``target``, whose runtime settings it shares."""
+        directory = Path(directory)
+        meta_file = directory / "specdec.json"
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"{directory} holds no saved specdec model (specdec.json missing)")
+        meta = json.loads(meta_file.read_text())
+        draft = cls.from_pretrained(meta["checkpoint"], target, backend=meta["settings"]["backend"],
+                                    progress=progress)
+        draft._load_compiled(directory, [GraphKey(**k) for k in meta["graphs"]], progress)
+        return draft

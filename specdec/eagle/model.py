@@ -37,6 +37,7 @@ class EagleLM(nn.Module):
                              f"{config.num_layers}")
         h = config.hidden_size
         self.config, self.feature_size, self.input_norm = config, h, input_norm
+        self.feature_dtype = dtype
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         layout = head_layout(config.num_heads, config.num_kv_heads, 1)
@@ -56,10 +57,11 @@ class EagleLM(nn.Module):
         attn.k_cache.zero_()
         attn.v_cache.zero_()
 
-    def forward(self, input_ids, position_ids, cache_lengths, token_mask, logit_index, features, kv_len: int):
+    def forward(self, input_ids, position_ids, cache_lengths, token_mask, logit_index, features, kv_len: int,
+                seq_ids=None):
         x = self.fc(torch.cat((self.embed_tokens(input_ids), features.to(self.fc.weight.dtype)), -1))
         cos, sin = rope_tables(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
         slots, mask = new_token_slots(cache_lengths, token_mask, kv_len)
-        x = self.layers[0](x, cos, sin, slots, mask, kv_len)
+        x = self.layers[0](x, cos, sin, slots, mask, kv_len, seq_ids)
         logits = self.lm_head(pick_positions(x, logit_index))
         return full_vocab_logits(logits, self.config, getattr(self, "output_token_ids", None)), x

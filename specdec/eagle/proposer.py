@@ -5,8 +5,8 @@ features f_0 .. f_{n-2} (f_i = final-norm hidden state at i, which predicts S[i+
 i holds the pair (f_i, S[i+1]). The proposer keeps every pair on device (``features`` [B, N, H],
 ``next_tokens`` [B, N]), so no draft-made feature ever survives a verification (no drift):
 
-- ``start``: after the target's context encoding, the pairs of the whole prompt (the last one with
-  the first sampled token) are ingested by the draft's context graph;
+- ``start``: after the target's context encoding of a row, the pairs of its whole prompt (the last one
+  with the first sampled token) are ingested by the draft's context graph (into that row only);
 - ``propose(k)``: one W-position step (W = the largest k + 1 seen) re-reads the pairs at positions
   max(0, n-1-W) .. n-2 — the up to k + 1 pairs that the last verification made true, plus older ones
   re-written unchanged — with logits at position n-2 only → x_1 and the draft feature f^_{n-1}; then
@@ -18,65 +18,97 @@ i holds the pair (f_i, S[i+1]). The proposer keeps every pair on device (``featu
 
 Sampling: each draft token is sampled from the draft's warped distribution, which is returned for
 lossless rejection sampling; greedy rows take the argmax.
+
+Build one with ``EagleDraft.from_pretrained(path, target)`` (the network, ``EagleModel``, takes the
+target's runtime settings) and hand it to ``SpeculativeGenerator(eagle, target, k)``.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from ..core.decoder import DecoderModel
+from ..core.sampling import any_sampled
 from ..proposer import Proposal
-from .draft import EagleDraft
+from .draft import EagleModel
 
 
-class EagleProposer:
-    def __init__(self, draft: EagleDraft):
-        self.draft = draft
-        self.vocab_size, self.batch_size = draft.vocab_size, draft.batch_size
-        B, N, dev = draft.batch_size, draft.n_positions, draft.device
-        self.features = torch.zeros(B, N, draft.config.hidden_size, dtype=draft.dtype, device=dev)
+class EagleDraft:
+    """EAGLE chain drafting (a ``specdec.proposer.Proposer``) with the draft network ``model``."""
+
+    def __init__(self, model: EagleModel):
+        self.model = model
+        self.module = model.lm
+        self.vocab_size, self.batch_size = model.vocab_size, model.batch_size
+        B, N, dev = model.batch_size, model.n_positions, model.device
+        self.features = torch.zeros(B, N, model.config.hidden_size, dtype=model.dtype, device=dev)
         self.next_tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
         self.rows = torch.arange(B, device=dev).unsqueeze(1)
         self.width = 1
 
-    def max_draft_tokens(self, length: int) -> int:
-        return self.draft.n_positions - length + 1
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: DecoderModel, **kwargs) -> "EagleDraft":
+        """An EAGLE-1 / NxD-layout checkpoint for ``target`` (``EagleModel.from_pretrained`` arguments:
+        ``eagle_input_norm``, ``backend``, ``progress``)."""
+        return cls(EagleModel.from_pretrained(path, target, **kwargs))
 
-    def start(self, prompts, params, generator, target_out) -> None:
+    def check_target(self, target: DecoderModel) -> None:
+        """ValueError when this draft cannot propose for ``target``."""
+        d = self.model
+        if d.config.hidden_size != target.config.hidden_size or d.n_positions < target.n_positions:
+            raise ValueError(f"EAGLE draft (hidden {d.config.hidden_size}, n_positions {d.n_positions}) "
+                             f"does not fit the target (hidden {target.config.hidden_size}, n_positions "
+                             f"{target.n_positions}): load it with EagleDraft.from_pretrained(path, target)")
+        if d.dtype != target.dtype:
+            raise ValueError(f"EAGLE draft runs in {d.dtype} but the target in {target.dtype}: "
+                             "load it with EagleDraft.from_pretrained(path, target)")
+
+    def max_draft_tokens(self, length: int) -> int:
+        return self.model.n_positions - length + 1
+
+    def start(self, rows, prompts, params, rng, target_out) -> None:
         first = target_out.tokens[:, -1].to(self.next_tokens.device)
         longest = max(len(p) for p in prompts)
-        self.features[:, :longest] = target_out.hidden[:, :longest].to(self.features.dtype)
+        slots = list(range(len(prompts))) if rows is None else rows
         shifted = []
-        for i, p in enumerate(prompts):
+        for i, (r, p) in enumerate(zip(slots, prompts)):
+            self.features[r, :len(p)] = target_out.hidden[i, :len(p)].to(self.features.dtype)
             s = torch.cat([p[1:].to(first.device), first[i:i + 1]])
-            self.next_tokens[i, : len(s)] = s
+            self.next_tokens[r, : len(s)] = s
             shifted.append(s)
-        self.draft.reset()
-        self.draft.prefill(shifted, params, generator, features=self.features[:, :longest])
+        # rows=None: every row restarts in one batch context graph (rows past the prompts: dummies)
+        features = self.features[:, :longest] if rows is None else \
+            self.features[torch.tensor(rows, device=self.features.device), :longest]
+        self.model.prefill(shifted, params, rng, features=features, rows=rows)
 
-    def propose(self, tail, lengths, k, params, generator) -> Proposal:
-        d, dev = self.draft, self.features.device
-        sampled = bool((params[:, 2] > 0).any())
+    def propose(self, tail, lengths, k, params, rng) -> Proposal:
+        d, dev = self.model, self.features.device
+        sampled = any_sampled(params)
         self.width = W = max(self.width, k + 1)
         n = lengths.to(dev)
         start = (n - 1 - W).clamp(min=0)
         pos = (start.unsqueeze(1) + torch.arange(W, device=dev)).clamp(max=d.n_positions - 1)
         d.set_lengths(start)
-        out = d.step(self.next_tokens[self.rows, pos], params, generator, features=self.features[self.rows, pos],
+        out = d.step(self.next_tokens[self.rows, pos], params, rng, features=self.features[self.rows, pos],
                      logit_index=(n - 2 - start).unsqueeze(1), advance=False, return_probs=sampled)
         last = (n - 2 - start).view(-1, 1, 1).expand(-1, 1, out.hidden.shape[-1])
         feature = torch.gather(out.hidden, 1, last)                       # f^_{n-1}: [B, 1, H]
         tokens, probs = [out.tokens[:, :1]], [out.probs] if sampled else []
         d.set_lengths(n - 1)
         for _ in range(k - 1):
-            out = d.step(tokens[-1], params, generator, features=feature, return_probs=sampled)
+            out = d.step(tokens[-1], params, rng, features=feature, return_probs=sampled)
             feature = out.hidden
             tokens.append(out.tokens)
             if sampled:
                 probs.append(out.probs)
         return Proposal(torch.cat(tokens, 1), torch.cat(probs, 1) if sampled else None)
 
-    def accepted(self, lengths, num_accepted, emitted, target_out) -> None:
+    def accepted(self, lengths, verified) -> None:
         dev = self.features.device
-        width = target_out.hidden.shape[1]
-        pos = ((lengths.to(dev) - 1).unsqueeze(1) + torch.arange(width, device=dev)).clamp(max=self.draft.n_positions - 1)
-        self.features[self.rows, pos] = target_out.hidden.to(self.features.dtype)
-        self.next_tokens[self.rows, pos] = emitted.to(dev).clamp(min=0)
+        hidden = verified.target_out.hidden
+        width = hidden.shape[1]
+        pos = (lengths.to(dev) - 1).unsqueeze(1) + torch.arange(width, device=dev)
+        pos = pos.clamp(max=self.model.n_positions - 1)
+        self.features[self.rows, pos] = hidden.to(self.features.dtype)
+        self.next_tokens[self.rows, pos] = verified.emitted[:, :width].to(dev).clamp(min=0)

@@ -14,7 +14,7 @@ import hashlib
 import shutil
 from pathlib import Path
 
-from ..core.gguf import cache_dir, resolve_model_path
+from ..core.paths import cache_dir, resolve_model_path
 from .checkpoint import copy_lm_head
 
 SHIPPED_EAGLE = Path(__file__).parent / "weights" / "smollm2-135m-instruct"
@@ -34,9 +34,3 @@ def embedded_eagle_path(ship_dir: str | Path | None = None) -> Path:
         copy_lm_head(ship_dir, resolve_model_path(None), tmp)
         tmp.replace(out)
     return out
-
-
-def load_embedded_eagle(target, **kwargs):
-    """``EagleDraft.from_pretrained(embedded_eagle_path(), target, **kwargs)``."""
-    from .draft import EagleDraft
-    return EagleDraft.from_pretrained(embedded_eagle_path(), target, **kwargs)

@@ -1,20 +1,18 @@
-"""Medusa speculation: heads (``heads``), static token trees (``tree``) and ``MedusaDraft`` (``draft``:
-heads + tree bound to a target, the tree step of ``SpeculativeGenerator``).
+"""Medusa speculation: heads (``heads``), Medusa's trees (``tree``: built-in trees, tree construction)
+and ``MedusaDraft`` (``draft``: heads + tree bound to a target, a tree proposer).
 
-The acceptance rules over trees are shared with other strategies in ``specdec.acceptance``
-(``accept_tree_greedy``, ``accept_tree_sampled``, ``accept_tree_typical``).
+The tree structure (``specdec.tree``), tree verification (``specdec.verify.TreeVerifier``) and the
+acceptance rules over trees (``specdec.acceptance``) are shared with other tree strategies.
 """
 from .draft import MedusaDraft
 from .heads import MedusaConfig, MedusaHeads, load_heads, load_medusa_config, save_heads
-from .tree import (MedusaTree, TreeBuffers, build_tree, builtin_trees, expected_accept_length, gather_tree_tokens,
-                   load_tree, measure_head_accuracy, save_tree, tree_buffers)
+from .tree import (build_tree, builtin_trees, expected_accept_length, gather_tree_tokens, load_tree,
+                   measure_head_accuracy, save_tree)
 
 __all__ = [
     "MedusaConfig",
     "MedusaDraft",
     "MedusaHeads",
-    "MedusaTree",
-    "TreeBuffers",
     "build_tree",
     "builtin_trees",
     "expected_accept_length",
@@ -25,5 +23,4 @@ __all__ = [
     "measure_head_accuracy",
     "save_heads",
     "save_tree",
-    "tree_buffers",
 ]

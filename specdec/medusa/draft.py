@@ -1,22 +1,15 @@
-"""``MedusaDraft``: Medusa heads + a static token tree bound to a target, and one tree step.
+"""``MedusaDraft``: Medusa heads + a token tree bound to a target — a tree proposer.
 
-Use it like any draft: ``SpeculativeGenerator(MedusaDraft.from_pretrained(path, target, tree=...), target)``.
-
-One step, per row (S = prompt + emitted tokens; the target's cache holds S[:-1]; the heads' top-k
-candidates were computed from the target's hidden state of the position that produced S[-1]):
-  1. tree tokens [B, N+1] = root S[-1], then each node's candidate (``gather_tree_tokens``);
-  2. one target forward of the multi-token graph over the N+1 nodes at slots len(S)-1 .. len(S)-1+N,
-     RoPE positions len(S)-1 + depth, attention among them by the tree mask: the target's
-     distribution (or argmax) after every node and the hidden state of every node;
-  3. acceptance on the tree (``specdec.acceptance``: greedy, lossless multi-draft rejection, or the
-     lossy typical rule) → accepted depth n, last accepted node, the n + 1 emitted tokens;
-  4. KV compaction: the cache rows of the accepted path's nodes (slots len(S)-1 + node) move to the
-     contiguous slots len(S) .. len(S)-1+n (one gather + one scatter per layer, on device); the
-     loop then sets the target's length to len(S) + n;
-  5. the next step's candidates: the heads applied to the hidden state of the last accepted node —
-     from the same forward, no extra target pass.
-When fewer than N+1 slots are left before ``n_positions``, a step verifies the root alone (a plain
-decode step: 1 token).
+Use it like any draft: ``SpeculativeGenerator(MedusaDraft.from_pretrained(path, target, tree=...), target)``
+(k = the tree's depth). Per row, S = prompt + emitted tokens; the heads' top-k candidates were computed
+from the target's hidden state at the position that produced S[-1]:
+  1. ``propose``: the N tree nodes' tokens, gathered from the candidates (``gather_tree_tokens``), with
+     the tree's buffers per row;
+  2. the ``TreeVerifier`` runs the target once over [S[-1], nodes] with the tree mask, accepts a path
+     (greedy, lossless multi-draft rejection, or the lossy typical rule) and compacts its KV rows;
+  3. ``accepted``: the next candidates are the heads applied to the hidden state of the last accepted
+     node — from the same forward, no extra target pass.
+When fewer than N slots are left before ``n_positions`` the step is a plain decode step.
 """
 from __future__ import annotations
 
@@ -24,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from ..acceptance import accept_tree_greedy, accept_tree_sampled, accept_tree_typical, draw_tree_uniforms
 from ..core.decoder import DecoderModel
+from ..proposer import Proposal
+from ..tree import TokenTree, tree_buffers
+from ..verify import TREE_ACCEPTANCE, TreeVerifier
 from .heads import MedusaHeads, load_heads, load_medusa_config
-from .tree import MedusaTree, gather_tree_tokens, load_tree, tree_buffers
-
-ACCEPTANCE = ("lossless", "typical")
+from .tree import gather_tree_tokens, load_tree
 
 
 class MedusaDraft:
@@ -41,24 +34,23 @@ class MedusaDraft:
     ``typical_delta`` are Medusa's posterior_threshold / posterior_alpha).
     """
 
-    def __init__(self, heads: MedusaHeads, tree: MedusaTree, target: DecoderModel, acceptance: str = "lossless",
+    def __init__(self, heads: MedusaHeads, tree: TokenTree, target: DecoderModel, acceptance: str = "lossless",
                  typical_epsilon: float = 0.09, typical_delta: float = 0.3):
         check_medusa(heads, tree, target, acceptance)
-        self.heads = heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-        self.tree, self.target, self.acceptance = tree, target, acceptance
-        self.typical = (typical_epsilon, typical_delta)
+        self.heads = self.module = heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        self.tree, self.target = tree, target
+        self.verifier = TreeVerifier(acceptance, typical_epsilon, typical_delta)
         self.buffers = tree_buffers(tree, target.device)
-        self.candidates: torch.Tensor | None = None   # [B, num_heads, top_k] for the next step
+        self.row_buffers = self.buffers.per_row(target.batch_size)
+        self.candidates = torch.zeros(target.batch_size, heads.num_heads, tree.top_k, dtype=torch.long,
+                                      device=target.device)   # [B, num_heads, top_k] for the next step
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None, target: DecoderModel, *, tree: str | Path | MedusaTree | None = None,
+    def from_pretrained(cls, path: str | Path, target: DecoderModel, *, tree: str | Path | TokenTree | None = None,
                         acceptance: str = "lossless", **kwargs) -> "MedusaDraft":
-        """Load heads in the FasterDecoding/Medusa layout (``None``: the heads shipped for the embedded
-        SmolLM2). ``tree``: a built-in name (``builtin_trees()``), a JSON file, a ``MedusaTree``, or
-        ``None`` for the checkpoint's ``medusa_tree`` (else ``mc_sim_7b_63``)."""
-        if path is None:
-            from .smollm2 import SHIPPED_MEDUSA
-            path = SHIPPED_MEDUSA
+        """Load heads in the FasterDecoding/Medusa layout. ``tree``: a built-in name (``builtin_trees()``),
+        a JSON file, a ``TokenTree``, or ``None`` for the checkpoint's ``medusa_tree`` (else
+        ``mc_sim_7b_63``)."""
         config = load_medusa_config(path)
         lm_head = target.lm.lm_head.weight.detach()
         if lm_head.shape[1] != target.config.hidden_size or target.config.output_vocab_size:
@@ -67,11 +59,11 @@ class MedusaDraft:
                            dtype=target.dtype, device=target.device)
         if tree is None:
             tree = config.tree if config.tree is not None else "mc_sim_7b_63"
-        if not isinstance(tree, MedusaTree):
+        if not isinstance(tree, TokenTree):
             tree = load_tree(tree, num_heads=heads.num_heads)
         return cls(heads, tree, target, acceptance, **kwargs)
 
-    # ------------------------------------------------------------------ what the loop reads
+    # ------------------------------------------------------------------ what speculation reads
     @property
     def vocab_size(self) -> int:
         return self.target.vocab_size
@@ -82,77 +74,49 @@ class MedusaDraft:
 
     @property
     def depth(self) -> int:
-        """Draft tokens a step can accept at most (the loop's k)."""
+        """Draft tokens a step can accept at most (the generator's k)."""
         return self.tree.depth
 
-    # ------------------------------------------------------------------ the step
-    def start(self, prompts: list[torch.Tensor], target_out) -> None:
+    def check_target(self, target: DecoderModel) -> None:
+        if target is not self.target:
+            raise ValueError("this MedusaDraft was loaded for another target: "
+                             "use MedusaDraft.from_pretrained(path, target)")
+
+    def max_draft_tokens(self, length: int) -> int:
+        """The tree's depth while the whole tree fits before ``n_positions``, else 0 (decode)."""
+        return self.depth if self.target.n_positions - length >= self.tree.num_nodes else 0
+
+    # ------------------------------------------------------------------ the proposer protocol
+    def start(self, rows, prompts, params, rng, target_out) -> None:
         """Candidates for the first step from the context encoding's hidden state at each prompt's end."""
-        last = torch.tensor([len(p) - 1 for p in prompts] + [0] * (self.batch_size - len(prompts)))
-        hidden = target_out.hidden[torch.arange(self.batch_size), last.to(target_out.hidden.device)]
-        self.candidates = self.heads.candidates(hidden, self.tree.top_k)
+        slots = list(range(len(prompts))) if rows is None else rows
+        last = torch.tensor([len(p) - 1 for p in prompts], device=target_out.hidden.device)
+        hidden = target_out.hidden[torch.arange(len(prompts), device=last.device), last]
+        self.candidates[torch.tensor(slots, device=self.candidates.device)] = \
+            self.heads.candidates(hidden, self.tree.top_k).to(self.candidates.device)
 
-    def step(self, root: torch.Tensor, lengths: torch.Tensor, params: torch.Tensor,
-             generator: torch.Generator | None, greedy: bool, stats) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """One tree step (module docstring) for root tokens [B] = S[-1] and lengths [B] = len(S).
+    def propose(self, tail, lengths, k, params, rng) -> Proposal:
+        nodes = gather_tree_tokens(tail[:, 1].to(self.candidates.device), self.candidates,
+                                   self.buffers.candidate_index)[:, 1:]
+        return Proposal(nodes, None, self.row_buffers)
 
-        Returns (num_accepted [B], emitted [B, n+1 used, -1 after], drafted depth). The target's length
-        is left at len(S) - 1; the caller moves it to len(S) + num_accepted.
-        """
-        target, buf = self.target, self.buffers
-        base = lengths.to(target.device) - 1          # slot (and position) of the root
-        room = target.n_positions - int(lengths.max())
-        nodes = self.tree.verify_size if room >= self.tree.num_nodes else 1
-        with stats.timer("verify"):
-            target.set_lengths(lengths - 1)
-            tokens = gather_tree_tokens(root.to(target.device), self.candidates, buf.candidate_index)[:, :nodes]
-            positions = base.unsqueeze(1) + buf.depth[:nodes]
-            out = target.step(tokens, params, generator, token_mask=buf.mask[:nodes, :nodes], position_ids=positions,
-                              advance=False, return_probs=not greedy and nodes > 1)
-        with stats.timer("other"):
-            if nodes == 1:   # no room for the tree: the root's own decode step
-                n = torch.zeros(self.batch_size, dtype=torch.long, device=target.device)
-                best, emitted = n, out.tokens[:, :1]
-            else:
-                n, best, emitted = self._accept(tokens, out, greedy, generator)
-                self._compact(base, best, n)
-        with stats.timer("draft"):
-            hidden = out.hidden.gather(1, best.view(-1, 1, 1).expand(-1, 1, out.hidden.shape[-1])).squeeze(1)
-            self.candidates = self.heads.candidates(hidden, self.tree.top_k)
-        return n.cpu(), emitted.cpu(), self.depth if nodes > 1 else 0
-
-    def _accept(self, tokens: torch.Tensor, out, greedy: bool, generator):
-        buf = self.buffers
-        if greedy:
-            return accept_tree_greedy(tokens, out.tokens, buf.parent, buf.ancestors)
-        uniform, residual = draw_tree_uniforms(self.batch_size, buf.max_depth, buf.max_children, generator,
-                                               device=self.target.device)
-        if self.acceptance == "typical":
-            eps, delta = self.typical
-            return accept_tree_typical(tokens, out.probs, buf.parent, buf.ancestors, residual, epsilon=eps, delta=delta)
-        return accept_tree_sampled(tokens, out.probs, buf.child_nodes, uniform, residual)
-
-    def _compact(self, base: torch.Tensor, best: torch.Tensor, n: torch.Tensor) -> None:
-        """Move the accepted path's KV rows (slots base + node) to slots base + 1 .. base + n."""
-        D = self.buffers.max_depth
-        depth = torch.arange(1, D + 1, device=base.device)
-        path = self.buffers.ancestors.index_select(0, best)[:, 1:]                  # [B, D]
-        keep = depth.unsqueeze(0) <= n.unsqueeze(1)
-        dst = base.unsqueeze(1) + depth
-        src = torch.where(keep, base.unsqueeze(1) + path.clamp(min=0), dst)     # unaccepted depths: no-op
-        self.target.copy_cache_slots(src, dst)
+    def accepted(self, lengths, verified) -> None:
+        hidden = verified.target_out.hidden
+        last = verified.last_node.to(hidden.device)
+        self.candidates = self.heads.candidates(
+            hidden.gather(1, last.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])).squeeze(1), self.tree.top_k)
 
 
-def check_medusa(heads: MedusaHeads, tree: MedusaTree, target: DecoderModel, acceptance: str) -> None:
+def check_medusa(heads: MedusaHeads, tree: TokenTree, target: DecoderModel, acceptance: str) -> None:
     """ValueError when heads / tree / target / acceptance do not fit together (what, and what is allowed)."""
-    if acceptance not in ACCEPTANCE:
-        raise ValueError(f"acceptance={acceptance!r} is not supported; use one of {', '.join(ACCEPTANCE)}")
+    if acceptance not in TREE_ACCEPTANCE:
+        raise ValueError(f"acceptance={acceptance!r} is not supported; use one of {', '.join(TREE_ACCEPTANCE)}")
     if target.tp.size > 1:
         raise ValueError(f"Medusa needs a target at tp_degree=1 (got {target.tp.size}): "
                          "tensor-parallel Medusa is not supported yet")
     if heads.hidden_size != target.config.hidden_size:
-        raise ValueError(f"Medusa heads have hidden size {heads.hidden_size} but the target {target.config.hidden_size}: "
-                         "the heads must be trained for this target")
+        raise ValueError(f"Medusa heads have hidden size {heads.hidden_size} but the target "
+                         f"{target.config.hidden_size}: the heads must be trained for this target")
     token_ids = getattr(heads, "token_ids", None)
     if token_ids is None and heads.vocab_size != target.vocab_size:
         raise ValueError(f"Medusa heads score {heads.vocab_size} tokens but the target's vocabulary has "

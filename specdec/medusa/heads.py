@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
-from .tree import MedusaTree
+from ..tree import TokenTree
 
 __all__ = [
     "CONFIG_NAME",
@@ -87,7 +87,7 @@ class MedusaConfig:
 
     num_heads: int
     num_layers: int = 1
-    tree: MedusaTree | None = None
+    tree: TokenTree | None = None
     speculation_length: int | None = None
     base_model_name_or_path: str | None = None
     tied_lm_head: bool = False
@@ -130,7 +130,7 @@ class MedusaConfig:
         num_layers = _pick(config, "num_layers")
         return cls(num_heads=num_heads,
                    num_layers=1 if num_layers is None else num_layers,
-                   tree=None if paths is None else MedusaTree.from_paths(paths, num_heads=num_heads),
+                   tree=None if paths is None else TokenTree.from_paths(paths, num_heads=num_heads),
                    speculation_length=_pick(config, "speculation_length"),
                    base_model_name_or_path=_pick(config, "base_model_name_or_path"),
                    tied_lm_head=bool(_pick(config, "tied_lm_head")),

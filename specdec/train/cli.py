@@ -76,7 +76,7 @@ def prepare_data(args: argparse.Namespace) -> Path:
 
 
 def resolve_target(args: argparse.Namespace) -> Path:
-    from ..core.gguf import resolve_model_path
+    from ..core.paths import resolve_model_path
     return resolve_model_path(args.model)
 
 

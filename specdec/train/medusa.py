@@ -1,9 +1,9 @@
 """Train Medusa-1 heads for a frozen target on the target's own generations and features.
 
-Data and features are the EAGLE trainer's (``specdec.train.eagle``): the synthetic prompts and target
-answers of ``specdec.train.data`` (never MT-Bench) and the target's final-norm hidden state f_t at every
-position (``features.pt``, computed once by ``compute_features``; ``train-medusa --features`` links an
-existing cache of the same rows).
+Data and features are shared with the EAGLE trainer (``specdec.train.features``): the synthetic prompts
+and target answers of ``specdec.train.data`` (never MT-Bench) and the target's final-norm hidden state f_t
+at every position (``features.pt``, computed once by ``compute_features``; ``train-medusa --features``
+links an existing cache of the same rows).
 
 Model: ``MedusaHeads`` with tied projections, the target's LM-head rows of a reduced vocabulary
 ``token_ids`` (``target_vocab`` on the training rows), frozen; only the ResBlocks train (zero-initialised,
@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..eagle.checkpoint import target_lm_head
+from ..core.checkpoint import target_lm_head
 from ..medusa.heads import MedusaConfig, MedusaHeads, save_heads
-from ..medusa.tree import MedusaTree, build_tree, expected_accept_length, measure_head_accuracy
+from ..medusa.tree import build_tree, expected_accept_length, measure_head_accuracy
+from ..tree import TokenTree
 from .distill import OptimConfig, lr_at, make_optimizer, run_steps, split_rows, target_vocab
-from .eagle import check_resume_settings, jsonl_recorder, load_features, step_rows, training_rows
+from .features import check_resume_settings, jsonl_recorder, load_features, step_rows, training_rows
 
 TOP_K = 10            # ranks of the measured accuracy matrix (the trees' top-k)
 PROBE_ROWS = 16       # training rows evaluated alongside the held-out rows
@@ -303,7 +304,7 @@ def export_medusa(ckpt_file: str | Path, ship_dir: str | Path, num_nodes: int = 
     return ship_dir
 
 
-def tree_summary(tree: MedusaTree, matrix: torch.Tensor) -> dict:
+def tree_summary(tree: TokenTree, matrix: torch.Tensor) -> dict:
     """Size, depth, ``expected_accept_length`` under ``matrix`` [num_heads, top_k] and expected τ (1 + it)."""
     length = expected_accept_length(tree, matrix)
     return {"num_nodes": tree.num_nodes, "depth": tree.depth, "expected_accept_length": length,

@@ -67,7 +67,7 @@ def heldout_scores(entry: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..core.gguf import EMBEDDED_MODEL
+    from ..core.paths import EMBEDDED_MODEL
     from ..medusa.tree import build_tree
     from .medusa import (MedusaTrainConfig, calibrate, export_medusa, link_features, load_data, train_medusa,
                          tree_summary)

@@ -1,5 +1,6 @@
-"""GGUF support: a one-time conversion of a GGUF file to a safetensors checkpoint directory,
-and the location of the embedded SmolLM2-135M-Instruct model.
+"""Where things are on disk: the cache directory (``$SPECDEC_CACHE``), the embedded
+SmolLM2-135M-Instruct model, and model paths given by the user — a checkpoint directory, or a GGUF
+file converted once to a safetensors checkpoint directory.
 
 Dequantisation is done by ``transformers`` (``gguf_file=``, needs the ``gguf`` package); the result
 is cached under ``$SPECDEC_CACHE`` (default ``~/.cache/specdec``) and reused.

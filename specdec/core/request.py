@@ -1,4 +1,5 @@
-"""Target-only generation loop over the fixed-shape graphs.
+"""Generation requests: validation of everything a request asks for (before any state changes),
+and the output format.
 
 Output format follows ``transformers``: the given ``input_ids`` (with their padding) followed by
 the new tokens; rows that stop early are padded with ``pad_token_id``.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .parallel import broadcast
+from .sampling import row_seed
 
 
 def resolve_budget(model, prompts: list[torch.Tensor], max_new_tokens: int | None,
@@ -69,15 +71,33 @@ def format_output(input_ids, attention_mask, prompts: list[torch.Tensor], new_to
 
 @dataclass
 class Request:
-    """A validated generation request: prompts (padding stripped), per-row new-token budget [b],
-    sampling params [batch_size, 3], EOS ids, pad id and the seeded on-device generator."""
+    """A validated generation request of b rows: prompts (padding stripped), per-row new-token budget
+    [b], sampling params [batch_size, 3] (rows >= b unused), EOS ids, pad id and one seed per row."""
 
     prompts: list[torch.Tensor]
     budget: torch.Tensor
     params: torch.Tensor
     eos: torch.Tensor
     pad_token_id: int
-    generator: torch.Generator | None
+    seeds: list[int]
+
+
+def row_seeds(model, n: int, seed) -> list[int]:
+    """One seed per row: from ``seed`` (an int: independent streams per row; a sequence: one per
+    row), else drawn from torch's global generator (so ``torch.manual_seed`` reproduces a run)."""
+    if seed is None:
+        drawn = torch.randint(2**62, (n,), device=model.device)
+        if model.tp.size > 1:   # every rank must draw the same sampling noise
+            drawn = broadcast(drawn, model.tp)
+        return [int(s) for s in drawn.cpu()]
+    if isinstance(seed, (list, tuple, torch.Tensor)):
+        seeds = [int(s) for s in seed]
+        if len(seeds) != n:
+            raise ValueError(f"seed has {len(seeds)} values; give one int or one per prompt ({n})")
+        return seeds
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, a list of ints (one per prompt) or None, got {seed!r}")
+    return [row_seed(seed, i) for i in range(n)]
 
 
 def prepare_request(model, input_ids, attention_mask=None, *, max_new_tokens=None, sequence_length=None,
@@ -91,52 +111,4 @@ def prepare_request(model, input_ids, attention_mask=None, *, max_new_tokens=Non
     if pad_token_id is None:
         pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else \
             (int(eos[0]) if eos.numel() else 0)
-    if seed is None and model.tp.size > 1:   # every rank must draw the same sampling noise
-        seed = int(broadcast(torch.randint(2**62, (1,), device=model.device), model.tp))
-    generator = torch.Generator(model.device).manual_seed(seed) if seed is not None else None
-    return Request(prompts, budget, params, eos, pad_token_id, generator)
-
-
-def generate(model, input_ids, attention_mask=None, *, max_new_tokens: int | None = None,
-             sequence_length: int | None = None, do_sample: bool | None = None, temperature=None,
-             top_k=None, top_p=None, eos_token_id=None, pad_token_id: int | None = None,
-             streamer=None, stopping_criteria=None, seed: int | None = None) -> torch.Tensor:
-    """Decode up to ``batch_size`` prompts with the model's token-generation graphs.
-
-    Sampling values may be scalars or one per row; ``seed`` seeds the on-device generator.
-    Rows finish independently at EOS, a stopping criterion, or their budget. A streamer gets
-    ``put(prompt)`` then ``put(tokens)`` per step and ``end()`` (HF protocol; batch 1 for text).
-    """
-    req = prepare_request(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                          sequence_length=sequence_length, do_sample=do_sample, temperature=temperature,
-                          top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                          seed=seed)
-    prompts, budget, params, eos, pad_token_id, generator = (
-        req.prompts, req.budget, req.params, req.eos, req.pad_token_id, req.generator)
-    b, B = len(prompts), model.batch_size
-    model.reset()
-    if streamer is not None:
-        streamer.put(format_output(input_ids, attention_mask, prompts, [[]] * b, pad_token_id))
-    out = model.prefill(prompts, params, generator)
-    new_tokens: list[list[int]] = [[] for _ in range(b)]
-    active = torch.zeros(B, dtype=torch.bool)
-    active[:b] = True
-    while True:
-        tokens = out.tokens[:, -1].cpu()
-        for i in range(b):
-            if active[i]:
-                new_tokens[i].append(int(tokens[i]))
-        if streamer is not None:
-            streamer.put(tokens[:b].clone())
-        counts = torch.tensor([len(t) for t in new_tokens])
-        finished = (counts >= budget) | torch.isin(tokens[:b], eos)
-        if stopping_criteria:
-            seqs = format_output(input_ids, attention_mask, prompts, new_tokens, pad_token_id)
-            finished |= stop_requested(stopping_criteria, seqs)
-        active[:b] &= ~finished
-        if not bool(active.any()):
-            break
-        out = model.step(tokens.unsqueeze(1), params, generator, rows=active)
-    if streamer is not None:
-        streamer.end()
-    return format_output(input_ids, attention_mask, prompts, new_tokens, pad_token_id)
+    return Request(prompts, budget, params, eos, pad_token_id, row_seeds(model, len(prompts), seed))

@@ -1,10 +1,10 @@
 """Runtime benchmark: target-only greedy decoding, batch 1, specdec vs ``transformers``.
 
-Every system runs in its own subprocess (``python -m specdec.bench --worker SYSTEM ...``), which
+Every system runs in its own subprocess (``python -m specdec.bench.runtime --worker SYSTEM ...``), which
 gives each a clean peak RSS and lets compiled systems be timed with an empty Inductor cache (cold)
 and again reusing it (cached). The parent tokenizes the prompts once (so every system decodes the
 same token ids), measures the machine's memory read bandwidth, starts the workers one after the
-other, and computes the ratios, the bandwidth bound and the goals.
+other, and computes the ratios and the bandwidth bound.
 
 Systems:
   hf-eager-f32           transformers ``generate`` (dynamic cache, eager), float32
@@ -14,7 +14,8 @@ Systems:
   specdec-compiled-f32/bf16  specdec, ``compiled`` backend (one graph per bucket)
 
 Usage: ``python bench/bench_runtime.py [--systems a,b] [--num-prompts N] [--max-new-tokens N]
-[--output FILE]`` or ``specdec bench ...``; JSON on stdout, a markdown table on stderr.
+[--output FILE]`` or ``specdec bench ...``; JSON on stdout, a markdown table on stderr. The prompts
+are the MT-Bench questions shipped with the package (:mod:`specdec.bench.prompts`) unless ``--prompts``.
 """
 from __future__ import annotations
 
@@ -32,24 +33,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from .core.chat import chat_ids
+from ..core.chat import chat_ids
+from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_questions
 
 SYSTEMS = ("hf-eager-f32", "hf-compile-f32", "specdec-eager-f32", "specdec-eager-bf16",
            "specdec-compiled-f32", "specdec-compiled-bf16")
 BASELINE = "hf-eager-f32"
-GOAL_SYSTEM = "specdec-compiled-bf16"
-GOAL_SPEEDUP = 3.0
-GOAL_BOUND_FRACTION = 0.70
 # systems timed twice, in fresh processes: empty Inductor cache (cold), then reusing it (cached)
 COLD_CACHED = ("specdec-compiled-f32", "specdec-compiled-bf16")
 
 
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[1]
-
-
-def default_prompts_path() -> Path:
-    return (repo_root() / ".." / "shared" / "data" / "mt_bench_questions.jsonl").resolve()
+def package_parent() -> Path:
+    """The directory holding the ``specdec`` package (put on the workers' ``PYTHONPATH``)."""
+    return Path(__file__).resolve().parents[2]
 
 
 def system_info(name: str) -> dict:
@@ -69,31 +65,21 @@ def _systems_arg(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of the benchmark (used by ``specdec bench`` and ``python -m specdec.bench``)."""
+    """Options of the benchmark (used by ``specdec bench`` and ``python -m specdec.bench.runtime``)."""
     parser.add_argument("--systems", type=_systems_arg, default=list(SYSTEMS),
                         help=f"comma-separated subset of {', '.join(SYSTEMS)} (default: all)")
     parser.add_argument("--model", default=None,
                         help="checkpoint directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--prompts", default=None,
-                        help="MT-Bench style jsonl (first of 'turns' is used; default: "
-                             "<repo>/../shared/data/mt_bench_questions.jsonl)")
-    parser.add_argument("--num-prompts", type=int, default=10, help="first N questions (default 10)")
+    add_prompt_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="tokens generated per prompt; EOS is disabled so every prompt makes exactly this many")
     parser.add_argument("--n-positions", type=int, default=None,
                         help="specdec KV length / HF static cache length (default: the smallest power of two "
                              ">= longest prompt + max-new-tokens, at least 128)")
-    parser.add_argument("--context-buckets", type=_int_list, default=None,
+    parser.add_argument("--context-buckets", type=int_list, default=None,
                         help="specdec context buckets, e.g. 128,256 (default: the runtime's powers of two)")
-    parser.add_argument("--kv-buckets", type=_int_list, default=None,
+    parser.add_argument("--kv-buckets", type=int_list, default=None,
                         help="specdec KV buckets (default: the runtime's powers of two)")
     parser.add_argument("--compile-all", action="store_true",
                         help="specdec-compiled: compile every bucket (DecoderModel.compile()) instead of only "
@@ -139,29 +125,6 @@ def _peak_rss_mb(who=resource.RUSAGE_SELF) -> float:
     return resource.getrusage(who).ru_maxrss * scale / 2**20
 
 
-def load_prompts(path: str | Path, n: int) -> list[str]:
-    """First turns of the first ``n`` questions of an MT-Bench style jsonl."""
-    return [text for _, text in _load_questions(path, n)]
-
-
-def _load_questions(path: str | Path, n: int) -> list[tuple[object, str]]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist (pass --prompts)")
-    prompts = []
-    with path.open() as f:
-        for line in f:
-            if line.strip():
-                rec = json.loads(line)
-                turns = rec.get("turns")
-                if not turns:
-                    raise ValueError(f"{path}: a line has no 'turns': {line[:80]!r}")
-                prompts.append((rec.get("question_id", len(prompts)), turns[0]))
-    if n < 1 or n > len(prompts):
-        raise ValueError(f"--num-prompts={n}: {path} holds {len(prompts)} prompts")
-    return prompts[:n]
-
-
 def measure_bandwidth(gb: float = 1.0, runs: int = 9) -> dict:
     """Memory read bandwidth: time ``x.sum()`` over a ``gb``-GB float32 tensor (torch's threads)."""
     import torch
@@ -185,7 +148,7 @@ def measure_bandwidth(gb: float = 1.0, runs: int = 9) -> dict:
 
 def bytes_per_token(config, dtype_name: str, mean_context: float) -> dict:
     """Bytes a decode step must read: all weights (tied embeddings once) + the K/V of the context."""
-    from .core.config import amp_dtype
+    from ..core.config import amp_dtype
 
     dtype = amp_dtype(dtype_name)
     weights = config.weight_bytes(dtype)
@@ -255,7 +218,7 @@ class _HFRunner:
 
 class _SpecdecRunner:
     def __init__(self, job: dict, amp: str, compiled: bool):
-        from .core.decoder import DecoderModel
+        from ..core.decoder import DecoderModel
 
         self.compiled = compiled
         self.model = DecoderModel.from_pretrained(
@@ -274,8 +237,8 @@ class _SpecdecRunner:
     def needed_keys(self, prompt_ids, n):
         """The greedy graphs generate() will use for these prompts: the context bucket of each
         prompt and the KV buckets of its decode steps (needs L+1 … L+n-1 slots)."""
-        from .core.buckets import pick_bucket
-        from .core.graphs import GraphKey
+        from ..core.buckets import pick_bucket
+        from ..core.graphs import GraphKey
 
         keys = {}
         for ids in prompt_ids:
@@ -292,7 +255,7 @@ class _SpecdecRunner:
             return None, {}
         import torch
 
-        from .core.graphs import StepGraph
+        from ..core.graphs import StepGraph
 
         m = self.model
         t0 = time.perf_counter()
@@ -405,7 +368,7 @@ def _diff_counters(a: dict, b: dict) -> dict:
 
 
 def _worker_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m specdec.bench --worker", description="one benchmark worker")
+    p = argparse.ArgumentParser(prog="python -m specdec.bench.runtime --worker", description="one benchmark worker")
     p.add_argument("--worker", required=True, choices=SYSTEMS)
     p.add_argument("--job", required=True)
     p.add_argument("--result", required=True)
@@ -439,7 +402,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _spawn_worker(system: str, job_file: Path, result_file: Path, cache_dir: Path, compile_only: bool,
                   timeout: float | None, progress: bool) -> dict:
-    cmd = [sys.executable, "-m", "specdec.bench", "--worker", system, "--job", str(job_file),
+    cmd = [sys.executable, "-m", "specdec.bench.runtime", "--worker", system, "--job", str(job_file),
            "--result", str(result_file)]
     if compile_only:
         cmd.append("--compile-only")
@@ -448,7 +411,7 @@ def _spawn_worker(system: str, job_file: Path, result_file: Path, cache_dir: Pat
     env = dict(os.environ)
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
     env["TOKENIZERS_PARALLELISM"] = "false"
-    env["PYTHONPATH"] = os.pathsep.join([str(repo_root())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([str(package_parent())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     result_file.unlink(missing_ok=True)
     t = time.perf_counter()
     # own session: Ctrl-C reaches only the parent, which then kills the whole worker group
@@ -529,9 +492,9 @@ def run(args: argparse.Namespace) -> dict:
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    from .core.buckets import default_buckets
-    from .core.config import ModelConfig
-    from .core.gguf import resolve_model_path
+    from ..core.buckets import default_buckets
+    from ..core.config import ModelConfig
+    from ..core.paths import resolve_model_path
 
     progress = not getattr(args, "no_progress", False)
     systems = args.systems if isinstance(args.systems, list) else _systems_arg(args.systems)
@@ -551,7 +514,7 @@ def run(args: argparse.Namespace) -> dict:
     work_dir.mkdir(parents=True, exist_ok=True)
     try:
         prompts_path = Path(args.prompts) if args.prompts else default_prompts_path()
-        questions = _load_questions(prompts_path, args.num_prompts)
+        questions = load_questions(prompts_path, args.num_prompts)
         texts = [t for _, t in questions]
         model_path = resolve_model_path(args.model)
         config = ModelConfig.from_dir(model_path)
@@ -642,7 +605,7 @@ def run(args: argparse.Namespace) -> dict:
                 main = phases.get("cached") or phases.get("cold") or phases.get("eager")
                 if main.get("tokens"):
                     result["systems"][s]["tokens"] = main["tokens"]
-        result["ratios"], result["goals"] = _ratios_and_goals(result["systems"], bound)
+        result["ratios"] = _ratios(result["systems"])
         print(markdown_table(result), file=sys.stderr)
         return result
     finally:
@@ -716,7 +679,7 @@ def _agreements(systems: dict, raw: dict) -> None:
         systems[s]["agreement"] = {"reference": ref, **_agreement(t, toks[ref])}
 
 
-def _ratios_and_goals(systems: dict, bound: dict) -> tuple[dict, dict]:
+def _ratios(systems: dict) -> dict:
     def tps(s, key="tokens_per_s"):
         e = systems.get(s)
         return e[key]["median"] if e and e.get(key) else None
@@ -734,17 +697,7 @@ def _ratios_and_goals(systems: dict, bound: dict) -> tuple[dict, dict]:
         ratios["fraction_of_bandwidth_bound"][s] = e["fraction_of_bandwidth_bound"]
         if e.get("compile", {}).get("cached_over_cold") is not None:
             ratios["compile_cached_over_cold"][s] = e["compile"]["cached_over_cold"]
-    g = tps(GOAL_SYSTEM)
-    speed = g / base if g and base else None
-    frac = g / bound["bf16"]["tokens_per_s"] if g else None
-    goals = {
-        f"{GOAL_SYSTEM}_speedup_vs_{BASELINE}": {
-            "value": speed, "target": GOAL_SPEEDUP, "met": None if speed is None else speed >= GOAL_SPEEDUP},
-        f"{GOAL_SYSTEM}_fraction_of_bf16_bound": {
-            "value": frac, "target": GOAL_BOUND_FRACTION, "met": None if frac is None else frac >= GOAL_BOUND_FRACTION},
-        "basis": "median end-to-end tokens/s (max_new_tokens / generate wall time, prefill included)",
-    }
-    return ratios, goals
+    return ratios
 
 
 def _fmt(x, spec=".1f", none="–"):
@@ -782,14 +735,6 @@ def markdown_table(result: dict) -> str:
             f"| {s} | {e['tokens_per_s']['median']:.1f} | {_fmt(dec['median'] if dec else None)} | "
             f"{e['ttft_s']['median'] * 1000:.0f} | {c} | {e['peak_rss_mb']:.0f} | {_fmt(speed.get(s), '.2f')} | "
             f"{e['fraction_of_bandwidth_bound'] * 100:.0f}% | {agree} |")
-    goals = result["goals"]
-    parts = []
-    for k, g in goals.items():
-        if isinstance(g, dict):
-            v = "not run" if g["value"] is None else f"{g['value']:.2f} (target {g['target']}) → " \
-                                                   f"{'met' if g['met'] else 'NOT met'}"
-            parts.append(f"{k}: {v}")
-    lines += ["", "goals: " + "; ".join(parts)]
     return "\n".join(lines)
 
 

@@ -2,17 +2,18 @@
 
 In one process run, for each temperature (greedy and 0.7) and each k:
   specdec-target      ``DecoderModel.generate`` (target only)
-  specdec-{s}-k{k}    ``SpeculativeGenerator(proposer, target, k).sample`` with the shipped
+  specdec-{s}-k{k}    ``SpeculativeGenerator(shipped(s, target), target, k).generate`` with the shipped
                       ``--strategy`` s: ``draft`` (the vanilla draft model) or ``eagle`` (the EAGLE head)
-  specdec-medusa-{t}  ``--strategy medusa``: the shipped Medusa heads with tree t of ``--trees`` (a
-                      built-in name, a JSON file, or ``shipped``: the tree built from the heads' measured
-                      accuracy, stored with them); k = the tree's depth
+  specdec-medusa-{t}  ``--strategy medusa``: the shipped Medusa heads (or ``--heads DIR``) with tree t of
+                      ``--trees`` (a built-in name, a JSON file, or ``shipped``: the tree built from the
+                      heads' measured accuracy, stored with them); k = the tree's depth
   hf-assisted-k{k}    ``transformers`` assisted generation (batch 1 only): the target as a
                       transformers model (eager, f32), the shipped vanilla draft as assistant
                       (``HFAdapter``, eager f32), a constant ``num_assistant_tokens=k``
 ``--batch-size`` prompts per call (tokens/s counts every row), ``--max-new-tokens`` (128) per prompt
-with EOS disabled. Reports tokens/s (median over calls), τ, acceptance rate, per-position acceptance
-and speedups as JSON (stdout) and a markdown table (stderr).
+with EOS disabled, on the MT-Bench questions shipped with the package (or ``--prompts FILE``).
+Reports tokens/s (median over calls), τ, acceptance rate, per-position acceptance and speedups as
+JSON (stdout) and a markdown table (stderr).
 
     python bench/bench_speculative.py [--strategy draft|eagle] [--num-prompts 10] [--ks 2,4,6] [--batch-size 1]
     python bench/bench_speculative.py --strategy medusa [--trees chain_4,mc_sim_7b_63,shipped]
@@ -32,14 +33,14 @@ from typing import Callable, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from . import bench
-from .bench import _int_list, default_prompts_path, load_prompts
-from .core.chat import chat_ids
+from ..core.chat import chat_ids
+from ..core.config import module_bytes
+from . import runtime
+from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_prompts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", default=None, help="MT-Bench style jsonl (default ../shared/data/...)")
-    parser.add_argument("--num-prompts", type=int, default=10)
+    add_prompt_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--strategy", default="draft", choices=["draft", "eagle", "medusa"],
                         help="the shipped vanilla draft model, EAGLE head or Medusa heads")
@@ -47,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="medusa: comma list of trees (built-in names, JSON files, 'shipped')")
     parser.add_argument("--heads", default=None, help="medusa: heads directory (default: the shipped heads)")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per call (HF assisted needs 1)")
-    parser.add_argument("--ks", type=_int_list, default=[2, 4, 6], help="draft tokens per step")
+    parser.add_argument("--ks", type=int_list, default=[2, 4, 6], help="draft tokens per step")
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
     parser.add_argument("--backend", default="compiled", choices=["eager", "compiled"])
     parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
@@ -68,10 +69,9 @@ def _timed(fn) -> tuple[object, float]:
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from .core.decoder import DecoderModel
-    from .core.hf_adapter import HFAdapter
-    from .draft.smollm2 import load_embedded_draft
-    from .stats import SpecStats
+    from .. import DecoderModel, SpecStats
+    from ..core.hf_adapter import HFAdapter
+    from ..draft.smollm2 import embedded_draft_path
 
     torch.set_grad_enabled(False)
     if args.threads:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
               kv_buckets=[args.n_positions])
     B = args.batch_size
     target = DecoderModel.from_pretrained(None, batch_size=B, **kw)
-    systems, draft_module = speculative_systems(args, target, kw)   # name -> System
+    systems, draft_module = speculative_systems(args, target)   # name -> System
     texts = load_prompts(args.prompts or default_prompts_path(), args.num_prompts)
     prompts = [chat_ids(target.tokenizer, t) for t in texts]
     calls = [prompts[i:i + B] for i in range(0, len(prompts), B)]
@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> dict:
     hf = None if args.no_hf or B > 1 or args.strategy == "medusa" else AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
     if hf is not None:
         hf.generation_config.eos_token_id = None
-    assistant = None if hf is None else HFAdapter(load_embedded_draft(**{**kw, "backend": "eager", "amp": "f32"}))
+    assistant = None if hf is None else HFAdapter(
+        DecoderModel.from_pretrained(embedded_draft_path(), **{**kw, "backend": "eager", "amp": "f32"}))
 
     def sampling(t):
         return dict(do_sample=t > 0, temperature=t) if t > 0 else dict(do_sample=False)
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     for t in temps:
         target.generate([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
         for system in systems.values():
-            system.make().sample([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
+            system.make().generate([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
     spec = f"specdec-{args.strategy}"
     jobs = [(t, None, "specdec-target") for t in temps]
     jobs += [(t, system.k, name) for t in temps for name, system in systems.items()]
@@ -119,8 +120,8 @@ def run(args: argparse.Namespace) -> dict:
                                                        seed=seed, **sampling(t)))
             elif name.startswith(spec):
                 gen = systems[name].make()
-                _, dt = _timed(lambda: gen.sample(batch, max_new_tokens=n_new, eos_token_id=[], seed=seed,
-                                                  **sampling(t)))
+                _, dt = _timed(lambda: gen.generate(batch, max_new_tokens=n_new, eos_token_id=[], seed=seed,
+                                                    **sampling(t)))
                 stats = stats + gen.last_stats
             else:
                 torch.manual_seed(seed)
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
     return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
                        "num_prompts": len(prompts), "max_new_tokens": n_new, "systems": list(systems),
                        "temperatures": temps, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "draft_cost_ratio": weight_bytes_read(draft_module) / weight_bytes_read(target.lm)},
+                       "draft_cost_ratio": bytes_read_per_step(draft_module) / bytes_read_per_step(target.lm)},
             "runs": runs}
 
 
@@ -161,38 +162,39 @@ class System(NamedTuple):
     make: Callable
 
 
-def speculative_systems(args: argparse.Namespace, target, kw: dict) -> tuple[dict[str, System], torch.nn.Module]:
-    """``{name: System}`` for ``--strategy`` and the draft's module (for its weight-read cost)."""
-    from .speculative import SpeculativeGenerator
+def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, System], torch.nn.Module]:
+    """``{name: System}`` for ``--strategy`` and the drafting module (for its weight-read cost). The
+    shipped proposers take the target's runtime settings (batch size, buckets, amp, backend)."""
+    from .. import MedusaDraft, SpeculativeGenerator, shipped
     spec = f"specdec-{args.strategy}"
     if args.strategy == "medusa":
-        from .medusa.draft import MedusaDraft
-        drafts = {t: MedusaDraft.from_pretrained(args.heads, target, tree=None if t == "shipped" else t)
-                  for t in args.trees.split(",")}
+        def medusa(t):
+            tree = None if t == "shipped" else t
+            if args.heads:
+                return MedusaDraft.from_pretrained(args.heads, target, tree=tree)
+            return shipped("medusa", target, tree=tree)
+        drafts = {t: medusa(t) for t in args.trees.split(",")}
         systems = {f"{spec}-{Path(t).stem}": System(d.depth, d.tree.verify_size,
-                                                    lambda d=d: SpeculativeGenerator(d, target))
+                                                    lambda d=d: SpeculativeGenerator(d, target, None))
                    for t, d in drafts.items()}
-        return systems, next(iter(drafts.values())).heads
-    if args.strategy == "eagle":
-        from .eagle.smollm2 import load_embedded_eagle
-        draft = load_embedded_eagle(target, progress=False)
-    else:
-        from .draft.smollm2 import load_embedded_draft
-        draft = load_embedded_draft(batch_size=args.batch_size, **kw)
+        return systems, next(iter(drafts.values())).module
+    draft = shipped(args.strategy, target)   # "draft" or "eagle"
     return {f"{spec}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(draft, target, k))
-            for k in args.ks}, draft.lm
+            for k in args.ks}, draft.module
 
 
-def weight_bytes_read(lm: torch.nn.Module) -> int:
-    """Weight bytes one decode step of module ``lm`` reads: every parameter except the input embedding
-    table (one row is read), which counts when it doubles as the (tied) LM head (Medusa heads: all)."""
-    total = sum(p.numel() * p.element_size() for p in lm.parameters())
-    if not hasattr(lm, "lm_head"):
+def bytes_read_per_step(module: torch.nn.Module) -> int:
+    """Weight bytes one decode step of ``module`` reads: all its weights (:func:`module_bytes`) except
+    an input embedding table that is not also the LM head (one row of it is read). DecoderLM and
+    EagleLM have such a table; Medusa heads do not (all their weights are read)."""
+    total = module_bytes(module)
+    embed = getattr(getattr(module, "model", module), "embed_tokens", None)   # DecoderLM / EagleLM
+    if embed is None:
         return total
-    embed = (lm.model if hasattr(lm, "model") else lm).embed_tokens.weight   # DecoderLM / EagleLM
-    if embed is lm.lm_head.weight:
-        return total
-    return total - embed.numel() * embed.element_size()
+    head = getattr(module, "lm_head", None)
+    if head is not None and head.weight is embed.weight:
+        return total   # tied: the table is read whole as the LM head
+    return total - module_bytes(embed)
 
 
 def table(result: dict) -> str:
@@ -209,7 +211,7 @@ def table(result: dict) -> str:
 def print_result(result: dict, args: argparse.Namespace) -> int:
     """JSON to stdout (and ``--output``), the table to stderr."""
     print(table(result), file=sys.stderr)
-    return bench.print_result(result, args)
+    return runtime.print_result(result, args)
 
 
 def main(argv: list[str] | None = None) -> int:

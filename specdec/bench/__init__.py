@@ -1,0 +1,10 @@
+"""Benchmarks of specdec, run by ``specdec bench`` / ``specdec bench-spec`` (or the wrapper scripts
+in the repository's ``bench/`` directory).
+
+- :mod:`specdec.bench.runtime` — target-only greedy decoding, batch 1: specdec's runtime against
+  ``transformers`` (tokens/s, TTFT, compile time, peak RSS, fraction of the memory-bandwidth bound).
+- :mod:`specdec.bench.speculative` — speculative decoding with the shipped proposers (vanilla draft,
+  EAGLE, Medusa) against the target alone and ``transformers`` assisted generation.
+- :mod:`specdec.bench.prompts` — the prompt set: the MT-Bench questions shipped as package data in
+  ``data/mt_bench_questions.jsonl`` (see ``data/NOTICE``), or any MT-Bench style jsonl via ``--prompts``.
+"""

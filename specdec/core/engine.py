@@ -1,0 +1,260 @@
+"""The request loop: requests occupy rows (slots) of the static batch; a step advances every active row.
+
+Target-only generation and every speculative strategy run this one loop. Per row r, with
+S_r = prompt + emitted tokens, the target's KV cache holds S_r[:-1] before each step (S_r[-1] was
+sampled but not yet fed). A step returns, per row, the number of accepted drafts n_r and the n_r + 1
+emitted tokens (the accepted drafts, then the target's correction or bonus token):
+
+- no speculator: one decode step (k = 0): n_r = 0, the target's next token;
+- a ``Speculator`` (``specdec.speculative``): its proposer proposes, its verifier runs the target over
+  the proposal and applies the shared acceptance rules.
+
+The engine appends the emitted tokens one position at a time, so EOS, the row's budget and stopping
+criteria cut the run exactly where target-only decoding stops; a finished row stays in the batch
+(static shapes) with its output frozen until it is released. Rows are independent: ``add`` prefills
+one row (a single-row context-encoding graph) while the others keep their state, and each row draws
+its random numbers from its own generator, so a row's output does not depend on its neighbours.
+
+    engine = Engine(target)                    # or Engine(target, speculator)
+    row = engine.add(prompt_ids, max_new_tokens=64, temperature=0.7, seed=1)
+    while engine.active_rows:
+        new = engine.step()                    # {row: [tokens emitted this step]}
+    engine.release(row)
+
+``generate`` is the batch form (HF ``generate`` arguments and output format) built on the same rows.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from .request import format_output, prepare_request, stop_requested
+from .sampling import RowGenerators
+from .stats import SpecStats
+
+if TYPE_CHECKING:
+    from .decoder import DecoderModel, StepOutput
+
+
+@dataclass
+class StepResult:
+    """One step's outcome per row (host tensors): num_accepted [B] long, emitted [B, w] long (row r's
+    tokens are emitted[r, :num_accepted[r] + 1]), drafted [B] long (draft tokens proposed)."""
+
+    num_accepted: torch.Tensor
+    emitted: torch.Tensor
+    drafted: torch.Tensor
+
+
+def decode_step(target: DecoderModel, tail: torch.Tensor, params: torch.Tensor, rng: RowGenerators) -> StepResult:
+    """A plain decode step (k = 0): S[-1] = tail[:, 1] at slot len(S) - 1 → the next token per row."""
+    out = target.step(tail[:, 1:], params, rng, advance=False)
+    zeros = torch.zeros(target.batch_size, dtype=torch.long)
+    return StepResult(zeros, out.tokens.cpu(), zeros)
+
+
+class Speculator(Protocol):
+    """What the loop needs from speculation (``specdec.speculative.Speculator`` implements it)."""
+
+    def start(self, rows: list[int] | None, prompts: list[torch.Tensor], params: torch.Tensor,
+              rng: RowGenerators, target_out: StepOutput) -> None:
+        """After the target's context encoding of ``prompts`` into ``rows`` (None: rows 0.. b-1, all
+        rows restarted); ``target_out`` rows are in ``prompts`` order."""
+
+    def step(self, tail: torch.Tensor, lengths: torch.Tensor, active: torch.Tensor, params: torch.Tensor,
+             rng: RowGenerators, stats: SpecStats) -> StepResult:
+        """Advance every row once. tail [B, 2] = the last two tokens of S_r, lengths [B] = len(S_r),
+        active [B] bool; the target's lengths are len(S_r) - 1. Times its phases into ``stats``."""
+
+
+@dataclass
+class Row:
+    """A request in one row: its prompt, budget of new tokens, EOS ids, and the tokens so far."""
+
+    prompt: list[int]
+    budget: int
+    eos: frozenset[int]
+    new: list[int] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.new)
+
+    def tail(self) -> list[int]:
+        seq = self.prompt[-2:] + self.new[-2:]
+        return seq[-2:]
+
+
+class Engine:
+    """Generation over ``target`` with an optional ``speculator``; ``stats`` accumulates every step."""
+
+    def __init__(self, target: DecoderModel, speculator: Speculator | None = None):
+        self.target, self.speculator = target, speculator
+        B = target.batch_size
+        self.rows: list[Row | None] = [None] * B
+        self.params = target.sampling_params(do_sample=False)          # free rows: greedy
+        self.rng = RowGenerators(B, target.device)
+        self.stats = SpecStats()         # every step so far
+        self.last_stats = SpecStats()    # the latest ``generate`` call's
+        self.on_tokens = None            # callback(rows: list[int]) after each emitted position
+
+    # ------------------------------------------------------------------ rows
+    @property
+    def active_rows(self) -> list[int]:
+        return [r for r, row in enumerate(self.rows) if row is not None and not row.done]
+
+    @property
+    def free_rows(self) -> list[int]:
+        return [r for r, row in enumerate(self.rows) if row is None]
+
+    def add(self, prompt, *, row: int | None = None, max_new_tokens: int | None = None,
+            sequence_length: int | None = None, do_sample: bool | None = None, temperature=None, top_k=None,
+            top_p=None, eos_token_id=None, seed: int | None = None) -> int:
+        """Start a request in a free row (``row``, or the first free one) while the other rows keep
+        their state: one single-row context encoding, the speculator started for that row, the first
+        token emitted. Returns the row. Invalid arguments raise before anything changes."""
+        req = prepare_request(self.target, [prompt], max_new_tokens=max_new_tokens,
+                              sequence_length=sequence_length, do_sample=do_sample, temperature=temperature,
+                              top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed)
+        free = self.free_rows
+        if row is None:
+            if not free:
+                raise RuntimeError(f"all {self.target.batch_size} rows are in use: release one first")
+            row = free[0]
+        elif row not in free:
+            raise ValueError(f"row {row} is not free (free rows: {free})")
+        self.params[row] = req.params[0]
+        self.rng.seed(row, req.seeds[0])
+        self.rows[row] = Row(req.prompts[0].tolist(), int(req.budget[0]), frozenset(req.eos.tolist()))
+        out = self.target.prefill(req.prompts, self.params, self.rng, rows=[row])
+        if self.speculator is not None:
+            with self.stats.timer("draft"):
+                self.speculator.start([row], req.prompts, self.params, self.rng, out)
+        self._emit_first([row], out.tokens[:, -1].cpu())
+        return row
+
+    def release(self, row: int) -> None:
+        """Free a row (finished or not); its cache slots are simply overwritten by the next request."""
+        self.rows[row] = None
+        self.rng.release(row)
+        self.params[row] = self.target.sampling_params(do_sample=False)[row]
+
+    def step(self) -> dict[int, list[int]]:
+        """Advance every active row once → {row: tokens it emitted this step}."""
+        B = self.target.batch_size
+        active = torch.zeros(B, dtype=torch.bool)
+        lengths = torch.full((B,), 2, dtype=torch.long)
+        tail = torch.zeros(B, 2, dtype=torch.long)
+        for r in self.active_rows:
+            row = self.rows[r]
+            active[r], lengths[r] = True, row.length
+            tail[r] = torch.tensor(row.tail())
+        if not bool(active.any()):
+            return {}
+        self.target.set_lengths(lengths - 1)
+        if self.speculator is None:
+            with self.stats.timer("verify"):
+                result = decode_step(self.target, tail, self.params, self.rng)
+        else:
+            result = self.speculator.step(tail, lengths, active, self.params, self.rng, self.stats)
+        with self.stats.timer("other"):
+            # the target's cache now holds S[:-1] of every active row (rejected slots rolled back)
+            self.target.set_lengths(torch.where(active, lengths + result.num_accepted, lengths - 1))
+            appended = self._emit(result.emitted, result.num_accepted)
+            self.stats.update(result.num_accepted, result.drafted, active=active,
+                              emitted=torch.tensor([len(appended.get(r, ())) for r in range(B)]))
+        return appended
+
+    # ------------------------------------------------------------------ emission
+    def _emit_first(self, rows: list[int], tokens: torch.Tensor) -> None:
+        """The token sampled by the context encoding, for ``rows`` (tokens [len(rows)])."""
+        self._emit(tokens.view(-1, 1), torch.zeros(len(rows), dtype=torch.long), rows)
+
+    def _emit(self, emitted: torch.Tensor, num_accepted: torch.Tensor,
+              rows: list[int] | None = None) -> dict[int, list[int]]:
+        """Append row r's emitted[i, :num_accepted[i] + 1] (i = position of r in ``rows``, default
+        all rows) one position at a time, stopping a row at EOS, its budget or ``on_tokens``' verdict."""
+        rows = list(range(len(self.rows))) if rows is None else rows
+        live = [(i, r) for i, r in enumerate(rows) if self.rows[r] is not None and not self.rows[r].done]
+        counts = num_accepted.tolist()
+        table = emitted.tolist()
+        appended: dict[int, list[int]] = {}
+        for j in range(emitted.shape[1]):
+            now = [(i, r) for i, r in live if j <= counts[i] and not self.rows[r].done]
+            if not now:
+                break
+            for i, r in now:
+                row, token = self.rows[r], table[i][j]
+                row.new.append(token)
+                appended.setdefault(r, []).append(token)
+                if token in row.eos or len(row.new) >= row.budget:
+                    row.done = True
+            if self.on_tokens is not None:
+                self.on_tokens([r for _, r in now])
+        return appended
+
+    # ------------------------------------------------------------------ batch requests
+    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int | None = None,
+                 sequence_length: int | None = None, do_sample: bool | None = None, temperature=None,
+                 top_k=None, top_p=None, eos_token_id=None, pad_token_id: int | None = None,
+                 streamer=None, stopping_criteria=None, seed=None) -> torch.Tensor:
+        """Generate for up to ``batch_size`` prompts (rows 0 .. b-1; every row restarts).
+
+        ``input_ids``: [b, L] (+ ``attention_mask``, left or right padding), 1-D, or a list of token
+        lists. ``sequence_length`` bounds prompt + new tokens per row (transformers-neuronx),
+        ``max_new_tokens`` new tokens; sampling values may be scalars or one per row; ``seed``: an int
+        (independent streams per row) or one per row. Rows finish independently at EOS, a stopping
+        criterion (HF ``criterion(input_ids, scores)``) or their budget. A streamer gets
+        ``put(prompt)``, ``put(tokens)`` per emitted position and ``end()`` (HF protocol; batch 1 for
+        text). Returns ``input_ids`` followed by the new tokens, padded with ``pad_token_id``.
+        """
+        target = self.target
+        req = prepare_request(target, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                              sequence_length=sequence_length, do_sample=do_sample, temperature=temperature,
+                              top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                              seed=seed)
+        b = len(req.prompts)
+        start = time.perf_counter()
+        total, self.stats = self.stats, SpecStats()     # this call's numbers, merged into the total after
+        self.rows = [None] * target.batch_size
+        self.rng = RowGenerators(target.batch_size, target.device)
+        eos = frozenset(req.eos.tolist())
+        for r, (prompt, budget, s) in enumerate(zip(req.prompts, req.budget.tolist(), req.seeds)):
+            self.rows[r] = Row(prompt.tolist(), budget, eos)
+            self.rng.seed(r, s)
+        self.params = req.params.clone()
+
+        def output() -> torch.Tensor:
+            return format_output(input_ids, attention_mask, req.prompts, [row.new for row in self.rows[:b]],
+                                 req.pad_token_id)
+
+        def on_tokens(rows: list[int]) -> None:
+            if streamer is not None:
+                streamer.put(torch.tensor([self.rows[r].new[-1] for r in rows]))
+            if stopping_criteria:
+                stop = stop_requested(stopping_criteria, output())
+                for r in range(b):
+                    self.rows[r].done |= bool(stop[r])
+
+        self.on_tokens = on_tokens
+        try:
+            if streamer is not None:
+                streamer.put(format_output(input_ids, attention_mask, req.prompts, [[]] * b, req.pad_token_id))
+            out = target.prefill(req.prompts, self.params, self.rng)
+            if self.speculator is not None:
+                with self.stats.timer("draft"):
+                    self.speculator.start(None, req.prompts, self.params, self.rng, out)
+            self._emit_first(list(range(b)), out.tokens[:b, -1].cpu())
+            while self.active_rows:
+                self.step()
+            if streamer is not None:
+                streamer.end()
+        finally:
+            self.on_tokens = None
+            self.stats.add_time(other_s=time.perf_counter() - start - self.stats.total_s)
+            self.last_stats, self.stats = self.stats, total.merge(self.stats)
+        return output()

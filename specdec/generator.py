@@ -1,0 +1,62 @@
+"""``SpeculativeGenerator``: the one interface to every strategy.
+
+    gen = SpeculativeGenerator(draft, target, k)
+    out = gen.generate(input_ids, max_new_tokens=128)        # ``sample`` is the same call
+
+``draft`` is any proposer (``DraftModel``, ``EagleDraft``, ``MedusaDraft`` or your own object
+implementing ``specdec.proposer.Proposer``) or a plain ``DecoderModel``, which is wrapped as a
+``DraftModel``. ``k``: draft tokens per step for chains; for trees the tree's depth (may be left out).
+The output distribution is exactly the target's; greedy output is token for token the target's.
+"""
+from __future__ import annotations
+
+import torch
+
+from .core.decoder import DecoderModel
+from .core.engine import Engine
+from .core.stats import SpecStats
+from .draft.proposer import DraftModel
+from .proposer import Proposer
+from .speculative import Speculator
+
+
+class SpeculativeGenerator:
+    """Speculative decoding of ``target`` with ``draft`` proposing ``k`` tokens per step.
+
+    ``engine`` (``specdec.core.engine.Engine``) runs the requests: ``generate`` / ``sample`` for a
+    batch, or ``engine.add`` / ``engine.step`` / ``engine.release`` for rows joining and leaving a
+    running batch. ``stats`` accumulates over calls; ``last_stats`` holds the latest call's numbers.
+    """
+
+    def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int | None = None):
+        proposer = DraftModel(draft) if isinstance(draft, DecoderModel) else draft
+        depth = getattr(proposer, "depth", None)      # tree proposers: k is the tree's depth
+        if depth is not None:
+            if k is not None and k != depth:
+                name = type(proposer).__name__.removesuffix("Draft")
+                raise ValueError(f"k={k!r} but a {name} step drafts the tree's depth {depth}: leave k out "
+                                 f"or pass k={depth} (choose another tree for another depth)")
+            k = depth
+        elif k is None:
+            raise ValueError("k (draft tokens per step) is required for a chain draft")
+        self.speculator = Speculator(proposer, target, k)
+        check = getattr(proposer, "check_target", None)
+        if check is not None:
+            check(target)
+        self.proposer, self.target, self.k = proposer, target, k
+        self.engine = Engine(target, self.speculator)
+
+    @property
+    def stats(self) -> SpecStats:
+        return self.engine.stats
+
+    @property
+    def last_stats(self) -> SpecStats:
+        return self.engine.last_stats
+
+    def generate(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
+        """Generate like ``DecoderModel.generate`` (same arguments and output format; see
+        ``Engine.generate``) with speculation."""
+        return self.engine.generate(input_ids, attention_mask, **kwargs)
+
+    sample = generate

@@ -1,0 +1,35 @@
+"""The strategies trained for the embedded SmolLM2-135M-Instruct, loaded one way.
+
+    target = DecoderModel.from_pretrained()             # the embedded model
+    draft = shipped("eagle", target)                    # or "draft", "medusa"
+    SpeculativeGenerator(draft, target, k=5)
+
+- ``"draft"``: the vanilla draft model (``specdec/draft/weights``: 2 layers, reduced output vocabulary;
+  its embedding and LM-head rows come from the target, assembled once into ``$SPECDEC_CACHE``);
+- ``"eagle"``: the EAGLE-1 head (``specdec/eagle/weights``; the LM head is copied from the target once);
+- ``"medusa"``: the Medusa heads with the tree built from their measured accuracy
+  (``specdec/medusa/weights``; ``tree=`` picks another).
+Keyword arguments go to the strategy's ``from_pretrained``.
+"""
+from __future__ import annotations
+
+from .core.decoder import DecoderModel
+from .draft.proposer import DraftModel
+from .draft.smollm2 import embedded_draft_path
+from .eagle.proposer import EagleDraft
+from .eagle.smollm2 import embedded_eagle_path
+from .medusa.draft import MedusaDraft
+from .medusa.smollm2 import SHIPPED_MEDUSA
+
+SHIPPED = ("draft", "eagle", "medusa")
+
+
+def shipped(kind: str, target: DecoderModel, **kwargs) -> DraftModel | EagleDraft | MedusaDraft:
+    """The shipped ``kind`` strategy ('draft', 'eagle' or 'medusa') for ``target`` (the embedded model)."""
+    if kind == "draft":
+        return DraftModel.from_pretrained(embedded_draft_path(), target, **kwargs)
+    if kind == "eagle":
+        return EagleDraft.from_pretrained(embedded_eagle_path(), target, **kwargs)
+    if kind == "medusa":
+        return MedusaDraft.from_pretrained(SHIPPED_MEDUSA, target, **kwargs)
+    raise ValueError(f"no shipped strategy {kind!r}; choose one of {', '.join(SHIPPED)}")

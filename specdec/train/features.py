@@ -1,0 +1,98 @@
+"""Shared by the trainers that learn from the target's hidden states (EAGLE, Medusa): the training rows,
+the target features cache, the per-step row selection and the run bookkeeping.
+
+- ``training_rows``: the rows of a ``specdec.train.data`` data set with at least two answer tokens;
+- ``compute_features`` / ``load_features``: the target's final-norm hidden state at every position of
+  every row, from one teacher-forced forward of the runtime in the serving dtype, cached once in
+  ``features.pt`` (``load_features`` checks a cache against the rows, so one made from the same data,
+  e.g. another trainer's, can be linked);
+- ``step_rows``: the rows of an optimisation step (``batch_order`` of its epoch: a restart resumes with
+  the same batch order);
+- ``check_resume_settings`` (a checkpoint resumes only with its own settings) and ``jsonl_recorder``
+  (``train_log.jsonl``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .distill import OptimConfig, batch_order
+
+
+@torch.no_grad()
+def compute_features(rows: list[dict], target_dir: Path, out_file: Path, amp: str = "bf16",
+                     batch_rows: int = 32, progress: bool = True) -> list[torch.Tensor]:
+    """The target's final-norm hidden states [len, H] of every row (runtime forward in ``amp``);
+    cached in ``out_file``."""
+    if out_file.is_file():
+        return torch.load(out_file, weights_only=True)
+    from ..core.decoder import DecoderModel
+    longest = max(len(r["tokens"]) for r in rows)
+    model = DecoderModel.from_pretrained(target_dir, batch_size=batch_rows, n_positions=longest, amp=amp,
+                                         backend="eager", progress=False)
+    lm = model.lm
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["tokens"]))   # little padding
+    by_index = {}
+    for s in tqdm(range(0, len(order), batch_rows), desc="target features", unit="batch", disable=not progress):
+        idx = order[s:s + batch_rows]
+        L = max(len(rows[i]["tokens"]) for i in idx)
+        ids = torch.zeros(batch_rows, L, dtype=torch.long)
+        for j, i in enumerate(idx):
+            ids[j, : len(rows[i]["tokens"])] = rows[i]["tokens"]
+        mask = torch.ones(L, L, dtype=torch.bool).tril().expand(batch_rows, L, L)
+        _, hidden = lm(ids, torch.arange(L).expand(batch_rows, L), torch.zeros(batch_rows, dtype=torch.long), mask,
+                       torch.zeros(batch_rows, 1, dtype=torch.long), kv_len=L)
+        for j, i in enumerate(idx):
+            by_index[i] = hidden[j, : len(rows[i]["tokens"])].clone()
+    feats = [by_index[i] for i in range(len(rows))]
+    tmp = out_file.with_suffix(".tmp")
+    torch.save(feats, tmp)
+    tmp.replace(out_file)
+    return feats
+
+
+def training_rows(data_dir: str | Path) -> list[dict]:
+    """The rows of ``data_dir`` with at least two answer tokens (``load_dataset`` format); ValueError if none."""
+    from .data import load_dataset
+    rows = [r for r in load_dataset(data_dir) if len(r["tokens"]) > r["prompt_len"] + 1]
+    if not rows:
+        raise ValueError(f"no training rows in {data_dir}")
+    return rows
+
+
+def load_features(rows: list[dict], target_dir: Path, out_file: Path, progress: bool = True) -> list[torch.Tensor]:
+    """``compute_features`` (or its cache ``out_file``), checked against ``rows``: one [len(tokens), H]
+    tensor per row, in order; ValueError naming the cache when it holds other rows' features."""
+    feats = compute_features(rows, target_dir, out_file, progress=progress)
+    if len(feats) != len(rows) or any(f.shape[0] != len(r["tokens"]) for r, f in zip(rows, feats)):
+        raise ValueError(f"{out_file} holds features of other rows ({len(feats)} rows, the data has {len(rows)}, "
+                         "or their lengths differ): delete it (or link the cache made from this data)")
+    return feats
+
+
+def check_resume_settings(ckpt: dict, cfg: OptimConfig, ckpt_file: Path,
+                          free: tuple[str, ...] = ("steps", "save_every", "eval_every")) -> None:
+    """ValueError unless checkpoint ``ckpt`` was trained with ``cfg`` (dataclass), up to the ``free`` fields."""
+    if {k: v for k, v in ckpt["config"].items() if k not in free} != \
+            {k: v for k, v in asdict(cfg).items() if k not in free}:
+        raise ValueError(f"{ckpt_file} was trained with other settings ({ckpt['config']}); use another --out")
+
+
+def step_rows(step: int, train_idx: list[int], cfg: OptimConfig) -> list[int]:
+    """The rows (indices into the data) of optimisation step ``step``: ``batch_order`` of its epoch."""
+    per_epoch = len(batch_order(len(train_idx), cfg.batch_rows, cfg.seed, 0))
+    epoch, i = divmod(step, per_epoch)
+    return [train_idx[j] for j in batch_order(len(train_idx), cfg.batch_rows, cfg.seed, epoch)[i]]
+
+
+def jsonl_recorder(out_dir: Path, log):
+    """``record(entry)``: append ``entry`` to ``out_dir/train_log.jsonl`` and ``log`` it as JSON."""
+    def record(entry: dict) -> None:
+        with (out_dir / "train_log.jsonl").open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        log(json.dumps(entry))
+    return record

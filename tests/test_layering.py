@@ -1,0 +1,91 @@
+"""The package reads top-down: runtime (core) ← speculation ← strategies ← the public API ←
+tools. Every import of a ``specdec`` module (module level or inside a function) must point to the
+same or a lower layer, and a strategy never imports another strategy."""
+import ast
+from pathlib import Path
+
+import specdec
+
+ROOT = Path(specdec.__file__).parent
+
+LAYERS = [  # lowest first: module-name prefixes (relative to the package)
+    ("runtime", ["core"]),
+    ("speculation", ["acceptance", "tree", "proposer", "verify", "speculative"]),
+    ("strategies", ["draft", "eagle", "medusa"]),
+    ("api", ["generator", "shipped", "__init__"]),
+    ("tools", ["train", "plan", "bench", "cli"]),
+]
+STRATEGIES = {"draft", "eagle", "medusa"}
+
+
+def layer_of(module: str) -> int:
+    """Layer index of a module name relative to the package ('core.decoder', 'eagle', ...)."""
+    head = module.split(".")[0]
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if head in prefixes:
+            return i
+    raise AssertionError(f"specdec.{module} is in no layer: add it to LAYERS")
+
+
+def resolve(parts: list[str], name: str) -> str:
+    """``from <parts> import name``: the submodule ``parts.name`` if it exists, else ``parts``."""
+    base = ROOT.joinpath(*parts)
+    if (base / f"{name}.py").is_file() or (base / name).is_dir():
+        parts = parts + [name]
+    return ".".join(parts) or "__init__"
+
+
+def imports_of(path: Path) -> list[str]:
+    """Every specdec module ``path`` imports, relative to the package ('core.decoder', ...)."""
+    package = list(path.relative_to(ROOT).parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "specdec":
+                parts = node.module.split(".")[1:]
+            else:
+                continue
+            out += [resolve(parts, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [a.name.split(".", 1)[1] for a in node.names if a.name.startswith("specdec.")]
+    return out
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def violations() -> list[str]:
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        me = module_name(path)
+        if me == "__init__":
+            continue   # the package's face re-exports the API layer
+        for imported in imports_of(path):
+            if layer_of(imported) > layer_of(me):   # the package top ("__init__") is the API layer
+                bad.append(f"{me} ({LAYERS[layer_of(me)][0]}) imports {imported} ({LAYERS[layer_of(imported)][0]})")
+            elif me.split(".")[0] in STRATEGIES and imported.split(".")[0] in STRATEGIES - {me.split(".")[0]}:
+                bad.append(f"strategy {me} imports strategy {imported}")
+    return bad
+
+
+def test_no_lower_layer_imports_a_higher_one():
+    assert violations() == []
+
+
+def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
+    """The walker sees relative and absolute, module-level and function-level imports."""
+    fake = tmp_path / "specdec"
+    (fake / "core").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "core" / "__init__.py").write_text("")
+    (fake / "core" / "bad.py").write_text("def f():\n    from ..speculative import Speculator\n")
+    (fake / "eagle").mkdir()
+    (fake / "eagle" / "x.py").write_text("import specdec.medusa.draft\nfrom specdec.train import cli\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", fake)
+    found = violations()
+    assert any("core.bad (runtime) imports speculative" in v for v in found), found
+    assert any("eagle.x (strategies) imports train" in v for v in found), found
+    assert any("strategy eagle.x imports strategy medusa.draft" in v for v in found), found
