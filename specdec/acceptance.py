@@ -243,7 +243,7 @@ def accept(draft_tokens: torch.Tensor, target_probs: torch.Tensor | None = None,
     - otherwise rows are sampled: with ``draft_probs`` [B, k, V] by ``accept_rejection``, without it
       by ``accept_one_hot`` (deterministic proposals — pass ``draft_probs`` whenever the drafts were
       *sampled*, or the result is not lossless);
-    - ``greedy_rows`` [B] bool (e.g. ``params[:, 2] <= 0``): those rows take the greedy result
+    - ``greedy_rows`` [B] bool (e.g. ``specdec.core.sampling.greedy_rows(params)``): those rows take the greedy result
       (exact target-only greedy decoding), the others the sampled one.
     Noise: ``uniform`` [B, k] and ``residual_uniform`` [B], or drawn here from ``generator`` with
     ``draw_uniforms`` (outside a compiled graph, pass them in instead).

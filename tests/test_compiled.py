@@ -116,3 +116,16 @@ def test_save_then_load_in_second_process(setup):
     assert result["counters"].get("fxgraph_cache_hit", 0) == 2, result["counters"]
     assert result["counters"].get("fxgraph_cache_miss", 0) == 0, result["counters"]
     assert result["counters_after"].get("fxgraph_cache_miss", 0) == 0, result["counters_after"]
+
+
+def test_no_recompilation_between_warm_up_and_generation(setup):
+    """``compile()`` warms every graph with example inputs and ``generate`` must hit the same compiled
+    code: the runtime passes inputs with standard strides (a [B, 1] slice of a wider tensor keeps its
+    parent's stride on the size-1 dim, which a compiled graph is specialised on)."""
+    from torch._dynamo.utils import counters
+    model, p = setup["model"], setup["prompts"][1]
+    before = counters["stats"]["unique_graphs"]
+    model.compile(progress=False, prompt_length=len(p), max_length=len(p) + N_NEW)
+    out = model.generate([p], max_new_tokens=N_NEW, eos_token_id=[])
+    assert counters["stats"]["unique_graphs"] == before
+    assert out[0, len(p):].tolist() == setup["refs"][1]

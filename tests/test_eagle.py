@@ -335,3 +335,18 @@ def test_draft_graphs_export_and_compile_keys(tiny):
     for key in keys:
         program = draft.model.export(key)
         assert len(program.graph_signature.user_inputs) == 8   # the seven runtime inputs + features
+
+
+def test_draft_network_saves_and_loads_like_any_decoder_model(tiny, tmp_path):
+    """``EagleModel`` keeps the ``DecoderModel`` contract: ``save`` writes the checkpoint path, runtime
+    settings and built graphs; ``EagleModel.load(dir, target)`` gives a draft that drafts the same."""
+    from specdec.eagle import EagleModel
+    target = load_target(tiny["target_dir"])
+    draft = EagleDraft.from_pretrained(tiny["nxd"], target, progress=False)
+    reference = SpeculativeGenerator(draft, target, 3).sample(PROMPTS, max_new_tokens=20, eos_token_id=[])
+    draft.model.save(tmp_path / "saved")
+    loaded = EagleModel.load(tmp_path / "saved", target, progress=False)
+    assert loaded.settings == draft.model.settings and set(loaded._graphs) == set(draft.model._graphs)
+    gen = SpeculativeGenerator(EagleDraft(loaded), target, 3)
+    assert torch.equal(gen.sample(PROMPTS, max_new_tokens=20, eos_token_id=[]), reference)
+    assert gen.last_stats.steps > 0

@@ -288,11 +288,14 @@ class DecoderModel:
             uniform = torch.rand(b, key.n_logits, generator=rng, device=dev)
         else:
             uniform = rng.uniform(key.n_logits, None if seq_ids is None else seq_ids.tolist())
-        extra = () if seq_ids is None else (seq_ids.to(dev),)
-        extra += () if features is None else (features.to(dev, self.dtype),)
+        extra = () if seq_ids is None else (seq_ids,)
+        extra += () if features is None else (features.to(dtype=self.dtype),)
+        # inputs on the device with standard strides (also on size-1 dims: slices such as tail[:, 1:]
+        # keep their parent's stride there), since a compiled graph is specialised on its inputs' strides
+        inputs = [t.to(dev).clone(memory_format=torch.contiguous_format)
+                  for t in (input_ids, position_ids, cache_lengths, token_mask, logit_index, params, uniform, *extra)]
         with torch.no_grad():
-            out = self.graph(key)(input_ids.to(dev), position_ids.to(dev), cache_lengths.to(dev),
-                                  token_mask.to(dev), logit_index.to(dev), params.to(dev), uniform, *extra)
+            out = self.graph(key)(*inputs)
         if key.return_probs:
             tokens, probs, logits, hidden = out
             return StepOutput(tokens, logits, hidden, probs)

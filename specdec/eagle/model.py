@@ -36,7 +36,7 @@ class EagleLM(nn.Module):
             raise ValueError(f"an EAGLE-1 draft has one decoder layer; its config says num_hidden_layers="
                              f"{config.num_layers}")
         h = config.hidden_size
-        self.config, self.feature_size, self.input_norm = config, h, input_norm
+        self.config, self.feature_size, self.input_norm, self.tp = config, h, input_norm, TPGroup()
         self.feature_dtype = dtype
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
