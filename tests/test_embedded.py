@@ -1,4 +1,4 @@
-"""The embedded SmolLM2-135M-Instruct (GGUF → safetensors by ``specdec.core.gguf``, cached under
+"""The embedded SmolLM2-135M-Instruct (GGUF → safetensors by ``specdec.core.paths``, cached under
 ``~/.cache/specdec``) against ``transformers`` loading the same converted checkpoint."""
 from __future__ import annotations
 
