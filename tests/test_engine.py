@@ -169,3 +169,21 @@ def test_a_rows_samples_do_not_depend_on_its_neighbours(checkpoint, strategy):
     # an int seed gives every row its own stream: identical prompts sample differently
     twins = gen.generate([p, p], max_new_tokens=24, eos_token_id=[], do_sample=True, temperature=0.9, seed=1)
     assert not torch.equal(twins[0], twins[1])
+
+
+def test_compile_builds_the_graphs_of_joining_rows(checkpoint):
+    """``compile(single_row=True)`` builds the single-row context graphs up front: adding a row to a
+    running batch then builds no graph (and each single-row graph exports, static shapes)."""
+    target = load(checkpoint("llama"), batch_size=2)
+    target.compile(progress=False, single_row=True)
+    built = set(target._graphs)
+    assert any(k.single_row for k in built)
+    engine = Engine(target)
+    engine.add(PROMPTS[0], max_new_tokens=5)
+    engine.step()
+    engine.add(PROMPTS[3], max_new_tokens=5)
+    while engine.active_rows:
+        engine.step()
+    assert set(target._graphs) == built
+    key = next(k for k in built if k.single_row)
+    assert len(target.export(key).graph_signature.user_inputs) == 8   # the runtime inputs + seq_ids

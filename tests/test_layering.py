@@ -11,11 +11,11 @@ ROOT = Path(specdec.__file__).parent
 LAYERS = [  # lowest first: module-name prefixes (relative to the package)
     ("runtime", ["core"]),
     ("speculation", ["acceptance", "tree", "proposer", "verify", "speculative"]),
-    ("strategies", ["draft", "eagle", "medusa"]),
+    ("strategies", ["draft", "eagle", "medusa", "lookup"]),
     ("api", ["generator", "shipped", "__init__"]),
     ("tools", ["train", "plan", "bench", "cli"]),
 ]
-STRATEGIES = {"draft", "eagle", "medusa"}
+STRATEGIES = {"draft", "eagle", "medusa", "lookup"}
 
 
 def layer_of(module: str) -> int:

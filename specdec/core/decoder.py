@@ -146,10 +146,13 @@ class DecoderModel:
         return self._graphs[key]
 
     def graph_keys(self, do_sample: bool | None = None, spec_tokens: tuple[int, ...] = (),
-                   prompt_length: int | None = None, max_length: int | None = None) -> list[GraphKey]:
+                   prompt_length: int | None = None, max_length: int | None = None,
+                   single_row: bool = False) -> list[GraphKey]:
         """Context-encoding keys (one per context bucket) and token-generation keys (one per KV
         bucket, plus n-token keys for each entry of ``spec_tokens``). ``prompt_length`` /
-        ``max_length`` keep only the buckets that prompts / sequences up to those lengths use."""
+        ``max_length`` keep only the buckets that prompts / sequences up to those lengths use.
+        ``single_row`` adds the single-row context keys rows joining a running batch use
+        (``Engine.add``)."""
         cfg = self.settings.sampling
         s = cfg.do_sample if do_sample is None else do_sample
         f = s and needs_filter(self.sampling_params(do_sample=s), cfg.global_topk)
@@ -159,16 +162,18 @@ class DecoderModel:
         kvs = self.kv_buckets
         if max_length is not None:
             kvs = [kv for kv in kvs if kv <= pick_bucket(kvs, max_length, "max_length")]
-        keys = [GraphKey(c, 1, c, s, False, f) for c in ctx]
+        keys = [GraphKey(c, 1, c, s, False, f, one) for one in (False, True)[:1 + single_row] for c in ctx]
         for n in (1, *spec_tokens):
             keys += [GraphKey(n, n, kv, s, n > 1, f) for kv in kvs if kv >= n]
         return keys
 
     def compile(self, progress: bool = True, spec_tokens: tuple[int, ...] = (), prompt_length: int | None = None,
-                max_length: int | None = None) -> "DecoderModel":
+                max_length: int | None = None, single_row: bool = False) -> "DecoderModel":
         """Build and warm the graphs (Neuron's ahead-of-time model): all buckets, or only those
-        ``prompt_length`` / ``max_length`` need (see ``graph_keys``). Clears the KV cache."""
-        keys = self.graph_keys(spec_tokens=spec_tokens, prompt_length=prompt_length, max_length=max_length)
+        ``prompt_length`` / ``max_length`` need; ``single_row`` also the context graphs of rows joining
+        a running batch (see ``graph_keys``). Clears the KV cache."""
+        keys = self.graph_keys(spec_tokens=spec_tokens, prompt_length=prompt_length, max_length=max_length,
+                               single_row=single_row)
         return self._warm(keys, f"compiling ({self.settings.backend})", progress)
 
     def _warm(self, keys: list[GraphKey], desc: str, progress: bool) -> "DecoderModel":

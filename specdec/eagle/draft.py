@@ -75,10 +75,11 @@ class EagleModel(DecoderModel):
         return self._tokenizer
 
     def graph_keys(self, do_sample: bool | None = None, spec_tokens: tuple[int, ...] = (),
-                   prompt_length: int | None = None, max_length: int | None = None) -> list[GraphKey]:
+                   prompt_length: int | None = None, max_length: int | None = None,
+                   single_row: bool = False) -> list[GraphKey]:
         """Context keys and one-token keys as a target's, plus for each k in ``spec_tokens`` the
         (k+1)-position re-read step with logits at one position (see ``specdec.eagle.proposer``)."""
-        keys = super().graph_keys(do_sample, (), prompt_length, max_length)
+        keys = super().graph_keys(do_sample, (), prompt_length, max_length, single_row)
         one = [replace(k, return_probs=k.do_sample) for k in keys if k.n_tokens == 1]
         context = [k for k in keys if k.n_tokens > 1]
         return context + one + [replace(k, n_tokens=n + 1) for n in spec_tokens for k in one if k.kv_len >= n + 1]

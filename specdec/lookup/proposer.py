@@ -1,0 +1,62 @@
+"""``PromptLookup``: draft tokens copied from earlier in the row's own sequence (no draft model).
+
+Per row, S = prompt + emitted tokens. For n = ``max_ngram`` down to ``min_ngram``: find the latest
+earlier occurrence of S's last n tokens in S; the k tokens that followed it are the proposal (HF's
+``prompt_lookup_num_tokens``, vLLM's ``ngram`` speculator). Rows without a match (or with fewer than k
+tokens after the match) fill the rest with S[-1]: any token is safe, the verifier decides. Proposals
+are deterministic, so acceptance uses the one-hot rule (accept x with probability p(x), resample from
+p without x on rejection): lossless. It pays where the output repeats its input: summaries, RAG
+answers, code edits.
+
+The sequences live on the host: ``start`` records each row's prompt and first token, ``accepted`` the
+tokens each step emitted.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..core.decoder import DecoderModel
+from ..proposer import Proposal
+
+
+class PromptLookup:
+    """Prompt-lookup drafting for ``target`` (a ``specdec.proposer.Proposer``)."""
+
+    def __init__(self, target: DecoderModel, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.target, self.max_ngram, self.min_ngram = target, max_ngram, min_ngram
+        self.vocab_size, self.batch_size = target.vocab_size, target.batch_size
+        self.seqs: list[list[int]] = [[] for _ in range(target.batch_size)]
+
+    def start(self, rows, prompts, params, rng, target_out) -> None:
+        first = target_out.tokens[:, -1].tolist()
+        for i, (r, p) in enumerate(zip(range(len(prompts)) if rows is None else rows, prompts)):
+            self.seqs[r] = p.tolist() + [first[i]]
+
+    def max_draft_tokens(self, length: int) -> int:
+        return self.target.n_positions
+
+    def propose(self, tail, lengths, k, params, rng) -> Proposal:
+        drafts = [self.lookup(self.seqs[r][:int(n)] if len(self.seqs[r]) >= int(n) else [int(tail[r, 1])], k)
+                  for r, n in enumerate(lengths.tolist())]
+        return Proposal(torch.tensor(drafts, dtype=torch.long))
+
+    def lookup(self, seq: list[int], k: int) -> list[int]:
+        """The k tokens after the latest earlier occurrence of ``seq``'s longest matching suffix n-gram."""
+        s = np.asarray(seq, dtype=np.int64)
+        for n in range(min(self.max_ngram, len(s) - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(s[:-1], n)   # every n-gram but the suffix
+            hits = np.flatnonzero((windows == s[-n:]).all(axis=1))
+            if hits.size:
+                follow = s[hits[-1] + n:hits[-1] + n + k].tolist()
+                return follow + [seq[-1]] * (k - len(follow))
+        return [seq[-1]] * k
+
+    def accepted(self, lengths, verified) -> None:
+        n = verified.num_accepted.tolist()
+        emitted = verified.emitted.tolist()
+        for r, length in enumerate(lengths.tolist()):
+            if len(self.seqs[r]) == length:   # an active row: its sequence grows by n + 1 tokens
+                self.seqs[r] += emitted[r][:n[r] + 1]
