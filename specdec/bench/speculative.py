@@ -42,8 +42,8 @@ from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prompt_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--strategy", default="draft", choices=["draft", "eagle", "medusa"],
-                        help="the shipped vanilla draft model, EAGLE head or Medusa heads")
+    parser.add_argument("--strategy", default="draft", choices=["draft", "eagle", "medusa", "lookup"],
+                        help="the shipped vanilla draft model, EAGLE head or Medusa heads, or prompt lookup (no weights)")
     parser.add_argument("--trees", default="chain_4,mc_sim_7b_63,shipped",
                         help="medusa: comma list of trees (built-in names, JSON files, 'shipped')")
     parser.add_argument("--heads", default=None, help="medusa: heads directory (default: the shipped heads)")
@@ -149,7 +149,8 @@ def run(args: argparse.Namespace) -> dict:
     return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
                        "num_prompts": len(prompts), "max_new_tokens": n_new, "systems": list(systems),
                        "temperatures": temps, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "draft_cost_ratio": bytes_read_per_step(draft_module) / bytes_read_per_step(target.lm)},
+                       "draft_cost_ratio": 0.0 if draft_module is None else
+                       bytes_read_per_step(draft_module) / bytes_read_per_step(target.lm)},
             "runs": runs}
 
 
@@ -165,7 +166,7 @@ class System(NamedTuple):
 def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, System], torch.nn.Module]:
     """``{name: System}`` for ``--strategy`` and the drafting module (for its weight-read cost). The
     shipped proposers take the target's runtime settings (batch size, buckets, amp, backend)."""
-    from .. import MedusaDraft, SpeculativeGenerator, shipped
+    from .. import MedusaDraft, PromptLookup, SpeculativeGenerator, shipped
     spec = f"specdec-{args.strategy}"
     if args.strategy == "medusa":
         def medusa(t):
@@ -178,6 +179,9 @@ def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, Sys
                                                     lambda d=d: SpeculativeGenerator(d, target, None))
                    for t, d in drafts.items()}
         return systems, next(iter(drafts.values())).module
+    if args.strategy == "lookup":   # prompt lookup: no drafting module, nothing to read
+        return {f"{spec}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(PromptLookup(target), target, k))
+                for k in args.ks}, None
     draft = shipped(args.strategy, target)   # "draft" or "eagle"
     return {f"{spec}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(draft, target, k))
             for k in args.ks}, draft.module
