@@ -204,6 +204,17 @@ class SpecStats:
         )
         return d
 
+    def to_frame(self):
+        """``to_dict()`` as a one-row pandas DataFrame (list values stay lists: one cell each).
+
+        Needs pandas (``pip install 'specdec[experiments]'``); ``pd.concat`` of several frames compares
+        runs, ``specdec.experiments`` sweeps them."""
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise ImportError("SpecStats.to_frame needs pandas: pip install 'specdec[experiments]'") from e
+        return pd.DataFrame([self.to_dict()])
+
     @classmethod
     def from_dict(cls, d: dict) -> SpecStats:
         """Inverse of ``to_dict`` (derived keys are ignored)."""
