@@ -1,61 +1,400 @@
-"""``specdec`` command line: ``generate``, ``bench`` (runtime), ``bench-spec`` / ``bench-eagle``
-(speculation), ``train-draft`` / ``train-eagle`` / ``train-medusa``, ``build-tree`` (Medusa trees),
-``eagle-lm-head`` (EAGLE checkpoints), ``plan`` (capacity planning)."""
+"""The ``specdec`` command: ``generate`` (target-only or speculative), ``bench`` / ``bench-spec``
+(benchmarks), ``plan`` (capacity planning), ``train-draft`` / ``train-eagle`` / ``train-medusa``,
+``build-tree`` (Medusa trees), ``eagle-lm-head`` (EAGLE checkpoints). ``build_parser`` defines them;
+``main`` runs one (bad arguments: one ``specdec: error:`` line, exit code 2)."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
+STRATEGIES = ("none", "model", "eagle", "medusa", "lookup")
+SHIPPED_KIND = {"model": "draft", "eagle": "eagle", "medusa": "medusa"}   # --draft -> shipped() kind
+DEFAULT_K = {"model": 4, "eagle": 5, "lookup": 4}                           # medusa: the tree's depth
+EMBEDDED_NAME = "smollm2-135m-instruct"
+# OpenMP wait policy for `generate` when the user sets none. libgomp's default lets idle threads spin at
+# every barrier; when another process holds one of the cores, every parallel region waits for the thread
+# that shares it: measured on 2 cores (README, "Threads"), 2 spinning threads fell from 53 tok/s to 17
+# beside one busy process and to 0.5-3 beside another OpenMP process; PASSIVE stays at 28-32 (but 31,
+# not 53, on an idle machine: a thread wake-up per parallel region).
+WAIT_POLICY = "PASSIVE"
+STARTUP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")   # torch (imported above) has read it
+
+
+class CLIError(ValueError):
+    """A bad argument found after parsing (reported as ``specdec: error: ...``, exit code 2)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``PROG: error: MESSAGE``, exit code 2) and help text cleaned of
+    reStructuredText markup (the modules' docstrings use double backticks)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(text.replace("``", ""))
+
+    def _expand_help(self, action) -> str:
+        return super()._expand_help(action).replace("``", "")
+
+
+# ---------------------------------------------------------------------------------------------------
+# argument types: bad values end in a one-line parser error (exit code 2)
+
+def _number(kind, name: str, ok, allowed: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") \
+                from None
+        if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
+        return value
+    parse.__name__ = name   # argparse names the type in some messages
+    return parse
+
+
+positive_int = _number(int, "positive_int", lambda v: v >= 1, ">= 1")
+non_negative_int = _number(int, "non_negative_int", lambda v: v >= 0, ">= 0")
+temperature_value = _number(float, "temperature", lambda v: v >= 0, ">= 0 (0 = greedy)")
+top_p_value = _number(float, "top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+n_positions_value = _number(int, "n_positions", lambda v: v >= 2, ">= 2")
+
+
+def token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", ",").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more token ids >= 0, e.g. 1,2,3")
+    return ids
+
+
+def model_path(text: str) -> str:
+    if text != EMBEDDED_NAME and not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist (a checkpoint directory, a .gguf file, "
+                                         f"or {EMBEDDED_NAME})")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------
+# threads
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity: taskset, cgroups cpusets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # not Linux
+        return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """``$OMP_NUM_THREADS`` (its first level) if set and valid, else ``available_cores()``."""
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if env.isdigit() and int(env) >= 1:
+        return int(env)
+    return available_cores()
+
+
+def oversubscribed(threads: int) -> str | None:
+    """A one-line warning when the machine looks busy: the 1-minute load average exceeds the cores."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cores = available_cores()
+    if load <= cores:
+        return None
+    hint = " (try --threads 1)" if threads > 1 else ""
+    return (f"specdec: warning: load average {load:.1f} exceeds the {cores} core{'s' * (cores > 1)} this "
+            f"process may use: other processes compete for them, decoding may be slow{hint}")
+
+
+def _is_entry_point() -> bool:
+    """True when this process is the ``specdec`` command or ``python -m specdec.cli``."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return (spec is not None and spec.name == "specdec.cli") or Path(sys.argv[0]).name == "specdec"
+
+
+def apply_wait_policy(argv: list[str] | None) -> None:
+    """Run ``generate`` with the passive OpenMP wait policy unless the user chose one.
+
+    libgomp reads ``OMP_WAIT_POLICY`` once, when torch loads it, and importing ``specdec`` (which the
+    command does before ``main`` runs) has already imported torch. So the command sets the variable
+    and re-executes itself (same interpreter, same arguments; ~2 s of start-up), only when it was
+    started as the ``specdec`` command or ``python -m specdec.cli`` (``argv`` None). Called in process
+    (``main([...])``) it changes nothing: the caller's process keeps its policy."""
+    chosen = {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)   # GOMP_SPINCOUNT overrides the policy
+    if chosen or argv is not None or not _is_entry_point():
+        return
+    if not hasattr(sys, "orig_argv"):
+        return
+    os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    except OSError:   # could not re-execute: run on with the policy this process started with
+        del os.environ["OMP_WAIT_POLICY"]
+
+
+def wait_policy() -> str:
+    """The OpenMP wait policy this process runs with (libgomp read it when torch was imported)."""
+    return STARTUP_WAIT_POLICY or "default"
+
+
+# ---------------------------------------------------------------------------------------------------
+# generate
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, type=model_path, metavar="PATH",
+                   help=f"checkpoint directory or .gguf file (default: the embedded model, {EMBEDDED_NAME})")
     p.add_argument("--amp", default="bf16", choices=["f32", "bf16", "f16"], help="weights/KV dtype")
     p.add_argument("--backend", default="compiled", choices=["eager", "compiled"],
                    help="compiled = torch.compile graphs (cached on disk after the first run)")
-    p.add_argument("--n-positions", type=int, default=1024, help="KV-cache length (prompt + new tokens)")
+    p.add_argument("--n-positions", type=n_positions_value, metavar="N", default=1024,
+                   help="KV-cache length: prompt + new tokens (default: 1024)")
+
+
+def add_generate_arguments(g: argparse.ArgumentParser) -> None:
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt text (or give --prompt-ids)")
+    g.add_argument("--prompt-ids", type=token_ids, default=None, metavar="ID,ID,...",
+                   help="the prompt as token ids instead of text (no tokenizer needed); the new token ids "
+                        "are printed instead of text")
+    add_model_arguments(g)
+    g.add_argument("--max-new-tokens", type=positive_int, metavar="N", default=128, help="(default: 128)")
+    g.add_argument("--temperature", type=temperature_value, metavar="T", default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=non_negative_int, metavar="K", default=0, help="0 = off (default)")
+    g.add_argument("--top-p", type=top_p_value, metavar="P", default=1.0, help="in (0, 1]; 1 = off (default)")
+    g.add_argument("--seed", type=non_negative_int, metavar="SEED", default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens tokens: do not stop at EOS")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    s = g.add_argument_group("speculative decoding")
+    s.add_argument("--draft", default="none", choices=STRATEGIES,
+                   help="none = target only (default); model = a draft model, eagle = an EAGLE head, "
+                        "medusa = Medusa heads: the shipped weights for the embedded model, or --draft-path "
+                        "for another target; lookup = prompt lookup (n-grams of the prompt, no weights)")
+    s.add_argument("--draft-path", type=existing_dir, default=None, metavar="DIR",
+                   help="checkpoint directory of the draft model / EAGLE head / Medusa heads trained for --model")
+    s.add_argument("--k", type=positive_int, default=None,
+                   help="draft tokens per step (default: model 4, eagle 5, lookup 4; medusa: the tree's depth, "
+                        "and a given --k must equal it)")
+    s.add_argument("--tree", default=None,
+                   help="medusa: a built-in tree name (e.g. mc_sim_7b_63) or a JSON file of paths "
+                        "(default: the heads' own tree)")
+    s.add_argument("--stats", action="store_true",
+                   help="print tau (mean acceptance length), the acceptance rate, per-position acceptance "
+                        "and tokens/s after the output (stderr)")
+    r = g.add_argument_group("threads and parallelism")
+    r.add_argument("--threads", type=positive_int, metavar="N", default=None,
+                   help=f"intra-op threads (default: $OMP_NUM_THREADS if set, else the cores this process may "
+                        f"use: {available_cores()} here); split over the --tp-degree processes. Unless "
+                        f"OMP_WAIT_POLICY is set, the command runs with OMP_WAIT_POLICY={WAIT_POLICY}: no "
+                        "collapse when other processes use the cores, slower than spinning threads on an idle "
+                        "machine (README: Threads)")
+    r.add_argument("--tp-degree", type=positive_int, metavar="N", default=1,
+                   help="tensor parallelism: shard the model over this many processes (launched for you)")
+    r.add_argument("--gqa-strategy", default=None, choices=["replicate-to-tp-degree", "convert-to-mha"],
+                   help="how KV heads are sharded when they do not divide --tp-degree (default: automatic)")
+
+
+def is_embedded(model: str | None) -> bool:
+    """Whether --model names the embedded model (the shipped strategies were trained for it)."""
+    if model is None or model == EMBEDDED_NAME:
+        return True
+    if Path(model).suffix == ".gguf":
+        from .core.paths import embedded_gguf_path
+        try:
+            return Path(model).resolve() == embedded_gguf_path().resolve()
+        except FileNotFoundError:
+            return False
+    return False
+
+
+def check_generate_arguments(args: argparse.Namespace) -> None:
+    """Argument combinations, checked before any model loads."""
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise CLIError("give a prompt text or --prompt-ids (one of them)")
+    if args.prompt_ids is not None and args.raw:
+        raise CLIError("--raw applies to a text prompt, not to --prompt-ids")
+    d = args.draft
+    if d == "none" and args.k is not None:
+        raise CLIError("--k needs --draft (model, eagle, medusa or lookup)")
+    if args.draft_path is not None and d not in SHIPPED_KIND:
+        raise CLIError(f"--draft-path needs --draft model, eagle or medusa (not {d})")
+    if args.tree is not None and d != "medusa":
+        raise CLIError("--tree is for --draft medusa")
+    if d in SHIPPED_KIND and args.draft_path is None and not is_embedded(args.model):
+        raise CLIError(f"--draft {d} without --draft-path uses the shipped weights, trained for the embedded "
+                       f"model ({EMBEDDED_NAME}); for --model {args.model} give --draft-path DIR (a checkpoint "
+                       "trained for it)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    check_generate_arguments(args)
+    if args.threads is None:
+        args.threads = default_threads()
+    warning = oversubscribed(args.threads)
+    if warning:
+        print(warning, file=sys.stderr)
     if args.tp_degree > 1:   # one process per rank; rank 0 prints
         from .core.parallel import launch
         return launch(generate_on_rank, args.tp_degree, args, timeout_s=24 * 3600.0)
     return generate_on_rank(args)
 
 
+def make_proposer(args: argparse.Namespace, target):
+    """The proposer --draft / --draft-path / --tree ask for (None for --draft none)."""
+    from . import DraftModel, EagleDraft, MedusaDraft, PromptLookup, shipped
+    d = args.draft
+    if d == "none":
+        return None
+    if d == "lookup":
+        return PromptLookup(target)
+    kw = {"tree": args.tree} if d == "medusa" else {}
+    if args.draft_path is None:
+        return shipped(SHIPPED_KIND[d], target, **kw)
+    cls = {"model": DraftModel, "eagle": EagleDraft, "medusa": MedusaDraft}[d]
+    return cls.from_pretrained(args.draft_path, target, **kw)
+
+
+def prompt_ids_of(args: argparse.Namespace, target) -> list[int]:
+    if args.prompt_ids is not None:
+        return list(args.prompt_ids)
+    from .core.chat import chat_ids
+    try:
+        tok = target.tokenizer
+    except (OSError, ValueError) as e:
+        raise CLIError(f"cannot load a tokenizer for {target.path} ({str(e).splitlines()[0]}): "
+                       "give the prompt as --prompt-ids") from None
+    return list(tok(args.prompt)["input_ids"]) if args.raw else chat_ids(tok, args.prompt)
+
+
+def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, progress: bool = True) -> None:
+    """Build the graphs a request needs before it runs (and is timed): the target's context, decode
+    and verify graphs and a draft network's. For the compiled backend (graphs cached on disk)."""
+    from . import DecoderModel, EagleDraft
+    width = 1
+    if gen is not None:
+        tree = getattr(proposer, "tree", None)
+        width = tree.verify_size if tree is not None else gen.k + 1
+    # the last verify step may write up to width - 1 positions past the budget
+    max_length = min(target.n_positions, prompt_length + max_new_tokens + width - 1)
+    sampled = target.settings.sampling.do_sample
+
+    def keys(model, spec: tuple[int, ...], step_probs: bool):
+        # graph_keys marks multi-token steps as returning probabilities; speculation asks for them only
+        # when sampling (verify; a draft model's steps too)
+        out = model.graph_keys(spec_tokens=spec, prompt_length=prompt_length, max_length=max_length)
+        return [replace(k, return_probs=sampled) if k.n_logits == k.n_tokens and (k.n_tokens > 1 or step_probs)
+                else k for k in out]
+
+    todo = [(target, keys(target, (width,) if gen is not None else (), False))]
+    draft = getattr(proposer, "model", None)
+    if isinstance(proposer, EagleDraft):   # its own graph_keys: the k + 1 position re-read step
+        todo.append((draft, draft.graph_keys(spec_tokens=(gen.k,), prompt_length=prompt_length,
+                                             max_length=max_length)))
+    elif isinstance(draft, DecoderModel):  # a draft model re-reads the last two tokens, then drafts one at a time
+        todo.append((draft, keys(draft, (2,), True)))
+    for model, graph_keys in todo:
+        model._warm(list(dict.fromkeys(graph_keys)), f"compiling ({model.settings.backend})", progress)
+
+
 def generate_on_rank(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
-    from . import DecoderModel, SamplingConfig
-    from .core.chat import chat_ids
+    from . import DecoderModel, SamplingConfig, SpeculativeGenerator
 
+    torch.set_num_threads(max(1, args.threads // args.tp_degree))
     sampling = SamplingConfig(do_sample=args.temperature > 0, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p)
-    model = DecoderModel.from_pretrained(args.model, n_positions=args.n_positions, amp=args.amp,
-                                         backend=args.backend, sampling=sampling, tp_degree=args.tp_degree,
-                                         gqa_strategy=args.gqa_strategy)
-    rank0 = model.tp.rank == 0
-    tok = model.tokenizer
-    ids = tok(args.prompt, return_tensors="pt")["input_ids"] if args.raw else \
-        torch.tensor([chat_ids(tok, args.prompt)])
-    max_new = min(args.max_new_tokens, args.n_positions - ids.shape[1])
+    target = DecoderModel.from_pretrained(args.model, n_positions=args.n_positions, amp=args.amp,
+                                          backend=args.backend, sampling=sampling, tp_degree=args.tp_degree,
+                                          gqa_strategy=args.gqa_strategy)
+    rank0 = target.tp.rank == 0
+    ids = prompt_ids_of(args, target)
+    n_pos = args.n_positions
+    if len(ids) >= n_pos:
+        raise CLIError(f"the prompt has {len(ids)} tokens: --n-positions {n_pos} leaves no room for new tokens "
+                       f"(give --n-positions > {len(ids)})")
+    max_new = min(args.max_new_tokens, n_pos - len(ids))
+    proposer = make_proposer(args, target)
+    gen = None
+    if proposer is not None:
+        k = DEFAULT_K.get(args.draft) if args.k is None else args.k
+        gen = SpeculativeGenerator(proposer, target, k)
     if args.backend == "compiled":
         if rank0:
             print("compiling the graphs this request needs (cached on disk after the first run) ...", file=sys.stderr)
-        model.compile(prompt_length=ids.shape[1], max_length=ids.shape[1] + max_new)
-    streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True) if rank0 else None
+        precompile(target, proposer, gen, len(ids), max_new)
+    text = args.prompt_ids is None
+    streamer = TextStreamer(target.tokenizer, skip_prompt=True, skip_special_tokens=True) if rank0 and text else None
+    eos = [] if args.ignore_eos else None
     start = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=max_new, streamer=streamer, seed=args.seed)
+    out = (gen or target).generate([ids], max_new_tokens=max_new, streamer=streamer, seed=args.seed,
+                                   eos_token_id=eos)
     elapsed = time.perf_counter() - start
-    n = out.shape[1] - ids.shape[1]
-    if rank0:
-        print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, {args.backend} {args.amp}, "
-              f"tp_degree {args.tp_degree}]", file=sys.stderr)
+    new = out[0, len(ids):].tolist()
+    if not rank0:
+        return 0
+    if not text:
+        print(",".join(str(t) for t in new), flush=True)
+    n = len(new)
+    eos_ids = set() if args.ignore_eos else set(target.config.eos_token_ids)
+    if max_new < args.max_new_tokens and n == max_new and not (new and new[-1] in eos_ids):
+        print(f"specdec: warning: output stopped at --n-positions {n_pos} (prompt {len(ids)} + {n} new tokens), "
+              f"before --max-new-tokens {args.max_new_tokens}: give a larger --n-positions for longer outputs",
+              file=sys.stderr)
+    strategy = "target only" if gen is None else f"--draft {args.draft} k={gen.k}"
+    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, {strategy}, {args.backend} {args.amp}, "
+          f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)}, "
+          f"OMP_WAIT_POLICY={wait_policy()}, tp_degree {args.tp_degree}]",
+          file=sys.stderr)
+    if args.stats:
+        print(format_stats(gen, n, elapsed), file=sys.stderr)
     return 0
 
+
+def format_stats(gen, n: int, elapsed: float) -> str:
+    if gen is None:
+        return (f"stats: target only (no speculation): tau 1.00, {n} tokens in {n} steps, "
+                f"{n / elapsed:.1f} tok/s")
+    s = gen.last_stats
+    per_position = " ".join(f"{a:.2f}" for a in s.per_position_acceptance)
+    return "\n".join([
+        f"stats: k={gen.k}, {s.steps} steps, {s.drafted} tokens drafted, {s.accepted} accepted, {s.emitted} emitted",
+        f"  tau (mean acceptance length)  {s.mean_acceptance_length:.2f}",
+        f"  acceptance rate               {s.acceptance_rate:.3f}",
+        f"  per-position acceptance       {per_position}",
+        f"  tokens/s                      {s.tokens_per_s:.1f}   (draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s, "
+        f"other {s.other_s:.2f} s)",
+    ])
+
+
+# ---------------------------------------------------------------------------------------------------
+# other commands
 
 def cmd_eagle_lm_head(args: argparse.Namespace) -> int:
     from .core.paths import resolve_model_path
@@ -63,68 +402,79 @@ def cmd_eagle_lm_head(args: argparse.Namespace) -> int:
     try:
         out = copy_lm_head(args.draft, resolve_model_path(args.target), args.out)
     except (KeyError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"specdec eagle-lm-head: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out / 'model.safetensors'} (draft tensors + the target's lm_head.weight)")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text from a prompt (chat template applied)")
-    g.add_argument("prompt")
-    add_model_arguments(g)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--tp-degree", type=int, default=1,
-                   help="tensor parallelism: shard the model over this many processes (launched for you)")
-    g.add_argument("--gqa-strategy", default=None, choices=["replicate-to-tp-degree", "convert-to-mha"],
-                   help="how KV heads are sharded when they do not divide --tp-degree (default: automatic)")
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="specdec", description="specdec: speculative decoding on a static-shape LLM runtime.",
+                    epilog='Run "specdec COMMAND --help" for the options of a command.')
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help)
+
+    g = command("generate", "generate from a prompt (chat template applied), target-only or speculative")
+    add_generate_arguments(g)
     g.set_defaults(func=cmd_generate)
     from .bench import runtime as bench_runtime, speculative as bench_spec
-    b = sub.add_parser("bench", help="target-only decoding benchmark vs transformers (prints JSON)")
+    b = command("bench", "target-only decoding benchmark vs transformers (prints JSON)")
     bench_runtime.add_arguments(b)
     b.set_defaults(func=lambda a: bench_runtime.print_result(bench_runtime.run(a), a))
-    s = sub.add_parser("bench-spec", help="speculative decoding benchmark with the trained draft (prints JSON)")
+    s = command("bench-spec", "speculative decoding benchmark with a shipped proposer: draft model, EAGLE or "
+                "Medusa (prints JSON)")
     bench_spec.add_arguments(s)
     s.set_defaults(func=lambda a: bench_spec.print_result(bench_spec.run(a), a))
     from . import plan
-    pl = sub.add_parser("plan", help="capacity planner: memory per core and the smallest tp_degree that fits")
+    pl = command("plan", "capacity planner: memory per core and the smallest tp_degree that fits")
     plan.add_arguments(pl)
     pl.set_defaults(func=plan.run)
     from .train import cli as train_cli
-    t = sub.add_parser("train-draft", help="train a draft for the target: data -> distillation -> export (resumable)")
+    t = command("train-draft", "train a draft for the target: data -> distillation -> export (resumable)")
     train_cli.add_arguments(t)
     t.set_defaults(func=train_cli.run)
     from .train import eagle_cli
-    te = sub.add_parser("train-eagle", help="train an EAGLE draft for the target: data -> features -> training -> export")
+    te = command("train-eagle", "train an EAGLE draft for the target: data -> features -> training -> export")
     eagle_cli.add_arguments(te)
     te.set_defaults(func=eagle_cli.run)
     from .train import medusa_cli
-    tm = sub.add_parser("train-medusa", help="train Medusa heads for the target: data -> features -> training -> "
-                        "calibration -> export (resumable)")
+    tm = command("train-medusa", "train Medusa heads for the target: data -> features -> training -> "
+                 "calibration -> export (resumable)")
     medusa_cli.add_arguments(tm)
     tm.set_defaults(func=medusa_cli.run)
-    bt = sub.add_parser("build-tree", help="build a Medusa tree from measured head accuracies (prints expected tau)")
+    bt = command("build-tree", "build a Medusa tree from measured head accuracies (prints expected tau)")
     medusa_cli.add_tree_arguments(bt)
     bt.set_defaults(func=medusa_cli.run_build_tree)
-    lm = sub.add_parser("eagle-lm-head", help="copy the target's lm_head.weight into an EAGLE draft checkpoint")
+    lm = command("eagle-lm-head", "copy the target's lm_head.weight into an EAGLE draft checkpoint")
     lm.add_argument("--draft", required=True, help="EAGLE draft directory (EAGLE-1 layout, no lm_head)")
     lm.add_argument("--target", required=True, help="target checkpoint directory (single/sharded safetensors or bin)")
     lm.add_argument("--out", default=None, help="output directory (default: rewrite the draft in place)")
     lm.set_defaults(func=cmd_eagle_lm_head)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line (``argv`` None: ``sys.argv``). Exit status: 0, 2 for a bad argument or a
+    missing file (one ``specdec: error:`` line on stderr, no traceback; ``SPECDEC_DEBUG=1`` re-raises),
+    130 when interrupted."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        apply_wait_policy(argv)
     torch.set_grad_enabled(False)
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+        if os.environ.get("SPECDEC_DEBUG"):
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__   # one line
+        print(f"specdec: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
