@@ -45,6 +45,15 @@ def new_ids(out: str) -> list[int]:
     return [int(t) for t in out.strip().splitlines()[-1].split(",")]
 
 
+@pytest.fixture(autouse=True)
+def restore_threads():
+    """``main`` sets torch's thread count for the process; later tests (compiled kernels are specialised
+    on it) must find the suite's own setting."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def eagle_models(tmp_path_factory):
     """A tiny target and an EAGLE head for it (NxD layout: the target's LM head copied in)."""
