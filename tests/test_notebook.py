@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from test_readme import embedded_model  # noqa: F401  (fixture: skips when the embedded model is absent)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "acceptance_experiments.ipynb"

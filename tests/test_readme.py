@@ -64,16 +64,6 @@ def test_readme_snippets_are_complete():
         assert not found, f"README.md line {line}: placeholder {found} outside comments"
 
 
-@pytest.fixture(scope="module")
-def embedded_model():
-    pytest.importorskip("gguf")
-    from specdec.core.paths import embedded_gguf_path
-    try:
-        embedded_gguf_path()
-    except FileNotFoundError:
-        pytest.skip("embedded model not installed")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=[snippet_id(s) for s in SNIPPETS])
 def test_readme_snippet_runs(snippet, embedded_model, tmp_path):
