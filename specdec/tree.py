@@ -124,6 +124,12 @@ class TokenTree:
         """Maximum depth D (the most drafts a step can accept)."""
         return len(self.paths[-1])
 
+    def truncated(self, depth: int) -> TokenTree:
+        """The paths of depth <= ``depth`` (still prefix-closed), with the same heads and top-k."""
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        return TokenTree(tuple(p for p in self.paths if len(p) <= depth), self.num_heads, self.top_k)
+
     def to_list(self) -> list[list[int]]:
         """The paths in node order as JSON-ready lists."""
         return [list(p) for p in self.paths]

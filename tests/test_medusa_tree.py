@@ -172,3 +172,12 @@ def test_measure_head_accuracy():
     assert torch.allclose(acc, torch.tensor([[1 / 3, 1 / 3],
                                              [1 / 2, 1 / 2]]))
     assert measure_head_accuracy(topk, torch.full((3, 2), -1)).tolist() == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_truncated_tree_keeps_the_shallow_paths():
+    tree = TokenTree.from_paths(SMALL, num_heads=3, top_k=4)
+    cut = tree.truncated(1)
+    assert cut.to_list() == [[0], [1]] and (cut.num_heads, cut.top_k) == (3, 4)
+    assert tree.truncated(5) == tree
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        tree.truncated(0)

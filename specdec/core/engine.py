@@ -146,15 +146,13 @@ class Engine:
     def step(self) -> dict[int, list[int]]:
         """Advance every active row once → {row: tokens it emitted this step}."""
         B = self.target.batch_size
-        active = torch.zeros(B, dtype=torch.bool)
-        lengths = torch.full((B,), 2, dtype=torch.long)
-        tail = torch.zeros(B, 2, dtype=torch.long)
-        for r in self.active_rows:
-            row = self.rows[r]
-            active[r], lengths[r] = True, row.length
-            tail[r] = torch.tensor(row.tail())
-        if not bool(active.any()):
+        live = [row if row is not None and not row.done else None for row in self.rows]
+        if not any(live):
             return {}
+        # one host → tensor conversion per step; free and finished rows get a dummy 2-token sequence
+        active = torch.tensor([row is not None for row in live])
+        lengths = torch.tensor([2 if row is None else row.length for row in live])
+        tail = torch.tensor([[0, 0] if row is None else row.tail() for row in live])
         self.target.set_lengths(lengths - 1)
         if self.speculator is None:
             with self.stats.timer("verify"):

@@ -144,15 +144,12 @@ def _medusa(target: DecoderModel, k: int | None):
     """The shipped Medusa heads with the shipped tree cut to depth k (None: the whole tree)."""
     from ..medusa.draft import MedusaDraft
     from ..shipped import shipped
-    from ..tree import TokenTree
     full = shipped("medusa", target)
     if k is None or k == full.depth:
         return full
     if k > full.depth:
         raise ValueError(f"k={k}: the shipped Medusa tree has depth {full.depth} (k is the depth it is cut to)")
-    tree = TokenTree.from_paths([p for p in full.tree.paths if len(p) <= k], num_heads=full.tree.num_heads,
-                                top_k=full.tree.top_k)
-    return MedusaDraft(full.heads, tree, target)
+    return MedusaDraft(full.heads, full.tree.truncated(k), target)
 
 
 def _lookup(target: DecoderModel, k: int | None):
