@@ -1,4 +1,4 @@
-"""The ``specdec`` command: ``generate`` (target-only or speculative), ``bench`` / ``bench-spec``
+"""The ``specdec`` command: ``generate`` (target-only or speculative), ``serve`` (HTTP server), ``bench`` / ``bench-spec``
 (benchmarks), ``plan`` (capacity planning), ``train-draft`` / ``train-eagle`` / ``train-medusa``,
 ``build-tree`` (Medusa trees), ``eagle-lm-head`` (EAGLE checkpoints). ``build_parser`` defines them;
 ``main`` runs one (bad arguments: one ``specdec: error:`` line, exit code 2)."""
@@ -72,6 +72,7 @@ positive_int = _number(int, "positive_int", lambda v: v >= 1, ">= 1")
 non_negative_int = _number(int, "non_negative_int", lambda v: v >= 0, ">= 0")
 temperature_value = _number(float, "temperature", lambda v: v >= 0, ">= 0 (0 = greedy)")
 top_p_value = _number(float, "top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+repetition_penalty_value = _number(float, "repetition_penalty", lambda v: v > 0, "> 0 (1 = off)")
 n_positions_value = _number(int, "n_positions", lambda v: v >= 2, ">= 2")
 
 
@@ -178,20 +179,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV-cache length: prompt + new tokens (default: 1024)")
 
 
-def add_generate_arguments(g: argparse.ArgumentParser) -> None:
-    g.add_argument("prompt", nargs="?", default=None, help="the prompt text (or give --prompt-ids)")
-    g.add_argument("--prompt-ids", type=token_ids, default=None, metavar="ID,ID,...",
-                   help="the prompt as token ids instead of text (no tokenizer needed); the new token ids "
-                        "are printed instead of text")
-    add_model_arguments(g)
-    g.add_argument("--max-new-tokens", type=positive_int, metavar="N", default=128, help="(default: 128)")
-    g.add_argument("--temperature", type=temperature_value, metavar="T", default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=non_negative_int, metavar="K", default=0, help="0 = off (default)")
-    g.add_argument("--top-p", type=top_p_value, metavar="P", default=1.0, help="in (0, 1]; 1 = off (default)")
-    g.add_argument("--seed", type=non_negative_int, metavar="SEED", default=0)
-    g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens tokens: do not stop at EOS")
-    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    s = g.add_argument_group("speculative decoding")
+def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("speculative decoding")
     s.add_argument("--draft", default="none", choices=STRATEGIES,
                    help="none = target only (default); model = a draft model, eagle = an EAGLE head, "
                         "medusa = Medusa heads: the shipped weights for the embedded model, or --draft-path "
@@ -204,7 +193,26 @@ def add_generate_arguments(g: argparse.ArgumentParser) -> None:
     s.add_argument("--tree", default=None,
                    help="medusa: a built-in tree name (e.g. mc_sim_7b_63) or a JSON file of paths "
                         "(default: the heads' own tree)")
-    s.add_argument("--stats", action="store_true",
+
+
+def add_generate_arguments(g: argparse.ArgumentParser) -> None:
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt text (or give --prompt-ids)")
+    g.add_argument("--prompt-ids", type=token_ids, default=None, metavar="ID,ID,...",
+                   help="the prompt as token ids instead of text (no tokenizer needed); the new token ids "
+                        "are printed instead of text")
+    add_model_arguments(g)
+    g.add_argument("--max-new-tokens", type=positive_int, metavar="N", default=128, help="(default: 128)")
+    g.add_argument("--temperature", type=temperature_value, metavar="T", default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=non_negative_int, metavar="K", default=0, help="0 = off (default)")
+    g.add_argument("--top-p", type=top_p_value, metavar="P", default=1.0, help="in (0, 1]; 1 = off (default)")
+    g.add_argument("--repetition-penalty", type=repetition_penalty_value, metavar="X", default=1.0,
+                   help="> 0; every token already in the prompt or the output has its logit divided by X "
+                        "(multiplied when negative), as transformers' repetition_penalty; 1 = off (default)")
+    g.add_argument("--seed", type=non_negative_int, metavar="SEED", default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens tokens: do not stop at EOS")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    add_speculation_arguments(g)
+    g.add_argument("--stats", action="store_true",
                    help="print tau (mean acceptance length), the acceptance rate, per-position acceptance "
                         "and tokens/s after the output (stderr)")
     r = g.add_argument_group("threads and parallelism")
@@ -239,6 +247,11 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
         raise CLIError("give a prompt text or --prompt-ids (one of them)")
     if args.prompt_ids is not None and args.raw:
         raise CLIError("--raw applies to a text prompt, not to --prompt-ids")
+    check_speculation_arguments(args)
+
+
+def check_speculation_arguments(args: argparse.Namespace) -> None:
+    """--draft / --draft-path / --k / --tree combinations, checked before any model loads."""
     d = args.draft
     if d == "none" and args.k is not None:
         raise CLIError("--k needs --draft (model, eagle, medusa or lookup)")
@@ -292,9 +305,12 @@ def prompt_ids_of(args: argparse.Namespace, target) -> list[int]:
     return list(tok(args.prompt)["input_ids"]) if args.raw else chat_ids(tok, args.prompt)
 
 
-def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, progress: bool = True) -> None:
+def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, progress: bool = True,
+               single_row: bool = False, penalty: bool = False) -> None:
     """Build the graphs a request needs before it runs (and is timed): the target's context, decode
-    and verify graphs and a draft network's. For the compiled backend (graphs cached on disk)."""
+    and verify graphs and a draft network's. For the compiled backend (graphs cached on disk).
+    ``single_row``: also the context graphs of requests joining a running batch (serving).
+    ``penalty``: the target's graphs apply a repetition penalty (drafts never do)."""
     from . import DecoderModel, EagleDraft
     width = 1
     if gen is not None:
@@ -307,15 +323,16 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
     def keys(model, spec: tuple[int, ...], step_probs: bool):
         # graph_keys marks multi-token steps as returning probabilities; speculation asks for them only
         # when sampling (verify; a draft model's steps too)
-        out = model.graph_keys(spec_tokens=spec, prompt_length=prompt_length, max_length=max_length)
+        out = model.graph_keys(spec_tokens=spec, prompt_length=prompt_length, max_length=max_length,
+                               single_row=single_row)
         return [replace(k, return_probs=sampled) if k.n_logits == k.n_tokens and (k.n_tokens > 1 or step_probs)
                 else k for k in out]
 
-    todo = [(target, keys(target, (width,) if gen is not None else (), False))]
+    todo = [(target, [replace(k, penalty=penalty) for k in keys(target, (width,) if gen is not None else (), False)])]
     draft = getattr(proposer, "model", None)
     if isinstance(proposer, EagleDraft):   # its own graph_keys: the k + 1 position re-read step
         todo.append((draft, draft.graph_keys(spec_tokens=(gen.k,), prompt_length=prompt_length,
-                                             max_length=max_length)))
+                                             max_length=max_length, single_row=single_row)))
     elif isinstance(draft, DecoderModel):  # a draft model re-reads the last two tokens, then drafts one at a time
         todo.append((draft, keys(draft, (2,), True)))
     for model, graph_keys in todo:
@@ -348,13 +365,13 @@ def generate_on_rank(args: argparse.Namespace) -> int:
     if args.backend == "compiled":
         if rank0:
             print("compiling the graphs this request needs (cached on disk after the first run) ...", file=sys.stderr)
-        precompile(target, proposer, gen, len(ids), max_new)
+        precompile(target, proposer, gen, len(ids), max_new, penalty=args.repetition_penalty != 1)
     text = args.prompt_ids is None
     streamer = TextStreamer(target.tokenizer, skip_prompt=True, skip_special_tokens=True) if rank0 and text else None
     eos = [] if args.ignore_eos else None
     start = time.perf_counter()
     out = (gen or target).generate([ids], max_new_tokens=max_new, streamer=streamer, seed=args.seed,
-                                   eos_token_id=eos)
+                                   eos_token_id=eos, repetition_penalty=args.repetition_penalty)
     elapsed = time.perf_counter() - start
     new = out[0, len(ids):].tolist()
     if not rank0:
@@ -427,6 +444,16 @@ def build_parser() -> argparse.ArgumentParser:
                 "Medusa (prints JSON)")
     bench_spec.add_arguments(s)
     s.set_defaults(func=lambda a: bench_spec.print_result(bench_spec.run(a), a))
+    from .serving import server
+    sv = command("serve", "serve the model over HTTP: OpenAI-compatible completions and chat, /generate, "
+                 "/health, /metrics (continuous batching, speculation inside)")
+    server.add_arguments(sv)
+    sv.set_defaults(func=server.run)
+    from .bench import serving as bench_serving
+    bs = command("bench-serve", "serving benchmark: the HTTP server under 1-16 concurrent streaming clients, "
+                 "with and without speculation (prints JSON)")
+    bench_serving.add_arguments(bs)
+    bs.set_defaults(func=lambda a: bench_serving.print_result(bench_serving.run(a), a))
     from . import plan
     pl = command("plan", "capacity planner: memory per core and the smallest tp_degree that fits")
     plan.add_arguments(pl)

@@ -57,6 +57,10 @@ VARIANTS = {
     # one KV head (replicated on every rank), 3 query heads (split 2 + 1 padding at tp=2)
     "llama-tp-mqa": ("llama", {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}),
     "llama-draft": ("llama", {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64}),
+    # a byte-level vocabulary (3 special ids + 256 bytes): with ``byte_tokenizer`` a model that reads text
+    "llama-text": ("llama", {"vocab_size": 259}),
+    "llama-text-draft": ("llama", {"vocab_size": 259, "num_hidden_layers": 1, "hidden_size": 32,
+                                   "intermediate_size": 64}),
     "llama-tp-padded-draft": ("llama", {"num_hidden_layers": 1, "hidden_size": 36, "intermediate_size": 64,
                                         "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 163}),
 }

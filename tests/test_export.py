@@ -1,6 +1,7 @@
-"""Every graph kind is trace-clean under ``torch.export`` (strict, static shapes) — the CPU stand-in for
-Neuron tracing — and computes what the eager graph computes; a tree-shaped ``token_mask`` with explicit
-``position_ids`` in the multi-token graph gives transformers' logits on every root-to-leaf path."""
+"""Every graph kind (repetition-penalty graphs included) is trace-clean under ``torch.export`` (strict,
+static shapes) — the CPU stand-in for Neuron tracing — and computes what the eager graph computes; a
+tree-shaped ``token_mask`` with explicit ``position_ids`` in the multi-token graph gives transformers'
+logits on every root-to-leaf path."""
 from __future__ import annotations
 
 import pytest
@@ -61,7 +62,22 @@ def test_graph_keys_cover_every_kind(model):
 
 @pytest.mark.parametrize("index", range(len(KEY_IDS)), ids=KEY_IDS)
 def test_graph_exports_strict_and_matches_eager(model, exported, index):
-    key = all_keys(model)[index]
+    check_export(model, exported, all_keys(model)[index])
+
+
+PENALTY_KEYS = [GraphKey(SPEC, SPEC, 32, True, True, penalty=True),            # verify, sampling
+                GraphKey(8, 1, 8, False, single_row=True, penalty=True)]       # a joining row's context
+
+
+@pytest.mark.parametrize("key", PENALTY_KEYS, ids=["multi4-sample-probs-penalty", "ctx8-greedy-row-penalty"])
+def test_penalty_graph_exports_strict_and_matches_eager(model, exported, key):
+    """Repetition-penalty graphs take ``presence`` [b, V] as one more input (before seq_ids)."""
+    check_export(model, exported, key)
+    placeholders = exported(key).graph_signature.user_inputs
+    assert len(placeholders) == 8 + key.single_row
+
+
+def check_export(model, exported, key: GraphKey) -> None:
     ep = exported(key)
     assert isinstance(ep, torch.export.ExportedProgram)
     assert not ep.range_constraints          # no symbolic dimensions: fully static shapes
@@ -81,7 +97,7 @@ def test_graph_exports_strict_and_matches_eager(model, exported, index):
     for e, g in zip(expected, got):
         assert e.shape == g.shape and e.dtype == g.dtype
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
-    b, m, v = model.batch_size, key.n_logits, model.vocab_size
+    b, m, v = key.batch(model.batch_size), key.n_logits, model.vocab_size
     assert got[0].shape == (b, m)
     assert got[-2].shape == (b, m, v)
     assert got[-1].shape == (b, key.n_tokens, model.config.hidden_size)

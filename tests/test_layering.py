@@ -13,7 +13,7 @@ LAYERS = [  # lowest first: module-name prefixes (relative to the package)
     ("speculation", ["acceptance", "tree", "proposer", "verify", "speculative"]),
     ("strategies", ["draft", "eagle", "medusa", "lookup"]),
     ("api", ["generator", "shipped", "__init__"]),
-    ("tools", ["train", "plan", "bench", "cli", "experiments"]),
+    ("tools", ["train", "plan", "bench", "cli", "experiments", "serving"]),
 ]
 STRATEGIES = {"draft", "eagle", "medusa", "lookup"}
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from conftest import save_reduced_vocab
 
@@ -113,16 +114,18 @@ def test_statistics_add_up(tiny):
 
 # ---------------------------------------------------------------- lossless sampling
 
-def exact_joint(hf, prompt, params, n_tokens):
-    """Target-only distribution of the first n_tokens sampled tokens, enumerated exactly."""
+def exact_joint(hf, prompt, params, n_tokens, repetition_penalty=1.0):
+    """Target-only distribution of the first n_tokens sampled tokens, enumerated exactly (with
+    transformers' repetition penalty on the logits before warping)."""
     probs = {(): 1.0}
     for _ in range(n_tokens):
         nxt = {}
         seqs = list(probs)
         ids = torch.tensor([prompt + list(s) for s in seqs])
         with torch.no_grad():
-            logits = hf(ids).logits[:, -1:].float()
-        p_sorted, idx = warp(logits, params.expand(len(seqs), 3), None)
+            logits = hf(ids).logits[:, -1].float()
+        logits = RepetitionPenaltyLogitsProcessor(float(repetition_penalty))(ids, logits).unsqueeze(1)
+        p_sorted, idx = warp(logits, params.expand(len(seqs), -1), None)
         p = full_probs(p_sorted, idx, logits.shape[-1])[:, 0]
         for s, row in zip(seqs, p):
             for t in range(row.shape[0]):
@@ -144,10 +147,11 @@ def sampled_joint(gen, prompt, batch, n_tokens, calls, sample_kwargs):
 
 def lossless_pvalue(hf, target, gen, sample_kwargs, n_tokens, calls=40, prompt=(3, 1, 4)):
     """Chi-square p-value of ``gen``'s first ``n_tokens`` sampled tokens (512 rows x ``calls`` seeded
-    calls) against the target-only joint distribution enumerated exactly from ``hf``."""
+    calls) against the target-only joint distribution enumerated exactly from ``hf`` (with the
+    ``repetition_penalty`` of ``sample_kwargs``, if any)."""
     params = target.sampling_params(sample_kwargs.get("top_k"), sample_kwargs.get("top_p"),
                                     sample_kwargs["temperature"], True)[:1]
-    exact = exact_joint(hf, list(prompt), params, n_tokens)
+    exact = exact_joint(hf, list(prompt), params, n_tokens, sample_kwargs.get("repetition_penalty", 1.0))
     return chi2_pvalue(exact, sampled_joint(gen, list(prompt), 512, n_tokens, calls, sample_kwargs))
 
 

@@ -1,7 +1,8 @@
 """``DecoderModel``: a checkpoint on the static-shape runtime (the user-facing model object).
 
-State: the KV cache (inside the module) and ``lengths`` [batch_size] (host copy, the authority
-for bucket choice). Graph-level API used by the strategies:
+State: the KV cache (inside the module), ``lengths`` [batch_size] (host copy, the authority
+for bucket choice) and, when tracked, ``presence`` [batch_size, V] (the tokens in each row's
+sequence, which the repetition penalty reads). Graph-level API used by the strategies:
 
 - ``prefill(prompts, ..., rows=None)``: context encoding of up to ``batch_size`` prompts → first
   tokens; all rows restart, or (``rows``) only the named rows, the others untouched;
@@ -27,7 +28,8 @@ from .paths import resolve_model_path
 from .graphs import BACKENDS, GraphKey, StepGraph, build_graph, configure_compile_cache
 from .model import DecoderLM
 from .parallel import TPGroup, barrier, shard_plan, tp_group
-from .sampling import TEMPERATURE, RowGenerators, SamplingConfig, any_sampled, needs_filter, sampling_params
+from .sampling import (TEMPERATURE, RowGenerators, SamplingConfig, any_penalised, any_sampled, needs_filter,
+                       sampling_params)
 from .tp_layout import head_layout, parse_gqa
 
 
@@ -49,8 +51,9 @@ class RuntimeSettings:
 
 @dataclass
 class StepOutput:
-    """tokens [B, m] sampled on device, logits [B, m, V] (f32, raw), hidden [B, n, H] (final-norm
-    hidden states of every new token), probs [B, m, V] warped distribution when requested."""
+    """tokens [B, m] sampled on device, logits [B, m, V] (f32: raw, or with the repetition penalty
+    applied when the graph has it — the logits the tokens are sampled from), hidden [B, n, H]
+    (final-norm hidden states of every new token), probs [B, m, V] warped distribution when requested."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
@@ -65,6 +68,9 @@ class DecoderModel:
         self.kv_buckets = check_buckets("kv_buckets", settings.kv_buckets, settings.n_positions)
         self.device = torch.device(settings.device)
         self.lengths = torch.zeros(settings.batch_size, dtype=torch.long)
+        # [batch_size, V] bool on the device: the tokens in each row's sequence (prompt + emitted), read
+        # by the repetition penalty; None = not tracked (draft models), so no graph applies the penalty
+        self.presence: torch.Tensor | None = None
         self._graphs: dict[GraphKey, object] = {}
         self._tokenizer = None
         self.compile_seconds: dict[str, float] = {}
@@ -234,6 +240,26 @@ class DecoderModel:
             raise ValueError(f"lengths must be [{self.batch_size}] in [0, {self.n_positions}], got {lengths.tolist()}")
         self.lengths.copy_(lengths)
 
+    def track_presence(self) -> None:
+        """Start tracking ``presence`` (every row empty; a no-op when already tracking), so graphs apply
+        the repetition penalty of rows that ask for one. The request loop (``Engine``) keeps it equal to
+        each row's prompt + emitted tokens."""
+        if self.presence is None:
+            self.presence = torch.zeros(self.batch_size, self.vocab_size, dtype=torch.bool, device=self.device)
+
+    def reset_presence(self, row: int, tokens: torch.Tensor | list[int]) -> None:
+        """Row ``row``'s sequence restarts as ``tokens`` (ids, 1-D): one copy to the device."""
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[torch.as_tensor(tokens, dtype=torch.long)] = True
+        self.presence[row] = mask.to(self.device)
+
+    def mark_presence(self, rows: torch.Tensor | list[int], tokens: torch.Tensor | list[int]) -> None:
+        """Token tokens[i] was appended to row rows[i]'s sequence (rows, tokens: 1-D, same length):
+        one index_put on the device."""
+        index = (torch.as_tensor(rows, dtype=torch.long).to(self.device),
+                 torch.as_tensor(tokens, dtype=torch.long).to(self.device))
+        self.presence.index_put_(index, torch.ones((), dtype=torch.bool, device=self.device))
+
     def copy_cache_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """KV compaction, on device: in every layer, row b's cache slot src[b, i] is copied to slot
         dst[b, i] (src, dst [B, m]; all slots are read before any is written)."""
@@ -290,31 +316,37 @@ class DecoderModel:
                                  f"{self.context_buckets[-1]} (n_positions={self.n_positions})")
         return rows
 
-    def sampling_params(self, top_k=None, top_p=None, temperature=None, do_sample=None) -> torch.Tensor:
-        """Per-row [batch_size, 3] parameters; unset values come from the SamplingConfig, and
+    def sampling_params(self, top_k=None, top_p=None, temperature=None, do_sample=None,
+                        repetition_penalty=None) -> torch.Tensor:
+        """Per-row [batch_size, 4] parameters (``sampling.TOP_K`` .. ``REPETITION_PENALTY``); unset
+        values come from the SamplingConfig (the repetition penalty: 1.0, off), and
         ``do_sample=False`` forces greedy (temperature 0) for every row."""
         s = self.settings.sampling
         do_sample = s.do_sample if do_sample is None else do_sample
         temperature = s.temperature if temperature is None else temperature
         params = sampling_params(self.batch_size, s.top_k if top_k is None else top_k,
-                                 s.top_p if top_p is None else top_p, temperature)
+                                 s.top_p if top_p is None else top_p, temperature,
+                                 1.0 if repetition_penalty is None else repetition_penalty)
         if not do_sample:
             params[:, TEMPERATURE] = 0.0
         return params
 
     # ------------------------------------------------------------------ running graphs
     def _key(self, n: int, m: int, kv: int, params: torch.Tensor, return_probs: bool = False) -> GraphKey:
-        """The graph for n tokens, m logits, KV bucket kv and these sampling params [B, 3]."""
+        """The graph for n tokens, m logits, KV bucket kv and these sampling params [B, 4] (a penalty
+        graph when ``presence`` is tracked and some row has a repetition penalty)."""
         do_sample = any_sampled(params)
         top_filter = do_sample and needs_filter(params, self.settings.sampling.global_topk)
-        return GraphKey(n, m, kv, do_sample, return_probs, top_filter)
+        penalty = self.presence is not None and any_penalised(params)
+        return GraphKey(n, m, kv, do_sample, return_probs, top_filter, penalty=penalty)
 
     def _run(self, key: GraphKey, input_ids, position_ids, cache_lengths, token_mask, logit_index,
              params, rng: RowGenerators | torch.Generator | None, features: torch.Tensor | None = None,
              seq_ids: torch.Tensor | None = None) -> StepOutput:
         """Run one graph. Sampling graphs draw their noise from ``rng``: one generator per row
         (``RowGenerators``), one for all rows (``torch.Generator``), or None (torch's global one);
-        greedy graphs draw nothing."""
+        greedy graphs draw nothing. Penalty graphs read ``presence`` (the ``seq_ids`` row of a
+        single-row graph)."""
         dev, b = self.device, key.batch(self.batch_size)
         if not key.do_sample:
             uniform = torch.zeros(b, key.n_logits, device=dev)
@@ -322,7 +354,10 @@ class DecoderModel:
             uniform = torch.rand(b, key.n_logits, generator=rng, device=dev)
         else:
             uniform = rng.uniform(key.n_logits, None if seq_ids is None else seq_ids.tolist())
-        extra = () if seq_ids is None else (seq_ids,)
+        extra = ()
+        if key.penalty:
+            extra += (self.presence if seq_ids is None else self.presence[seq_ids.to(dev)],)
+        extra += () if seq_ids is None else (seq_ids,)
         extra += () if features is None else (features.to(dtype=self.dtype),)
         # inputs on the device with standard strides (also on size-1 dims: slices such as tail[:, 1:]
         # keep their parent's stride there), since a compiled graph is specialised on its inputs' strides
@@ -348,7 +383,7 @@ class DecoderModel:
         ``rows=None``: prompt i goes to row i and every row restarts (one batch graph; rows past the
         prompts get a 1-token dummy prompt; b = batch_size). ``rows``: prompt i goes to row rows[i]
         (one single-row graph each, NxD's ``seq_ids``) and no other row's cache or length changes
-        (b = len(rows)). ``params`` [batch_size, 3] are indexed by row. ``features`` [b, >= longest
+        (b = len(rows)). ``params`` [batch_size, 4] are indexed by row. ``features`` [b, >= longest
         prompt, F]: per-token inputs of feature-reading models (EAGLE)."""
         if rows is not None:
             outs = [self._prefill_row(r, p, params, rng, None if features is None else features[i:i + 1])

@@ -15,6 +15,12 @@ criteria cut the run exactly where target-only decoding stops; a finished row st
 one row (a single-row context-encoding graph) while the others keep their state, and each row draws
 its random numbers from its own generator, so a row's output does not depend on its neighbours.
 
+Repetition penalty: the engine tracks the target's ``presence`` (``DecoderModel.track_presence``) and
+keeps it equal to each row's S_r: reset to the prompt before the row's context encoding, then marked
+with the tokens actually appended. The target's graphs add the tokens of each verified position's own
+prefix (``specdec.core.graphs``), so every strategy verifies against the penalised distribution
+without knowing about it; drafts do not track presence and propose unpenalised.
+
     engine = Engine(target)                    # or Engine(target, speculator)
     row = engine.add(prompt_ids, max_new_tokens=64, temperature=0.7, seed=1)
     while engine.active_rows:
@@ -94,6 +100,7 @@ class Engine:
 
     def __init__(self, target: DecoderModel, speculator: Speculator | None = None):
         self.target, self.speculator = target, speculator
+        target.track_presence()
         B = target.batch_size
         self.rows: list[Row | None] = [None] * B
         self.params = target.sampling_params(do_sample=False)          # free rows: greedy
@@ -113,13 +120,14 @@ class Engine:
 
     def add(self, prompt, *, row: int | None = None, max_new_tokens: int | None = None,
             sequence_length: int | None = None, do_sample: bool | None = None, temperature=None, top_k=None,
-            top_p=None, eos_token_id=None, seed: int | None = None) -> int:
+            top_p=None, repetition_penalty=None, eos_token_id=None, seed: int | None = None) -> int:
         """Start a request in a free row (``row``, or the first free one) while the other rows keep
         their state: one single-row context encoding, the speculator started for that row, the first
         token emitted. Returns the row. Invalid arguments raise before anything changes."""
         req = prepare_request(self.target, [prompt], max_new_tokens=max_new_tokens,
                               sequence_length=sequence_length, do_sample=do_sample, temperature=temperature,
-                              top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed)
+                              top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                              eos_token_id=eos_token_id, seed=seed)
         free = self.free_rows
         if row is None:
             if not free:
@@ -130,6 +138,7 @@ class Engine:
         self.params[row] = req.params[0]
         self.rng.seed(row, req.seeds[0])
         self.rows[row] = Row(req.prompts[0].tolist(), int(req.budget[0]), frozenset(req.eos.tolist()))
+        self.target.reset_presence(row, req.prompts[0])
         out = self.target.prefill(req.prompts, self.params, self.rng, rows=[row])
         if self.speculator is not None:
             with self.stats.timer("draft"):
@@ -175,7 +184,8 @@ class Engine:
     def _emit(self, emitted: torch.Tensor, num_accepted: torch.Tensor,
               rows: list[int] | None = None) -> dict[int, list[int]]:
         """Append row r's emitted[i, :num_accepted[i] + 1] (i = position of r in ``rows``, default
-        all rows) one position at a time, stopping a row at EOS, its budget or ``on_tokens``' verdict."""
+        all rows) one position at a time, stopping a row at EOS, its budget or ``on_tokens``' verdict;
+        the appended tokens are marked in the target's ``presence``."""
         rows = list(range(len(self.rows))) if rows is None else rows
         live = [(i, r) for i, r in enumerate(rows) if self.rows[r] is not None and not self.rows[r].done]
         counts = num_accepted.tolist()
@@ -193,18 +203,24 @@ class Engine:
                     row.done = True
             if self.on_tokens is not None:
                 self.on_tokens([r for _, r in now])
+        if appended:
+            self.target.mark_presence([r for r, tokens in appended.items() for _ in tokens],
+                                      [t for tokens in appended.values() for t in tokens])
         return appended
 
     # ------------------------------------------------------------------ batch requests
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int | None = None,
                  sequence_length: int | None = None, do_sample: bool | None = None, temperature=None,
-                 top_k=None, top_p=None, eos_token_id=None, pad_token_id: int | None = None,
-                 streamer=None, stopping_criteria=None, seed=None) -> torch.Tensor:
+                 top_k=None, top_p=None, repetition_penalty=None, eos_token_id=None,
+                 pad_token_id: int | None = None, streamer=None, stopping_criteria=None,
+                 seed=None) -> torch.Tensor:
         """Generate for up to ``batch_size`` prompts (rows 0 .. b-1; every row restarts).
 
         ``input_ids``: [b, L] (+ ``attention_mask``, left or right padding), 1-D, or a list of token
         lists. ``sequence_length`` bounds prompt + new tokens per row (transformers-neuronx),
-        ``max_new_tokens`` new tokens; sampling values may be scalars or one per row; ``seed``: an int
+        ``max_new_tokens`` new tokens; sampling values may be scalars or one per row;
+        ``repetition_penalty`` (> 0, 1 = off; scalar or one per row) penalises every token already in
+        the row's sequence as Hugging Face's ``RepetitionPenaltyLogitsProcessor``; ``seed``: an int
         (independent streams per row) or one per row. Rows finish independently at EOS, a stopping
         criterion (HF ``criterion(input_ids, scores)``) or their budget. A streamer gets
         ``put(prompt)``, ``put(tokens)`` per emitted position and ``end()`` (HF protocol; batch 1 for
@@ -213,8 +229,8 @@ class Engine:
         target = self.target
         req = prepare_request(target, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                               sequence_length=sequence_length, do_sample=do_sample, temperature=temperature,
-                              top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                              seed=seed)
+                              top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                              eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
         b = len(req.prompts)
         start = time.perf_counter()
         total, self.stats = self.stats, SpecStats()     # this call's numbers, merged into the total after
@@ -224,6 +240,7 @@ class Engine:
         for r, (prompt, budget, s) in enumerate(zip(req.prompts, req.budget.tolist(), req.seeds)):
             self.rows[r] = Row(prompt.tolist(), budget, eos)
             self.rng.seed(r, s)
+            target.reset_presence(r, prompt)
         self.params = req.params.clone()
 
         def output() -> torch.Tensor:

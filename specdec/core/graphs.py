@@ -4,13 +4,21 @@ A graph is ``StepGraph(lm, key)``: the decoder forward followed by on-device sam
 function of fixed-shape tensors plus the KV-cache buffers it updates in place:
 
     inputs : input_ids [b, n] i64, position_ids [b, n] i64, cache_lengths [b] i64,
-             token_mask [b, n, n] bool, logit_index [b, m] i64, params [b, 3] f32, uniform [b, m] f32,
+             token_mask [b, n, n] bool, logit_index [b, m] i64, params [b, 4] f32, uniform [b, m] f32,
+             (presence [b, V] bool — ``penalty`` graphs: the tokens already in each row's sequence),
              (seq_ids [1] i64 — ``single_row`` graphs: the cache row the one input row reads and writes),
              (features [b, n, F] — modules with ``feature_size``, i.e. EAGLE drafts: target features)
     outputs: tokens [b, m] i64, logits [b, m, V] f32, hidden [b, n, H], (probs [b, m, V] f32)
 
 b is the batch size B, or 1 for ``single_row`` graphs (context encoding into one slot of a running
 batch, the other rows' caches untouched).
+
+Repetition penalty (``penalty`` graphs): the logits at logit position j continue the row's sequence
+(``presence``) followed by the graph's own input tokens that position j sees through ``token_mask``
+(row ``logit_index[j]`` of the mask): a prompt's tokens in context encoding, S[-1] and the drafts
+before it in chain verification, the path root..node in tree verification. Those tokens are
+penalised (``sampling.penalised``) before sampling / argmax, and the penalised logits are returned,
+so greedy and sampled verification see exactly the distribution target-only decoding samples from.
 
 Backends: ``eager`` runs the module; ``compiled`` wraps it in ``torch.compile(fullgraph=True,
 dynamic=False)`` with Inductor's on-disk cache; ``neuron`` is reserved (not implemented yet).
@@ -24,15 +32,17 @@ import torch
 from torch import nn
 
 from .model import DecoderLM
-from .sampling import sample
+from .sampling import penalised, sample
 
 
 @dataclass(frozen=True)
 class GraphKey:
     """What a graph is compiled for: n new tokens per row, logits at m of them, a KV bucket,
-    greedy (argmax) or sampling, whether warped probabilities are returned, and (sampling) whether
+    greedy (argmax) or sampling, whether warped probabilities are returned, (sampling) whether
     top-k / top-p warping is compiled in (``top_filter``; without it a sampling graph warps by
-    temperature only, no vocabulary sort; chosen per request by ``sampling.needs_filter``)."""
+    temperature only, no vocabulary sort; chosen per request by ``sampling.needs_filter``), whether
+    one cache row is written (``single_row``) and whether the repetition penalty is applied
+    (``penalty``: one more input, ``presence``)."""
 
     n_tokens: int
     n_logits: int
@@ -41,11 +51,12 @@ class GraphKey:
     return_probs: bool = False
     top_filter: bool = False
     single_row: bool = False
+    penalty: bool = False
 
     def describe(self) -> str:
         mode = ("sample" if self.top_filter else "sample-T") if self.do_sample else "greedy"
         return (f"n={self.n_tokens} m={self.n_logits} kv={self.kv_len} {mode}{' +probs' if self.return_probs else ''}"
-                f"{' row' if self.single_row else ''}")
+                f"{' row' if self.single_row else ''}{' +penalty' if self.penalty else ''}")
 
     def batch(self, batch_size: int) -> int:
         """Rows of the graph's inputs for a model compiled at ``batch_size``."""
@@ -58,10 +69,14 @@ class StepGraph(nn.Module):
         self.lm, self.key, self.global_topk = lm, key, global_topk
 
     def forward(self, input_ids, position_ids, cache_lengths, token_mask, logit_index, params, uniform, *extra):
-        seq_ids = extra[0] if self.key.single_row else None
-        features = extra[1:] if self.key.single_row else extra
+        penalty, single_row = self.key.penalty, self.key.single_row
+        presence = extra[0] if penalty else None
+        seq_ids = extra[penalty] if single_row else None
+        features = extra[penalty + single_row:]
         logits, hidden = self.lm(input_ids, position_ids, cache_lengths, token_mask, logit_index, *features,
                                  kv_len=self.key.kv_len, seq_ids=seq_ids)
+        if penalty:
+            logits = penalised(logits, params, seen_tokens(presence, input_ids, token_mask, logit_index))
         if self.key.do_sample:
             out = sample(logits, params, uniform, self.global_topk, self.key.return_probs, self.key.top_filter)
             return (out + (logits, hidden)) if self.key.return_probs else (out, logits, hidden)
@@ -73,23 +88,40 @@ class StepGraph(nn.Module):
 
     def example_inputs(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         """Valid inputs of the graph's shapes for a model compiled at ``batch_size`` (a causal chain
-        written from slot 0; a ``single_row`` graph writes cache row 0)."""
+        written from slot 0; a ``single_row`` graph writes cache row 0; repetition penalty 1.3, which
+        only ``penalty`` graphs apply, on every third token id and the inputs)."""
         n, m = self.key.n_tokens, self.key.n_logits
         batch_size = self.key.batch(batch_size)
         dev = self.lm.inv_freq.device
         pos = torch.arange(n, device=dev).expand(batch_size, n).contiguous()
         causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(batch_size, n, n).contiguous()
-        params = torch.tensor([[0.0, 1.0, 1.0]], device=dev).expand(batch_size, 3).contiguous()
+        params = torch.tensor([[0.0, 1.0, 1.0, 1.3]], device=dev).expand(batch_size, 4).contiguous()
         inputs = (torch.zeros(batch_size, n, dtype=torch.long, device=dev), pos,
                   torch.zeros(batch_size, dtype=torch.long, device=dev), causal,
                   torch.arange(n - m, n, device=dev).expand(batch_size, m).contiguous(), params,
                   torch.full((batch_size, m), 0.5, device=dev))
+        if self.key.penalty:
+            vocab = self.lm.config.vocab_size
+            inputs += ((torch.arange(vocab, device=dev) % 3 == 1).expand(batch_size, vocab).contiguous(),)
         if self.key.single_row:
             inputs += (torch.zeros(1, dtype=torch.long, device=dev),)
         size = getattr(self.lm, "feature_size", None)
         if size:
             inputs += (torch.zeros(batch_size, n, size, dtype=self.lm.feature_dtype, device=dev),)
         return inputs
+
+
+def seen_tokens(presence: torch.Tensor, input_ids: torch.Tensor, token_mask: torch.Tensor,
+                logit_index: torch.Tensor) -> torch.Tensor:
+    """[b, m, V] bool: the tokens logit position j of each row continues — the row's sequence so far
+    (presence [b, V] bool) and the input tokens (input_ids [b, n]) visible to position logit_index[:, j]
+    through token_mask [b, n, n]. Fixed shapes: one gather and one scatter-add."""
+    b, n = input_ids.shape
+    m = logit_index.shape[1]
+    visible = token_mask.gather(1, logit_index.unsqueeze(-1).expand(b, m, n))               # [b, m, n]
+    counts = torch.zeros(b, m, presence.shape[-1], dtype=torch.int32, device=presence.device)
+    counts = counts.scatter_add(2, input_ids.unsqueeze(1).expand(b, m, n), visible.to(torch.int32))
+    return presence.unsqueeze(1) | (counts > 0)
 
 
 BACKENDS = ("eager", "compiled", "neuron")

@@ -72,7 +72,7 @@ def format_output(input_ids, attention_mask, prompts: list[torch.Tensor], new_to
 @dataclass
 class Request:
     """A validated generation request of b rows: prompts (padding stripped), per-row new-token budget
-    [b], sampling params [batch_size, 3] (rows >= b unused), EOS ids, pad id and one seed per row."""
+    [b], sampling params [batch_size, 4] (rows >= b unused), EOS ids, pad id and one seed per row."""
 
     prompts: list[torch.Tensor]
     budget: torch.Tensor
@@ -101,12 +101,12 @@ def row_seeds(model, n: int, seed) -> list[int]:
 
 
 def prepare_request(model, input_ids, attention_mask=None, *, max_new_tokens=None, sequence_length=None,
-                    do_sample=None, temperature=None, top_k=None, top_p=None, eos_token_id=None,
-                    pad_token_id=None, seed=None) -> Request:
+                    do_sample=None, temperature=None, top_k=None, top_p=None, repetition_penalty=None,
+                    eos_token_id=None, pad_token_id=None, seed=None) -> Request:
     """Validate everything a request asks for before any state changes (errors leave the model intact)."""
     prompts = model.prepare_prompts(input_ids, attention_mask)
     budget = resolve_budget(model, prompts, max_new_tokens, sequence_length)
-    params = model.sampling_params(top_k, top_p, temperature, do_sample)
+    params = model.sampling_params(top_k, top_p, temperature, do_sample, repetition_penalty)
     eos = eos_ids(model, eos_token_id)
     if pad_token_id is None:
         pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else \

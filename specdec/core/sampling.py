@@ -1,9 +1,12 @@
-"""On-device sampling: temperature → top-k → top-p warping and inverse-CDF sampling.
+"""On-device sampling: repetition penalty → temperature → top-k → top-p warping and inverse-CDF sampling.
 
-Per-row dynamic parameters come as ``params [B, 3] = (top_k, top_p, temperature)`` (NxD Inference's
-layout). ``top_k <= 0`` disables top-k; ``temperature == 0`` makes that row greedy. Noise is a
-uniform tensor ``u [B, m]`` drawn on the device from a seeded ``torch.Generator`` outside the graph,
-so graphs stay pure functions and the same seed reproduces the same tokens.
+Per-row dynamic parameters come as ``params [B, 4] = (top_k, top_p, temperature, repetition_penalty)``
+(NxD Inference's layout, plus the penalty). ``top_k <= 0`` disables top-k; ``temperature == 0`` makes
+that row greedy; ``repetition_penalty == 1`` disables the penalty (``penalised``: Hugging Face's
+``RepetitionPenaltyLogitsProcessor`` on the raw logits, before warping and before greedy argmax; the
+graphs apply it, see ``specdec.core.graphs``). Noise is a uniform tensor ``u [B, m]`` drawn on the
+device from a seeded ``torch.Generator`` outside the graph, so graphs stay pure functions and the same
+seed reproduces the same tokens.
 
 The warped distribution ``p`` is exactly the one the sampler draws from; speculation's acceptance
 rule uses the same ``p``, which keeps it lossless.
@@ -15,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-TOP_K, TOP_P, TEMPERATURE = 0, 1, 2
-"""Columns of the per-row parameter tensor ``params [B, 3]``."""
+TOP_K, TOP_P, TEMPERATURE, REPETITION_PENALTY = 0, 1, 2, 3
+"""Columns of the per-row parameter tensor ``params [B, 4]``."""
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,14 @@ class SamplingConfig:
             raise ValueError(f"global_topk must be None or >= 1, got {self.global_topk}")
 
 
-def validate_sampling(top_k, top_p, temperature) -> None:
+def validate_sampling(top_k, top_p, temperature, repetition_penalty=1.0) -> None:
     """Raise a ValueError naming the bad value (scalars or per-row sequences/tensors)."""
     for name, value, ok, allowed in (
         ("top_k", top_k, lambda t: t >= 0, ">= 0 (0 disables top-k)"),
         ("top_p", top_p, lambda t: (t > 0) & (t <= 1), "in (0, 1]"),
         ("temperature", temperature, lambda t: t >= 0, ">= 0 (0 means greedy)"),
+        ("repetition_penalty", repetition_penalty, lambda t: t > 0,
+         "a finite number > 0 (1 disables it; > 1 discourages repeated tokens)"),
     ):
         t = torch.as_tensor(value, dtype=torch.float64)
         if not bool(torch.isfinite(t).all()) or not bool(ok(t).all()):
@@ -57,11 +62,12 @@ def validate_sampling(top_k, top_p, temperature) -> None:
             raise ValueError(f"top_k={value!r} is invalid: must be an integer >= 0")
 
 
-def sampling_params(batch_size: int, top_k, top_p, temperature) -> torch.Tensor:
-    """Validated per-row parameter tensor [batch_size, 3] (float32); scalars broadcast to all rows."""
-    validate_sampling(top_k, top_p, temperature)
+def sampling_params(batch_size: int, top_k, top_p, temperature, repetition_penalty=1.0) -> torch.Tensor:
+    """Validated per-row parameter tensor [batch_size, 4] (float32); scalars broadcast to all rows."""
+    validate_sampling(top_k, top_p, temperature, repetition_penalty)
     cols = []
-    for name, value in (("top_k", top_k), ("top_p", top_p), ("temperature", temperature)):
+    for name, value in (("top_k", top_k), ("top_p", top_p), ("temperature", temperature),
+                        ("repetition_penalty", repetition_penalty)):
         t = torch.as_tensor(value, dtype=torch.float32).flatten()
         if t.numel() == 1:
             t = t.expand(batch_size)
@@ -74,7 +80,7 @@ def sampling_params(batch_size: int, top_k, top_p, temperature) -> torch.Tensor:
 def warp(logits: torch.Tensor, params: torch.Tensor, global_topk: int | None):
     """Warped distribution over sorted candidates.
 
-    logits [B, m, V] f32, params [B, 3] → (probs [B, m, K], token_ids [B, m, K]) with candidates
+    logits [B, m, V] f32, params [B, 4] → (probs [B, m, K], token_ids [B, m, K]) with candidates
     sorted by descending logit, K = V or ``global_topk``; each row of probs sums to 1.
     """
     if global_topk is None or global_topk >= logits.shape[-1]:
@@ -100,20 +106,34 @@ def full_probs(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch
 
 
 def needs_filter(params: torch.Tensor, global_topk: int | None) -> bool:
-    """Whether sampling with ``params`` [B, 3] needs the sorted top-k / top-p warping (``warp``):
+    """Whether sampling with ``params`` [B, 4] needs the sorted top-k / top-p warping (``warp``):
     some row has top_k > 0 or top_p < 1, or a ``global_topk`` prefilter is configured. Otherwise
     ``warp_temperature`` gives the same distribution without sorting the vocabulary."""
     return global_topk is not None or bool(((params[:, TOP_K] > 0) | (params[:, TOP_P] < 1)).any())
 
 
 def greedy_rows(params: torch.Tensor) -> torch.Tensor:
-    """[B] bool: the rows of ``params`` [B, 3] that decode greedily (temperature 0)."""
+    """[B] bool: the rows of ``params`` [B, 4] that decode greedily (temperature 0)."""
     return params[:, TEMPERATURE] <= 0
 
 
 def any_sampled(params: torch.Tensor) -> bool:
-    """Whether some row of ``params`` [B, 3] samples (needs a sampling graph); one host read."""
+    """Whether some row of ``params`` [B, 4] samples (needs a sampling graph); one host read."""
     return bool((params[:, TEMPERATURE] > 0).any())
+
+
+def any_penalised(params: torch.Tensor) -> bool:
+    """Whether some row of ``params`` [B, 4] has a repetition penalty (!= 1); one host read."""
+    return bool((params[:, REPETITION_PENALTY] != 1).any())
+
+
+def penalised(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's repetition penalty: logits [b, m, V] f32, params [b, 4], seen [b, m, V] bool
+    (the tokens already in the sequence each position continues) → logits [b, m, V] where every seen
+    token's logit x becomes x / penalty if x > 0 else x * penalty (per row; penalty 1 changes nothing).
+    Applied to the raw logits, before temperature / top-k / top-p warping and greedy argmax."""
+    penalty = params[:, REPETITION_PENALTY].view(-1, 1, 1)
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
 def warp_temperature(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:

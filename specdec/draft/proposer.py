@@ -52,6 +52,9 @@ class DraftModel:
                              "same vocab size but different token ids")
 
     def start(self, rows, prompts, params, rng, target_out) -> None:
+        # a draft proposes without the repetition penalty (the acceptance rule still makes the output the
+        # target's penalised distribution), also when its model ran as a target before and tracked presence
+        self.model.presence = None
         self.model.prefill(prompts, params, rng, rows=rows)
 
     def max_draft_tokens(self, length: int) -> int:

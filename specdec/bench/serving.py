@@ -1,0 +1,160 @@
+"""Serving benchmark in the style of vLLM's ``benchmark_serving``: the HTTP server in this process,
+streaming ``/v1/completions`` requests from a closed loop of C concurrent clients.
+
+For each ``--strategies`` entry (``none`` = target only, or a shipped proposer: ``model``, ``eagle``,
+``medusa``, ``lookup``) the server is built once (same runtime settings, graphs compiled before the
+clock starts) and for each concurrency C of ``--concurrency`` the same ``--num-prompts`` prompts are
+sent, C at a time, greedy or at ``--temperature``, ``--max-tokens`` new tokens each (EOS ignored, so
+every request has the same length). Per run: request and output-token throughput, TTFT, ITL (the
+gap between streamed chunks; a speculative chunk may carry several tokens), TPOT ((end − first
+token) / (tokens − 1)) and end-to-end latency, p50 and p99; the speedup of each strategy over
+``none`` at the same C. JSON on stdout (``--output`` also writes it), a markdown table on stderr.
+
+    specdec bench-serve [--strategies none,model] [--concurrency 1,4,8,16] [--batch-size 4]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from ..core.chat import chat_ids
+from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_prompts
+from .runtime import _machine_info
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_prompt_arguments(parser, num_prompts=16)
+    parser.add_argument("--strategies", default="none,model",
+                        help="comma list: none (target only), model, eagle, medusa, lookup (shipped proposers)")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16], help="concurrent clients")
+    parser.add_argument("--batch-size", type=int, default=4, help="rows of the static batch")
+    parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per request (EOS ignored)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--backend", default="compiled", choices=["eager", "compiled"])
+    parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
+    parser.add_argument("--n-positions", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--output", default=None, help="also write the JSON result here")
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p99": None, "mean": None}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
+    return {"p50": statistics.median(values), "p99": q[98], "mean": statistics.fmean(values)}
+
+
+async def one_request(client, base: str, prompt: list[int], args: argparse.Namespace) -> dict:
+    """Stream one completion → its timings (seconds) and token count."""
+    body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": 0,
+            "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    chunks, tokens = [], 0
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                n = len(json.loads(line[6:])["choices"][0]["token_ids"])
+                if n:
+                    chunks.append(time.perf_counter())
+                    tokens += n
+    end = time.perf_counter()
+    ttft = chunks[0] - start
+    return {"ttft": ttft, "e2e": end - start, "tokens": tokens, "itl": [b - a for a, b in zip(chunks, chunks[1:])],
+            "tpot": (chunks[-1] - chunks[0]) / (tokens - 1) if tokens > 1 else None}
+
+
+async def run_load(base: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace) -> dict:
+    """A closed loop: ``concurrency`` clients, each sending the next prompt when its last one ends."""
+    import httpx
+
+    queue = list(enumerate(prompts))
+    results: list[dict] = []
+
+    async def client_loop(client):
+        while queue:
+            _, prompt = queue.pop(0)
+            results.append(await one_request(client, base, prompt, args))
+
+    limits = httpx.Limits(max_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    return {"concurrency": concurrency, "requests": len(results), "wall_s": wall, "output_tokens": tokens,
+            "request_throughput": len(results) / wall, "output_tokens_per_s": tokens / wall,
+            "ttft_s": percentiles([r["ttft"] for r in results]),
+            "itl_s": percentiles([x for r in results for x in r["itl"]]),
+            "tpot_s": percentiles([r["tpot"] for r in results if r["tpot"] is not None]),
+            "e2e_s": percentiles([r["e2e"] for r in results])}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from ..cli import DEFAULT_K
+    from ..serving.app import create_app
+    from ..serving.server import build_engine, running_server
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    strategies = [s for s in args.strategies.split(",") if s]
+    texts = load_prompts(args.prompts or default_prompts_path(), args.num_prompts)
+    result = {"benchmark": "serving", "machine": _machine_info(), "threads": torch.get_num_threads(),
+              "settings": {k: v for k, v in vars(args).items() if k not in ("func",)}, "runs": {}}
+    for strategy in strategies:
+        ns = argparse.Namespace(model=None, amp=args.amp, backend=args.backend, batch_size=args.batch_size,
+                                n_positions=args.n_positions, draft=strategy, draft_path=None,
+                                k=DEFAULT_K.get(strategy), tree=None, threads=torch.get_num_threads(),
+                                max_waiting=max(args.concurrency) + 1)
+        start = time.perf_counter()
+        engine = build_engine(ns)
+        build_s = time.perf_counter() - start
+        prompts = [chat_ids(engine.tokenizer, t) for t in texts]
+        runs = []
+        with running_server(create_app(engine, "bench")) as base:
+            asyncio.run(run_load(base, prompts[:1], 1, args))     # warm-up (lazily built graphs)
+            for c in tqdm(args.concurrency, desc=f"serving {strategy}", unit="level", file=sys.stderr):
+                stats_before = engine.engine.stats.copy()
+                run_result = asyncio.run(run_load(base, prompts, c, args))
+                s = engine.engine.stats
+                steps = s.steps - stats_before.steps
+                run_result["tau"] = 1 + (s.accepted - stats_before.accepted) / steps if steps else None
+                runs.append(run_result)
+        result["runs"][strategy] = {"build_s": build_s, "levels": runs}
+    base_runs = {r["concurrency"]: r for r in result["runs"].get("none", {}).get("levels", [])}
+    result["speedup_vs_none"] = {
+        s: {str(r["concurrency"]): r["output_tokens_per_s"] / base_runs[r["concurrency"]]["output_tokens_per_s"]
+            for r in v["levels"] if r["concurrency"] in base_runs}
+        for s, v in result["runs"].items() if s != "none"}
+    return result
+
+
+def table(result: dict) -> str:
+    rows = ["| strategy | C | req/s | out tok/s | τ | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT p50 (ms) |",
+            "|---|---|---|---|---|---|---|---|"]
+    ms = lambda x: "–" if x is None else f"{1000 * x:.0f}"   # noqa: E731
+    for strategy, v in result["runs"].items():
+        for r in v["levels"]:
+            tau = "–" if r["tau"] is None else f"{r['tau']:.2f}"
+            rows.append(f"| {strategy} | {r['concurrency']} | {r['request_throughput']:.2f} | "
+                        f"{r['output_tokens_per_s']:.1f} | {tau} | {ms(r['ttft_s']['p50'])} / {ms(r['ttft_s']['p99'])} | "
+                        f"{ms(r['itl_s']['p50'])} / {ms(r['itl_s']['p99'])} | {ms(r['tpot_s']['p50'])} |")
+    return "\n".join(rows)
+
+
+def print_result(result: dict, args: argparse.Namespace) -> int:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    print(table(result), file=sys.stderr)
+    return 0

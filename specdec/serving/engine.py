@@ -1,0 +1,346 @@
+"""``AsyncEngine``: continuous batching for asyncio servers, with speculation inside.
+
+The static batch's rows are slots: a request waits in a bounded FIFO queue, joins a free row
+(a single-row context encoding into that slot; the other rows keep their state), advances with
+every step of the batch (each row accepts its own number of draft tokens), and leaves at EOS, its
+``max_tokens``, a stop string or an abort; the row is reused by the next request.
+
+The model runs in one worker thread, so the event loop never blocks on it; results cross to the
+loop with ``call_soon_threadsafe``. Everything a request asks for is validated in ``add_request``
+(on the caller's thread, before it is queued): a bad request raises ``ValueError`` and changes
+nothing. A full queue raises ``EngineBusy``. A request that fails when it joins its row fails
+alone; an exception inside a batch step fails the requests in the batch at that step (their rows
+are released) and the engine serves on.
+
+    engine = AsyncEngine(Engine(target, speculator), tokenizer=target.tokenizer)
+    engine.start()
+    async for out in engine.add_request("Hello", RequestParams(max_tokens=32)):
+        print(out.text, end="")
+    engine.shutdown()
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.engine import Engine
+from ..core.request import prepare_request
+from .metrics import ServingMetrics
+from .params import RequestParams
+from .text import TextStream
+
+log = logging.getLogger("specdec.serving")
+
+
+class EngineBusy(RuntimeError):
+    """The waiting queue is full: retry later."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down (or was never started) and takes no new requests."""
+
+
+@dataclass
+class RequestOutput:
+    """One delivery to a request's stream: the tokens and text that became final since the last one.
+
+    finish_reason (on the last delivery, ``finished``): "stop" (EOS or a stop string), "length"
+    (``max_tokens``), "abort", or "error" (``error`` says what went wrong)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0       # tokens so far, this delivery included
+
+
+class RequestStream:
+    """Async iterator of one request's ``RequestOutput``s (the last has ``finished``). Closing it
+    early (``aclose()``, or the consumer cancelled) aborts the request and frees its row."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue, prompt_tokens: int):
+        self.engine, self.request_id, self._queue = engine, request_id, queue
+        self.prompt_tokens = prompt_tokens
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            out = await self._queue.get()
+        except BaseException:   # the consumer was cancelled (e.g. its client disconnected)
+            self.abort()
+            raise
+        self.finished = out.finished
+        return out
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    async def collect(self) -> RequestOutput:
+        """Wait for the end → one ``RequestOutput`` with every token and the whole text."""
+        tokens, text, last = [], [], None
+        async for out in self:
+            tokens += out.token_ids
+            text.append(out.text)
+            last = out
+        return RequestOutput(self.request_id, tokens, "".join(text), True, last.finish_reason, last.error,
+                             last.prompt_tokens, last.completion_tokens)
+
+
+@dataclass
+class _Request:
+    id: str
+    prompt: list[int]
+    params: RequestParams
+    budget: int
+    seed: int
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    text: TextStream | None
+    arrival: float = field(default_factory=time.perf_counter)
+    row: int | None = None
+    emitted: int = 0
+    last_time: float | None = None
+
+
+class AsyncEngine:
+    """Serves requests on ``engine`` (a ``specdec.core.engine.Engine``, target-only or speculative).
+
+    ``tokenizer``: needed for text prompts, text outputs and stop strings (None: token ids only).
+    ``max_waiting``: requests allowed to wait for a row; more raise ``EngineBusy``.
+    ``metrics``: a ``ServingMetrics`` to record into (one is made if not given)."""
+
+    def __init__(self, engine: Engine, tokenizer=None, max_waiting: int = 64, metrics: ServingMetrics | None = None):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
+        self.target = engine.target
+        self.metrics = metrics or ServingMetrics()
+        self.metrics.watch(self)
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: dict[int, _Request] = {}          # row -> request (worker thread only)
+        self._aborted: set[str] = set()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the worker thread (idempotent)."""
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop taking requests, abort the waiting and running ones, join the worker thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def rows_in_use(self) -> int:
+        return sum(row is not None for row in self.engine.rows)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int], params: RequestParams, request_id: str | None = None) -> RequestStream:
+        """Validate and queue a request (call from the event loop) → its stream.
+
+        ``prompt``: text (tokenised as is: apply a chat template before) or token ids. Raises
+        ``ValueError`` for a bad request (nothing changes), ``EngineBusy`` when ``max_waiting``
+        requests already wait, ``EngineStopped`` when the engine is not running."""
+        ids = self.tokenize(prompt)
+        budget, seed = self._validate(ids, params)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        text = TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        req = _Request(request_id or f"req-{secrets.token_hex(8)}", ids, params, budget, seed, queue, loop, text)
+        with self._cv:
+            if not self.running:
+                raise EngineStopped("the engine is not running (shutting down or not started)")
+            if len(self._waiting) >= self.max_waiting:
+                self.metrics.requests.labels("rejected").inc()
+                raise EngineBusy(f"the server is busy: {len(self._waiting)} requests are waiting for one of "
+                                 f"{self.target.batch_size} rows (max_waiting={self.max_waiting}); retry later")
+            self._waiting.append(req)
+            self._cv.notify_all()
+        self.metrics.prompt_tokens.inc(len(ids))
+        return RequestStream(self, req.id, queue, len(ids))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a waiting or running request (thread-safe; unknown or finished ids are ignored)."""
+        with self._cv:
+            for req in self._waiting:
+                if req.id == request_id:
+                    self._waiting.remove(req)
+                    self._finish(req, [], "", "abort")
+                    return
+            self._aborted.add(request_id)
+            self._cv.notify_all()
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this server has no tokenizer: give the prompt as a list of token ids")
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one token")
+            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in prompt):
+            raise ValueError("prompt must be a string or a list of integer token ids")
+        return list(prompt)
+
+    def _validate(self, ids: list[int], params: RequestParams) -> tuple[int, int]:
+        """(new-token budget, seed) of a request; ValueError for anything the model cannot do."""
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this server has none")
+        n_pos = self.target.n_positions
+        if len(ids) >= n_pos:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context length is {n_pos} "
+                             f"tokens, so prompts may have at most {n_pos - 1}")
+        budget = n_pos - len(ids) if params.max_tokens is None else params.max_tokens
+        seed = secrets.randbits(63) if params.seed is None else params.seed
+        prepare_request(self.target, [ids], **self._generation_args(params, budget, seed))
+        return budget, seed
+
+    @staticmethod
+    def _generation_args(params: RequestParams, budget: int, seed: int) -> dict:
+        return dict(max_new_tokens=budget, do_sample=not params.greedy, temperature=params.temperature,
+                    top_k=params.top_k, top_p=params.top_p, seed=seed, repetition_penalty=params.repetition_penalty,
+                    eos_token_id=[] if params.ignore_eos else None)
+
+    # ------------------------------------------------------------------ worker thread
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not (self._stopping or self._waiting or self._aborted or self._running):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                aborted, self._aborted = self._aborted, set()
+            try:
+                for req in list(self._running.values()):
+                    if req.id in aborted:
+                        self._leave(req, [], "", "abort")
+                self._admit()
+                if self._running:
+                    self._step()
+            except Exception as e:   # a bug outside the model: fail the running requests, serve on
+                log.exception("serving loop error; failing %d running requests", len(self._running))
+                for req in list(self._running.values()):
+                    self._leave(req, [], "", "error", error=f"{type(e).__name__}: {e}")
+        with self._cv:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for req in waiting:
+            self._finish(req, [], "", "abort")
+        for req in list(self._running.values()):
+            self._leave(req, [], "", "abort")
+
+    def _admit(self) -> None:
+        """Move waiting requests (FIFO) into free rows."""
+        while True:
+            with self._cv:
+                free = self.engine.free_rows
+                if not free or not self._waiting:
+                    return
+                req = self._waiting.popleft()
+            row = free[0]
+            try:
+                self.engine.add(req.prompt, row=row, **self._generation_args(req.params, req.budget, req.seed))
+            except Exception as e:   # this request fails alone
+                log.exception("request %s failed to start", req.id)
+                if self.engine.rows[row] is not None:
+                    self.engine.release(row)
+                self._finish(req, [], "", "error", error=f"{type(e).__name__}: {e}")
+                continue
+            req.row = row
+            self._running[row] = req
+            self.metrics.queue_time.observe(time.perf_counter() - req.arrival)
+            self._deliver(req, list(self.engine.rows[row].new))
+
+    def _step(self) -> None:
+        try:
+            appended = self.engine.step()
+        except Exception as e:   # the batch's step failed: its requests fail, the engine serves on
+            log.exception("a batch step failed; failing its %d requests", len(self._running))
+            for req in list(self._running.values()):
+                self._leave(req, [], "", "error", error=f"{type(e).__name__}: {e}")
+            return
+        for row, tokens in appended.items():
+            self._deliver(self._running[row], tokens)
+
+    def _deliver(self, req: _Request, tokens: list[int]) -> None:
+        """Pass a row's new tokens to its stream (cut at a stop string); leave the row when done."""
+        row = self.engine.rows[req.row]
+        kept, text = tokens, ""
+        if req.text is not None:
+            for i, token in enumerate(tokens):
+                text += req.text.add([token])
+                if req.text.stopped:
+                    kept = tokens[: i + 1]
+                    break
+        stopped = req.text is not None and req.text.stopped
+        now = time.perf_counter()
+        if req.emitted == 0:
+            self.metrics.ttft.observe(now - req.arrival)
+        elif kept:
+            for _ in kept:
+                self.metrics.itl.observe((now - req.last_time) / len(kept))
+        req.emitted += len(kept)
+        req.last_time = now
+        self.metrics.generation_tokens.inc(len(kept))
+        if not (row.done or stopped):
+            self._send(req, RequestOutput(req.id, kept, text, prompt_tokens=len(req.prompt),
+                                          completion_tokens=req.emitted))
+            return
+        if req.text is not None and not stopped:
+            text += req.text.add([], final=True)
+        reason = "stop" if stopped or (row.new and row.new[-1] in row.eos) else "length"
+        self._leave(req, kept, text, reason)
+
+    def _leave(self, req: _Request, tokens: list[int], text: str, reason: str, error: str | None = None) -> None:
+        """A running request ends: its row is freed and its stream gets the last delivery."""
+        self.engine.release(req.row)
+        del self._running[req.row]
+        self._finish(req, tokens, text, reason, error)
+
+    def _finish(self, req: _Request, tokens: list[int], text: str, reason: str, error: str | None = None) -> None:
+        self.metrics.requests.labels(reason).inc()
+        self._send(req, RequestOutput(req.id, tokens, text, True, reason, error, len(req.prompt), req.emitted))
+
+    @staticmethod
+    def _send(req: _Request, out: RequestOutput) -> None:
+        try:
+            req.loop.call_soon_threadsafe(req.queue.put_nowait, out)
+        except RuntimeError:   # the request's event loop is closed: nobody is listening
+            pass

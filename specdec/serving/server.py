@@ -1,0 +1,153 @@
+"""``specdec serve``: load (and compile) a model with an optional proposer, then serve the HTTP API.
+
+The server listens at once; the model loads and compiles in a thread (``/health`` answers 503 until
+it is ready). Start-up logs are JSON lines on stderr (``{"event": ..., ...}``): what was loaded,
+which graphs were compiled, and how long each phase took.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ..cli import (DEFAULT_K, EMBEDDED_NAME, add_model_arguments, add_speculation_arguments,
+                   check_speculation_arguments, default_threads, make_proposer, positive_int, precompile)
+from ..core.decoder import DecoderModel
+from ..core.engine import Engine
+from ..generator import SpeculativeGenerator
+
+log = logging.getLogger("specdec.serving")
+
+
+class JSONFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger and the record's message / ``fields``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created)),
+                 "level": record.levelname.lower(), "logger": record.name}
+        entry.update(getattr(record, "fields", None) or {"message": record.getMessage()})
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def log_event(event: str, **fields) -> None:
+    log.info(event, extra={"fields": {"event": event, **fields}})
+
+
+def configure_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JSONFormatter())
+    for name in ("specdec.serving", "uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--batch-size", type=positive_int, metavar="N", default=4,
+                   help="rows of the static batch: requests decoded at once (default: 4)")
+    add_speculation_arguments(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
+    s.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    s.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                   help="requests allowed to wait for a free row; more get HTTP 503 (default: 64)")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help=f"the model name clients send (default: {EMBEDDED_NAME} or the checkpoint's directory name)")
+    s.add_argument("--threads", type=positive_int, metavar="N", default=None,
+                   help="intra-op threads (default: $OMP_NUM_THREADS if set, else the cores this process may use)")
+
+
+def served_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    from pathlib import Path
+    return EMBEDDED_NAME if args.model in (None, EMBEDDED_NAME) else Path(args.model).stem
+
+
+def build_engine(args: argparse.Namespace):
+    """Load the target (and proposer), compile the graphs serving uses → an ``AsyncEngine``."""
+    from .engine import AsyncEngine
+    start = time.perf_counter()
+    log_event("loading", model=args.model or EMBEDDED_NAME, amp=args.amp, backend=args.backend,
+              batch_size=args.batch_size, n_positions=args.n_positions, draft=args.draft, threads=args.threads)
+    target = DecoderModel.from_pretrained(args.model, batch_size=args.batch_size, n_positions=args.n_positions,
+                                          amp=args.amp, backend=args.backend, progress=False)
+    proposer = make_proposer(args, target)
+    gen = None
+    if proposer is not None:
+        gen = SpeculativeGenerator(proposer, target, DEFAULT_K.get(args.draft) if args.k is None else args.k)
+    log_event("loaded", seconds=round(time.perf_counter() - start, 2), layers=target.config.num_layers,
+              vocab_size=target.vocab_size, proposer=type(proposer).__name__ if proposer else None,
+              k=gen.k if gen else None)
+    if args.backend == "compiled":
+        start = time.perf_counter()
+        precompile(target, proposer, gen, target.n_positions - 1, target.n_positions, progress=False, single_row=True)
+        models = [target] + ([proposer.model] if isinstance(getattr(proposer, "model", None), DecoderModel) else [])
+        graphs = [f"{'target' if m is target else 'draft'}: {key}" for m in models for key in m.compile_seconds]
+        log_event("compiled", seconds=round(time.perf_counter() - start, 2), graphs=graphs,
+                  note="greedy graphs; sampling graphs compile on first use")
+    engine = Engine(target, gen.speculator if gen else None)
+    return AsyncEngine(engine, tokenizer=target.tokenizer, max_waiting=args.max_waiting)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``serve`` command."""
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as e:
+        raise ValueError(f"specdec serve needs the serve extra ({e}): pip install 'specdec[serve]'") from None
+
+    check_speculation_arguments(args)
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    args.threads = args.threads or default_threads()
+    torch.set_num_threads(args.threads)
+    configure_logging()
+    name = served_name(args)
+
+    def loader():
+        engine = build_engine(args)
+        log_event("ready", model=name, url=f"http://{args.host}:{args.port}")
+        return engine
+
+    app = create_app(loader=loader, model_name=name)
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, timeout_graceful_shutdown=30)
+    return 0
+
+
+@contextmanager
+def running_server(app, host: str = "127.0.0.1", timeout_s: float = 60.0) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free port of ``host`` in a background thread → its base URL;
+    stopped (gracefully) when the block ends. For tests, benchmarks and notebooks."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind((host, 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
+        sock.close()
