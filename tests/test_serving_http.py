@@ -295,19 +295,22 @@ def test_health_is_503_until_the_model_is_ready(text_model):
         assert httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
-def test_specdec_serve_command(text_model, checkpoint):
-    """The real command: JSON start-up logs, a completion with speculation, a clean exit on SIGINT."""
-    path, tok = text_model
+def serve_command(path, draft_path, *extra: str) -> tuple[list[dict], list[int], list[int]]:
+    """Run ``specdec serve`` with the draft model (k=2) on the tiny model, ask for one greedy completion,
+    stop it with Ctrl-C (SIGINT to its process group, as a terminal does) → (start-up events, the
+    completion's token ids, the prompt ids). Asserts a clean exit."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
     cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", str(path), "--backend", "eager", "--amp", "f32",
-           "--n-positions", "256", "--batch-size", "2", "--draft", "model", "--draft-path",
-           str(checkpoint("llama-text-draft").path), "--k", "2", "--port", str(port), "--threads", "1"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+           "--n-positions", "256", "--batch-size", "2", "--draft", "model", "--draft-path", str(draft_path),
+           "--k", "2", "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ids = [40 + i for i in range(11)]
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while True:
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < deadline, "serve did not become ready"
@@ -317,21 +320,35 @@ def test_specdec_serve_command(text_model, checkpoint):
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        ids = tok("Hello there", add_special_tokens=False)["input_ids"]
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                        json={"model": path.stem, "prompt": ids, "max_tokens": 20, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["token_ids"] == offline(path, ids, 20)
     finally:
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             _, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             raise
     assert proc.returncode == 0, err
     logs = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
-    events = [e for e in logs if "event" in e]
-    names = [e["event"] for e in events]
-    assert names[:3] == ["loading", "loaded", "ready"], err
+    return [e for e in logs if "event" in e], r.json()["choices"][0]["token_ids"], ids
+
+
+def test_specdec_serve_command(text_model, checkpoint):
+    """The real command: JSON start-up logs, a completion with speculation, a clean exit on Ctrl-C."""
+    path, _ = text_model
+    events, tokens, ids = serve_command(path, checkpoint("llama-text-draft").path, "--threads", "1")
+    assert tokens == offline(path, ids, 20)
+    assert [e["event"] for e in events][:3] == ["loading", "loaded", "ready"], events
     assert events[1]["proposer"] == "DraftModel" and events[1]["k"] == 2
+
+
+def test_specdec_serve_tensor_parallel(text_model, checkpoint):
+    """--tp-degree 2: two processes, rank 0 serves and mirrors every engine call to rank 1; the output
+    equals the single-process offline output."""
+    path, _ = text_model
+    events, tokens, ids = serve_command(path, checkpoint("llama-text-draft").path, "--tp-degree", "2",
+                                        "--threads", "2")
+    assert tokens == offline(path, ids, 20)
+    assert events[0]["tp_degree"] == 2 and [e["event"] for e in events].count("loading") == 1

@@ -101,7 +101,7 @@ async def run_load(base: str, prompts: list[list[int]], concurrency: int, args: 
 def run(args: argparse.Namespace) -> dict:
     from ..cli import DEFAULT_K
     from ..serving.app import create_app
-    from ..serving.server import build_engine, running_server
+    from ..serving.server import load_engine, running_server, serving_engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,10 +112,9 @@ def run(args: argparse.Namespace) -> dict:
     for strategy in strategies:
         ns = argparse.Namespace(model=None, amp=args.amp, backend=args.backend, batch_size=args.batch_size,
                                 n_positions=args.n_positions, draft=strategy, draft_path=None,
-                                k=DEFAULT_K.get(strategy), tree=None, threads=torch.get_num_threads(),
-                                max_waiting=max(args.concurrency) + 1)
+                                k=DEFAULT_K.get(strategy), tree=None, tp_degree=1, max_waiting=max(args.concurrency) + 1)
         start = time.perf_counter()
-        engine = build_engine(ns)
+        engine = serving_engine(load_engine(ns, progress=True), ns)
         build_s = time.perf_counter() - start
         prompts = [chat_ids(engine.tokenizer, t) for t in texts]
         runs = []

@@ -33,6 +33,7 @@ import torch
 from ..core.engine import Engine
 from ..core.request import prepare_request
 from .metrics import ServingMetrics
+from .mirror import MirroredEngine
 from .params import RequestParams
 from .text import TextStream
 
@@ -122,13 +123,14 @@ class _Request:
 
 
 class AsyncEngine:
-    """Serves requests on ``engine`` (a ``specdec.core.engine.Engine``, target-only or speculative).
+    """Serves requests on ``engine`` (a ``specdec.core.engine.Engine``, target-only or speculative; at
+    ``tp_degree > 1`` rank 0's engine wrapped in a ``MirroredEngine``).
 
     ``tokenizer``: needed for text prompts, text outputs and stop strings (None: token ids only).
     ``max_waiting``: requests allowed to wait for a row; more raise ``EngineBusy``.
     ``metrics``: a ``ServingMetrics`` to record into (one is made if not given)."""
 
-    def __init__(self, engine: Engine, tokenizer=None, max_waiting: int = 64, metrics: ServingMetrics | None = None):
+    def __init__(self, engine: Engine | MirroredEngine, tokenizer=None, max_waiting: int = 64, metrics: ServingMetrics | None = None):
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
@@ -265,6 +267,9 @@ class AsyncEngine:
             self._finish(req, [], "", "abort")
         for req in list(self._running.values()):
             self._leave(req, [], "", "abort")
+        close = getattr(self.engine, "close", None)     # a MirroredEngine: the other ranks stop too
+        if close is not None:
+            close()
 
     def _admit(self) -> None:
         """Move waiting requests (FIFO) into free rows."""

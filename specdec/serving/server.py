@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import socket
 import sys
 import threading
@@ -25,6 +27,7 @@ from ..core.engine import Engine
 from ..generator import SpeculativeGenerator
 
 log = logging.getLogger("specdec.serving")
+TP_SERVE_TIMEOUT_S = 365 * 24 * 3600.0    # a server's ranks wait for rank 0's next call as long as it runs
 
 
 class JSONFormatter(logging.Formatter):
@@ -66,7 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help=f"the model name clients send (default: {EMBEDDED_NAME} or the checkpoint's directory name)")
     s.add_argument("--threads", type=positive_int, metavar="N", default=None,
-                   help="intra-op threads (default: $OMP_NUM_THREADS if set, else the cores this process may use)")
+                   help="intra-op threads, split over the --tp-degree processes (default: $OMP_NUM_THREADS if set, "
+                        "else the cores this process may use)")
+    s.add_argument("--tp-degree", type=positive_int, metavar="N", default=1,
+                   help="tensor parallelism: shard the model over this many processes (rank 0 serves HTTP)")
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -76,51 +82,78 @@ def served_name(args: argparse.Namespace) -> str:
     return EMBEDDED_NAME if args.model in (None, EMBEDDED_NAME) else Path(args.model).stem
 
 
-def build_engine(args: argparse.Namespace):
-    """Load the target (and proposer), compile the graphs serving uses → an ``AsyncEngine``."""
-    from .engine import AsyncEngine
+def load_engine(args: argparse.Namespace, progress: bool = False) -> Engine:
+    """Load the target (this rank's shard at ``--tp-degree`` > 1) and the proposer, compile the graphs
+    serving uses → the core ``Engine``. Rank 0 logs what it did."""
+    log_here = int(os.environ.get("RANK", 0)) == 0
+    say = log_event if log_here else (lambda event, **fields: None)
     start = time.perf_counter()
-    log_event("loading", model=args.model or EMBEDDED_NAME, amp=args.amp, backend=args.backend,
-              batch_size=args.batch_size, n_positions=args.n_positions, draft=args.draft, threads=args.threads)
+    say("loading", model=args.model or EMBEDDED_NAME, amp=args.amp, backend=args.backend, batch_size=args.batch_size,
+        n_positions=args.n_positions, tp_degree=args.tp_degree, draft=args.draft, threads=torch.get_num_threads())
     target = DecoderModel.from_pretrained(args.model, batch_size=args.batch_size, n_positions=args.n_positions,
-                                          amp=args.amp, backend=args.backend, progress=False)
+                                          amp=args.amp, backend=args.backend, tp_degree=args.tp_degree,
+                                          progress=progress)
     proposer = make_proposer(args, target)
     gen = None
     if proposer is not None:
         gen = SpeculativeGenerator(proposer, target, DEFAULT_K.get(args.draft) if args.k is None else args.k)
-    log_event("loaded", seconds=round(time.perf_counter() - start, 2), layers=target.config.num_layers,
-              vocab_size=target.vocab_size, proposer=type(proposer).__name__ if proposer else None,
-              k=gen.k if gen else None)
+    say("loaded", seconds=round(time.perf_counter() - start, 2), layers=target.config.num_layers,
+        vocab_size=target.vocab_size, proposer=type(proposer).__name__ if proposer else None, k=gen.k if gen else None)
     if args.backend == "compiled":
         start = time.perf_counter()
-        precompile(target, proposer, gen, target.n_positions - 1, target.n_positions, progress=False, single_row=True)
+        precompile(target, proposer, gen, target.n_positions - 1, target.n_positions, progress=progress and log_here,
+                   single_row=True)
         models = [target] + ([proposer.model] if isinstance(getattr(proposer, "model", None), DecoderModel) else [])
         graphs = [f"{'target' if m is target else 'draft'}: {key}" for m in models for key in m.compile_seconds]
-        log_event("compiled", seconds=round(time.perf_counter() - start, 2), graphs=graphs,
-                  note="greedy graphs; sampling graphs compile on first use")
-    engine = Engine(target, gen.speculator if gen else None)
-    return AsyncEngine(engine, tokenizer=target.tokenizer, max_waiting=args.max_waiting)
+        say("compiled", seconds=round(time.perf_counter() - start, 2), graphs=graphs,
+            note="greedy graphs; sampling graphs compile on first use")
+    return Engine(target, gen.speculator if gen else None)
+
+
+def serving_engine(engine: Engine, args: argparse.Namespace):
+    """Rank 0's ``AsyncEngine`` over ``engine`` (mirrored to the other ranks at ``--tp-degree`` > 1)."""
+    from .engine import AsyncEngine
+    from .mirror import MirroredEngine
+    core = MirroredEngine(engine) if engine.target.tp.size > 1 else engine
+    return AsyncEngine(core, tokenizer=engine.target.tokenizer, max_waiting=args.max_waiting)
 
 
 def run(args: argparse.Namespace) -> int:
-    """The ``serve`` command."""
+    """The ``serve`` command: one process, or ``--tp-degree`` processes (rank 0 serves HTTP; Ctrl-C,
+    which reaches every process of the terminal's group, stops rank 0, and rank 0 stops the others)."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
 
-        from .app import create_app
+        from .app import create_app  # noqa: F401
     except ImportError as e:
         raise ValueError(f"specdec serve needs the serve extra ({e}): pip install 'specdec[serve]'") from None
-
     check_speculation_arguments(args)
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     args.threads = args.threads or default_threads()
-    torch.set_num_threads(args.threads)
+    if args.tp_degree > 1:
+        from ..core.parallel import launch
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return launch(serve_on_rank, args.tp_degree, args, timeout_s=TP_SERVE_TIMEOUT_S)
+    return serve_on_rank(args)
+
+
+def serve_on_rank(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .mirror import follow
+
+    torch.set_num_threads(max(1, args.threads // args.tp_degree))
+    torch.set_grad_enabled(False)
     configure_logging()
+    if int(os.environ.get("RANK", 0)) > 0:
+        follow(load_engine(args))
+        return 0
     name = served_name(args)
 
     def loader():
-        engine = build_engine(args)
+        engine = serving_engine(load_engine(args), args)
         log_event("ready", model=name, url=f"http://{args.host}:{args.port}")
         return engine
 
