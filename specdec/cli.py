@@ -177,6 +177,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="compiled = torch.compile graphs (cached on disk after the first run)")
     p.add_argument("--n-positions", type=n_positions_value, metavar="N", default=1024,
                    help="KV-cache length: prompt + new tokens (default: 1024)")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="weight-only int8 attention and MLP projections (per-channel symmetric; with --amp bf16 "
+                        "PyTorch's int8 CPU kernel)")
 
 
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
@@ -349,7 +352,7 @@ def generate_on_rank(args: argparse.Namespace) -> int:
                               top_k=args.top_k, top_p=args.top_p)
     target = DecoderModel.from_pretrained(args.model, n_positions=args.n_positions, amp=args.amp,
                                           backend=args.backend, sampling=sampling, tp_degree=args.tp_degree,
-                                          gqa_strategy=args.gqa_strategy)
+                                          gqa_strategy=args.gqa_strategy, quantization=args.quantization)
     rank0 = target.tp.rank == 0
     ids = prompt_ids_of(args, target)
     n_pos = args.n_positions

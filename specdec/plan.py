@@ -254,6 +254,21 @@ class ModelFootprint:
             split(self.embedding_shapes)
         return attention + matrices + embeddings + self.vector_elems
 
+    def weight_bytes_per_core(self, tp_degree: int, q_heads: int, kv_heads: int, nbytes: int, *,
+                              quantization: str | None = None, replicate_embeddings: bool = False) -> int:
+        """Bytes of one core's weights at ``nbytes`` per element; ``quantization="int8"``: the attention
+        and other weight matrices at 1 byte plus one scale per output row (``nbytes`` each), embeddings,
+        LM head and vectors at ``nbytes`` (``specdec.core.quant``)."""
+        total = self.weight_elems_per_core(tp_degree, q_heads, kv_heads, replicate_embeddings=replicate_embeddings)
+        if quantization is None:
+            return total * nbytes
+        from .core.parallel import per_rank
+        quantized = q_heads * self.q_elems_per_head + kv_heads * self.kv_elems_per_head + \
+            sum(per_rank(rows, tp_degree) * rest for rows, rest in self.matrix_shapes)
+        scales = self.num_layers * ((q_heads + 2 * kv_heads) * self.head_dim + self.hidden_size) + \
+            sum(per_rank(rows, tp_degree) for rows, _ in self.matrix_shapes)
+        return quantized + (total - quantized + scales) * nbytes
+
     def kv_elems(self, batch_size: int, n_positions: int, kv_heads: int | None = None) -> int:
         heads = self.num_kv_heads if kv_heads is None else kv_heads
         return 2 * self.num_layers * batch_size * n_positions * heads * self.head_dim
@@ -342,6 +357,7 @@ class CapacityRequest:
     gqa_strategy: str | None = None       # runtime architectures only; None = automatic
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     replicate_embeddings: bool = False    # True: embeddings / LM head whole on every core
+    quantization: str | None = None       # "int8": weight-only int8 projections (DecoderModel's option)
 
 
 @dataclass(frozen=True)
@@ -451,8 +467,10 @@ def _dtype_bytes(amp: Any) -> int:
 
 
 def _summary(fp: ModelFootprint, req: CapacityRequest, nbytes: int) -> ModelSummary:
+    weights = fp.num_parameters * nbytes if req.quantization is None else \
+        fp.weight_bytes_per_core(1, fp.num_heads, fp.num_kv_heads, nbytes, quantization=req.quantization)
     return ModelSummary(fp.name, fp.model_type, fp.num_parameters, fp.num_layers, fp.num_heads, fp.num_kv_heads,
-                        fp.head_dim, fp.num_parameters * nbytes, fp.kv_elems(req.batch_size, req.n_positions) * nbytes)
+                        fp.head_dim, weights, fp.kv_elems(req.batch_size, req.n_positions) * nbytes)
 
 
 def _per_core(fp: ModelFootprint, tp: int, req: CapacityRequest, nbytes: int, strategy: str | None):
@@ -465,7 +483,8 @@ def _per_core(fp: ModelFootprint, tp: int, req: CapacityRequest, nbytes: int, st
         q, kv = lay.q_per_rank, lay.kv_per_rank
     else:   # reference architectures: heads divide tp (else _head_reasons rejects the degree)
         q, kv = math.ceil(fp.num_heads / tp), math.ceil(fp.num_kv_heads / tp)
-    weights = fp.weight_elems_per_core(tp, q, kv, replicate_embeddings=req.replicate_embeddings) * nbytes
+    weights = fp.weight_bytes_per_core(tp, q, kv, nbytes, quantization=req.quantization,
+                                       replicate_embeddings=req.replicate_embeddings)
     return q, kv, (lay.strategy.value if lay is not None else None), weights, \
         fp.kv_elems(req.batch_size, req.n_positions, kv) * nbytes
 
@@ -539,7 +558,8 @@ def plan_capacity(config: Any, *, batch_size: int, n_positions: int, amp: str, p
                   cores: int | None = None, lnc: int | None = None, draft_config: Any = None, k: int = 0,
                   tp_degree: int | None = None, draft_tp_degree: int | None = None,
                   gqa_strategy: str | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
-                  replicate_embeddings: bool = False, require_fit: bool = True) -> CapacityPlan:
+                  replicate_embeddings: bool = False, quantization: str | None = None,
+                  require_fit: bool = True) -> CapacityPlan:
     """Plan memory for ``config`` (a ``config.json`` path, checkpoint directory, dict or transformers
     config) and an optional ``draft_config`` on ``platform`` (see :data:`PLATFORM_HELP`).
 
@@ -551,6 +571,7 @@ def plan_capacity(config: Any, *, batch_size: int, n_positions: int, amp: str, p
     tp_degree < 1, not supported on the platform or larger than ``cores``, ...), and
     :class:`NoFitError` (a ``ValueError`` carrying the plan) when no degree fits and ``require_fit``.
     """
+    from .core.quant import parse_quantization
     from .core.tp_layout import parse_gqa
 
     _check_int("batch_size", batch_size, 1)
@@ -577,7 +598,8 @@ def plan_capacity(config: Any, *, batch_size: int, n_positions: int, amp: str, p
                              f"draft is replicated (1) or sharded like the target ({tp_degree})")
 
     req = CapacityRequest(batch_size, n_positions, str(amp), platform, cores, lnc, k, tp_degree, draft_tp_degree,
-                          strategy.value if strategy else None, float(memory_fraction), replicate_embeddings)
+                          strategy.value if strategy else None, float(memory_fraction), replicate_embeddings,
+                          parse_quantization(quantization))
     target = model_footprint(config)
     draft = model_footprint(draft_config) if draft_config is not None else None
     usable = int(plat.bytes_per_core * memory_fraction)
@@ -669,7 +691,7 @@ def format_plan(plan: CapacityPlan) -> str:
         heads = f"{m.num_heads} heads" + (f" / {m.num_kv_heads} KV" if m.num_kv_heads != m.num_heads else "")
         out.append(f"{who}: {m.name} ({m.model_type}, {m.num_parameters / 1e9:.3f} B parameters, {m.num_layers} "
                    f"layers, {heads})")
-        out.append(f"  weights {_gb(m.weight_bytes)} ({req.amp}) + KV cache {_gb(m.kv_bytes)} (batch {req.batch_size}"
+        out.append(f"  weights {_gb(m.weight_bytes)} ({req.amp}{', int8 projections' if req.quantization else ''}) + KV cache {_gb(m.kv_bytes)} (batch {req.batch_size}"
                    f" × {req.n_positions} positions) = {_gb(m.total_bytes)}")
     if plan.draft is not None:
         out.append(f"speculation: k={req.k}; draft tp_degree: "
@@ -701,6 +723,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--n-positions", type=int, default=2048, help="KV-cache length (prompt + new tokens + k)")
     p.add_argument("--amp", default="bf16", help="weights/KV dtype: f32, bf16 or f16")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="weight-only int8 projections (from_pretrained(quantization='int8')): 1 byte per weight")
     p.add_argument("--platform", required=True, help=PLATFORM_HELP)
     p.add_argument("--cores", type=int, default=None,
                    help="cores available (world size); default: the largest instance / all CPUs / 8 GPUs")
@@ -724,7 +748,8 @@ def run(args: argparse.Namespace) -> int:
                              platform=args.platform, cores=args.cores, lnc=args.lnc, draft_config=args.draft_config,
                              k=args.k, tp_degree=args.tp_degree, draft_tp_degree=args.draft_tp_degree,
                              gqa_strategy=args.gqa_strategy, memory_fraction=args.memory_fraction,
-                             replicate_embeddings=args.replicate_embeddings, require_fit=False)
+                             replicate_embeddings=args.replicate_embeddings, quantization=args.quantization,
+                             require_fit=False)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"specdec plan: error: {e}", file=sys.stderr)
         return 2
@@ -737,7 +762,8 @@ def run(args: argparse.Namespace) -> int:
                                        draft_config=args.draft_config, k=args.k,
                                        draft_tp_degree=args.draft_tp_degree, gqa_strategy=args.gqa_strategy,
                                        memory_fraction=args.memory_fraction,
-                                       replicate_embeddings=args.replicate_embeddings, require_fit=False).degrees
+                                       replicate_embeddings=args.replicate_embeddings, quantization=args.quantization,
+                                       require_fit=False).degrees
         print(f"specdec plan: {_no_fit_message(plan, list(everything))}", file=sys.stderr)
         return 2
     return 0

@@ -37,10 +37,10 @@ from ..core.chat import chat_ids
 from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_questions
 
 SYSTEMS = ("hf-eager-f32", "hf-compile-f32", "specdec-eager-f32", "specdec-eager-bf16",
-           "specdec-compiled-f32", "specdec-compiled-bf16")
+           "specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8")
 BASELINE = "hf-eager-f32"
 # systems timed twice, in fresh processes: empty Inductor cache (cold), then reusing it (cached)
-COLD_CACHED = ("specdec-compiled-f32", "specdec-compiled-bf16")
+COLD_CACHED = ("specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8")
 
 
 def package_parent() -> Path:
@@ -49,9 +49,12 @@ def package_parent() -> Path:
 
 
 def system_info(name: str) -> dict:
-    """{"impl": "hf"|"specdec", "compiled": bool, "dtype": "f32"|"bf16"}"""
+    """{"impl": "hf"|"specdec", "compiled": bool, "dtype": "f32"|"bf16", "quantization": None|"int8"}
+    (``int8``: bf16 activations, int8 weight-only projections)."""
     impl, mode, dtype = name.split("-")
-    return {"impl": impl, "compiled": mode in ("compile", "compiled"), "dtype": dtype}
+    quantization = "int8" if dtype == "int8" else None
+    return {"impl": impl, "compiled": mode in ("compile", "compiled"), "dtype": "bf16" if quantization else dtype,
+            "quantization": quantization}
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -146,12 +149,13 @@ def measure_bandwidth(gb: float = 1.0, runs: int = 9) -> dict:
             "method": "median over runs of bytes / time of torch.sum over a float32 tensor"}
 
 
-def bytes_per_token(config, dtype_name: str, mean_context: float) -> dict:
-    """Bytes a decode step must read: all weights (tied embeddings once) + the K/V of the context."""
+def bytes_per_token(config, dtype_name: str, mean_context: float, quantization: str | None = None) -> dict:
+    """Bytes a decode step must read: all weights (tied embeddings once; int8 projections at 1 byte
+    with ``quantization``) + the K/V of the context."""
     from ..core.config import amp_dtype
 
     dtype = amp_dtype(dtype_name)
-    weights = config.weight_bytes(dtype)
+    weights = config.weight_bytes(dtype, quantization)
     itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else dtype.bits // 8
     kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * mean_context * itemsize
     return {"weight_bytes": weights, "kv_bytes": kv, "bytes_per_token": weights + kv}
@@ -217,13 +221,14 @@ class _HFRunner:
 
 
 class _SpecdecRunner:
-    def __init__(self, job: dict, amp: str, compiled: bool):
+    def __init__(self, job: dict, amp: str, compiled: bool, quantization: str | None = None):
         from ..core.decoder import DecoderModel
 
         self.compiled = compiled
         self.model = DecoderModel.from_pretrained(
             job["model"], n_positions=job["n_positions"], amp=amp, context_buckets=job["context_buckets"],
-            kv_buckets=job["kv_buckets"], backend="compiled" if compiled else "eager", progress=False)
+            kv_buckets=job["kv_buckets"], backend="compiled" if compiled else "eager", progress=False,
+            quantization=quantization)
         self.describe = {"context_buckets": self.model.context_buckets, "kv_buckets": self.model.kv_buckets,
                          "n_positions": self.model.n_positions, "backend": self.model.settings.backend}
 
@@ -302,7 +307,7 @@ def run_worker(system: str, job: dict, compile_only: bool = False, progress: boo
     if info["impl"] == "hf":
         runner = _HFRunner(job, info["compiled"])
     else:
-        runner = _SpecdecRunner(job, info["dtype"], info["compiled"])
+        runner = _SpecdecRunner(job, info["dtype"], info["compiled"], info["quantization"])
     res["load_s"] = time.perf_counter() - t
     res["rss_after_load_mb"] = _rss_mb()
     res["peak_rss_load_mb"] = _peak_rss_mb()
@@ -560,8 +565,8 @@ def run(args: argparse.Namespace) -> dict:
         result["bandwidth"] = bw
         mean_ctx = statistics.fmean(L + (n_new - 1) / 2 for L in lengths)
         bound = {}
-        for dt in ("f32", "bf16"):
-            bound[dt] = {**bytes_per_token(config, dt, mean_ctx), "mean_context": mean_ctx}
+        for name, dt, quant in (("f32", "f32", None), ("bf16", "bf16", None), ("int8", "bf16", "int8")):
+            bound[name] = {**bytes_per_token(config, dt, mean_ctx, quant), "mean_context": mean_ctx}
         _fill_bound(bound, bw["gbps"])
         result["bandwidth_bound"] = bound
 
@@ -647,10 +652,10 @@ def _summarize(raw: dict, n_new: int, bound: dict) -> dict:
             entry["threads"] = main["threads"]
             entry["details"] = main["details"]
             tps = entry["tokens_per_s"]["median"]
-            entry["fraction_of_bandwidth_bound"] = tps / bound[info["dtype"]]["tokens_per_s"]
+            limit = bound[info["quantization"] or info["dtype"]]["tokens_per_s"]
+            entry["fraction_of_bandwidth_bound"] = tps / limit
             if entry["decode_tokens_per_s"]:
-                entry["decode_fraction_of_bandwidth_bound"] = \
-                    entry["decode_tokens_per_s"]["median"] / bound[info["dtype"]]["tokens_per_s"]
+                entry["decode_fraction_of_bandwidth_bound"] = entry["decode_tokens_per_s"]["median"] / limit
         if info["compiled"]:
             comp = {}
             for p in ("cold", "cached"):
@@ -710,7 +715,8 @@ def markdown_table(result: dict) -> str:
         f"model {cfg['model']}, {cfg['num_prompts']} MT-Bench prompts, {cfg['max_new_tokens']} new tokens, "
         f"batch 1 greedy; {cfg['cpu_count']} CPUs ({cfg['cpu_model']}), torch {cfg['torch']}, "
         f"{cfg['torch_threads']} threads; read bandwidth {result['bandwidth_gbps']:.1f} GB/s → bound "
-        f"{bound['f32']['tokens_per_s']:.1f} tok/s f32, {bound['bf16']['tokens_per_s']:.1f} tok/s bf16",
+        f"{bound['f32']['tokens_per_s']:.1f} tok/s f32, {bound['bf16']['tokens_per_s']:.1f} tok/s bf16, "
+        f"{bound['int8']['tokens_per_s']:.1f} tok/s int8 projections",
         "",
         "| system | tok/s (median) | decode tok/s | TTFT ms | compile s (cold / cached) | peak RSS MB "
         f"| × {BASELINE} | % of BW bound | same tokens as ref |",

@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--backend", default="compiled", choices=["eager", "compiled"])
     parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
+    parser.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 projections")
     parser.add_argument("--n-positions", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--output", default=None, help="also write the JSON result here")
@@ -110,8 +111,8 @@ def run(args: argparse.Namespace) -> dict:
     result = {"benchmark": "serving", "machine": _machine_info(), "threads": torch.get_num_threads(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func",)}, "runs": {}}
     for strategy in strategies:
-        ns = argparse.Namespace(model=None, amp=args.amp, backend=args.backend, batch_size=args.batch_size,
-                                n_positions=args.n_positions, draft=strategy, draft_path=None,
+        ns = argparse.Namespace(model=None, amp=args.amp, quantization=args.quantization, backend=args.backend,
+                                batch_size=args.batch_size, n_positions=args.n_positions, draft=strategy, draft_path=None,
                                 k=DEFAULT_K.get(strategy), tree=None, tp_degree=1, max_waiting=max(args.concurrency) + 1)
         start = time.perf_counter()
         engine = serving_engine(load_engine(ns, progress=True), ns)

@@ -31,11 +31,12 @@ def amp_dtype(amp: str | torch.dtype) -> torch.dtype:
 
 
 def module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of ``module``'s parameters, each distinct tensor in memory counted once (tied weights once).
+    """Bytes of ``module``'s weights — parameters and persistent buffers (quantized weights and their
+    scales; not the KV cache) — each distinct tensor in memory counted once (tied weights once).
 
     The measured counterpart of :meth:`ModelConfig.weight_bytes`, for any module (draft heads too)."""
     seen: dict[object, int] = {}
-    for p in module.parameters():
+    for p in module.state_dict(keep_vars=True).values():
         nbytes = p.numel() * p.element_size()
         # tied weights: the same tensor, or the same memory under another Parameter object
         key = id(p) if p.device.type == "meta" else (p.device, p.data_ptr(), nbytes)
@@ -108,18 +109,23 @@ class ModelConfig:
             raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face checkpoint directory")
         return cls.from_hf(AutoConfig.from_pretrained(path))
 
-    def weight_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of all weights (tied embeddings counted once)."""
+    def weight_bytes(self, dtype: torch.dtype, quantization: str | None = None) -> int:
+        """Bytes of all weights (tied embeddings counted once); ``quantization="int8"``: the attention and
+        MLP projections at 1 byte per weight plus one ``dtype`` scale per output row (``core.quant``)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        layer = attn + 3 * h * i + 2 * h
+        projections = h * q + 2 * h * kv + q * h + 3 * h * i
+        layer = projections + (q + 2 * kv if self.attention_bias else 0) + 2 * h
         head = 0 if self.tie_word_embeddings else (self.output_vocab_size or v) * h
         total = self.num_layers * layer + v * h + h + head
-        return total * torch.finfo(dtype).bits // 8
+        size = torch.finfo(dtype).bits // 8
+        if quantization is None:
+            return total * size
+        scales = q + 2 * kv + h + 2 * i + h
+        return self.num_layers * (projections + scales * size) + (total - self.num_layers * projections) * size
 
-    def bytes_read_per_token(self, dtype: torch.dtype) -> int:
+    def bytes_read_per_token(self, dtype: torch.dtype, quantization: str | None = None) -> int:
         """Weight bytes a decode step reads: every weight except the embedding table (one row)."""
         h, v = self.hidden_size, self.vocab_size
         unread = v * h - h if not self.tie_word_embeddings else 0
-        return self.weight_bytes(dtype) - unread * torch.finfo(dtype).bits // 8
+        return self.weight_bytes(dtype, quantization) - unread * torch.finfo(dtype).bits // 8

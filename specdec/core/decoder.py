@@ -28,6 +28,7 @@ from .paths import resolve_model_path
 from .graphs import BACKENDS, GraphKey, StepGraph, build_graph, configure_compile_cache
 from .model import DecoderLM
 from .parallel import TPGroup, barrier, shard_plan, tp_group
+from .quant import parse_quantization, quantize_linears
 from .sampling import (TEMPERATURE, RowGenerators, SamplingConfig, any_penalised, any_sampled, needs_filter,
                        sampling_params)
 from .tp_layout import head_layout, parse_gqa
@@ -47,6 +48,7 @@ class RuntimeSettings:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     backend: str = "compiled"
     device: str = "cpu"
+    quantization: str | None = None
 
 
 @dataclass
@@ -83,17 +85,20 @@ class DecoderModel:
                         amp: str = "f32", tp_degree: int = 1, gqa_strategy: str | None = None,
                         context_buckets: list[int] | None = None, kv_buckets: list[int] | None = None,
                         sampling: SamplingConfig | None = None, backend: str = "compiled", device: str = "cpu",
-                        progress: bool = True) -> "DecoderModel":
+                        quantization: str | None = None, progress: bool = True) -> "DecoderModel":
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, or (``None``) the embedded
         SmolLM2-135M-Instruct. Graphs are built lazily on first use, or all at once by ``compile()``.
 
         ``tp_degree > 1`` shards the model over the ranks of the running process group (its world
         size; see ``specdec.core.parallel.launch``), each rank loading only its shards;
         ``gqa_strategy`` ('replicate-to-tp-degree' / 'convert-to-mha', None = automatic) sets how
-        query/KV heads are laid out over the ranks (``tp_layout``)."""
+        query/KV heads are laid out over the ranks (``tp_layout``). ``quantization``: None, or ``"int8"``
+        weight-only per-channel int8 of the attention and MLP projections (NxD Inference's names
+        ``"per_channel_symmetric"``, transformers-neuronx's ``"s8"`` also accepted; see ``quant``)."""
         gqa = parse_gqa(gqa_strategy)
+        quantization = parse_quantization(quantization)
         settings = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa and gqa.value, context_buckets,
-                                   kv_buckets, sampling or SamplingConfig(), backend, device)
+                                   kv_buckets, sampling or SamplingConfig(), backend, device, quantization)
         dtype = amp_dtype(amp)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")
@@ -114,6 +119,7 @@ class DecoderModel:
         lm = lm.to_empty(device=device).to(dtype)
         lm.init_buffers()
         load_weights(lm, path, progress=progress and tp.rank == 0, shards=shard_plan(config, layout, tp.rank))
+        quantize_linears(lm, quantization, tp)
         lm.eval().requires_grad_(False)
         model = cls(path, config, lm, settings)
         model.progress = progress

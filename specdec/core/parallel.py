@@ -96,6 +96,15 @@ def all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return funcol.all_reduce(x, "sum", tp.group)
 
 
+def all_reduce_max(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Elementwise maximum of ``x`` over the group's ranks (outside graphs: load-time statistics)."""
+    if tp.size == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=tp.group)
+    return x
+
+
 def all_gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """[..., d] on each rank → [..., tp * d], ranks in order."""
     return funcol.all_gather_single(x, x.dim() - 1, tp.group)

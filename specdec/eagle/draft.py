@@ -19,6 +19,7 @@ from ..core.config import ModelConfig
 from ..core.decoder import DecoderModel
 from ..core.graphs import GraphKey
 from ..core.checkpoint import load_weights
+from ..core.quant import quantize_linears
 from .checkpoint import check_layout, eagle_key, tensor_names
 from .model import EagleLM
 
@@ -61,6 +62,7 @@ class EagleModel(DecoderModel):
             lm.embed_tokens.weight = target.lm.model.embed_tokens.weight
         load_weights(lm, path, progress=progress, rename=eagle_key,
                      optional=frozenset({"embed_tokens.weight"}) if shared_embedding else frozenset())
+        quantize_linears(lm, settings.quantization)      # the target's quantization, its decoder layer
         lm.eval().requires_grad_(False)
         draft = cls(path, config, lm, settings)
         draft.target_path = target.path
