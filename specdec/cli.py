@@ -452,6 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "/health, /metrics (continuous batching, speculation inside)")
     server.add_arguments(sv)
     sv.set_defaults(func=server.run)
+    from .bench import quality as bench_quality
+    bq = command("bench-quality", "perplexity on held-out text and greedy agreement of f32 / bf16 / int8 "
+                 "(prints JSON)")
+    bench_quality.add_arguments(bq)
+    bq.set_defaults(func=lambda a: bench_quality.print_result(bench_quality.run(a), a))
     from .bench import serving as bench_serving
     bs = command("bench-serve", "serving benchmark: the HTTP server under 1-16 concurrent streaming clients, "
                  "with and without speculation (prints JSON)")

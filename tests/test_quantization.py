@@ -156,3 +156,14 @@ def test_planner_counts_int8_bytes_as_the_runtime_holds_them(checkpoint):
     planned = plans["int8"].model.weight_bytes
     # exact up to the planner's scale count for down_proj (rows of the larger dimension)
     assert abs(planned - module_bytes(model.lm)) <= 4 * 2 * (128 - 64)
+
+
+def test_quality_benchmark_perplexity_equals_transformers_loss(checkpoint):
+    from specdec.bench.quality import perplexity
+    ckpt = checkpoint("llama")
+    ids = prompt_ids(40, 9)
+    with torch.no_grad():
+        loss = ckpt.hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss
+    assert perplexity(load(ckpt), ids, window=64) == pytest.approx(float(torch.exp(loss)), rel=1e-4)
+    # two windows of 20: the second scored from an empty cache, so it is a different number
+    assert perplexity(load(ckpt), ids, window=20) != pytest.approx(float(torch.exp(loss)), rel=1e-4)

@@ -1,0 +1,123 @@
+"""Quality of a precision / quantization setting: perplexity on held-out text and greedy agreement.
+
+For each ``--settings`` entry (``f32``, ``bf16``, ``int8`` = bf16 activations with int8 projections)
+the embedded model (or ``--model``) scores ``--text`` (default: ``HELD_OUT``, prose written for this
+benchmark, none of it in the prompts or training data of the shipped drafts) in windows of
+``--window`` tokens: perplexity = exp(mean negative log-likelihood of every token after the first of
+each window). It also decodes ``--max-new-tokens`` greedy tokens for the first ``--num-prompts``
+MT-Bench questions and reports, against the first setting (the reference), the tokens each output
+shares with the reference's before the first difference and the share of outputs identical. JSON on stdout (``--output`` also writes it).
+
+    specdec bench-quality [--settings bf16,int8] [--window 256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+from tqdm.auto import tqdm
+
+from ..core.chat import chat_ids
+from .prompts import add_prompt_arguments, default_prompts_path, load_prompts
+
+HELD_OUT = """\
+The lighthouse keeper kept a ledger of every ship that passed the point, and over forty winters the
+ledger grew into six volumes bound in grey cloth. Most entries were short: a name, a flag, the hour,
+the direction of the wind. A few ran longer. In the third volume he described a schooner that
+anchored in the bay for nine days while her crew mended a split mast with timber cut from the hill
+behind the village, and he noted that the children of the village learned to splice rope by
+watching them. In the fifth volume he wrote that the lamp had failed for eleven minutes during a
+storm in March, and that he had kept a hand lantern burning in the gallery until the mechanism
+turned again. When the service replaced the lamp with an automatic light, the volumes went to the
+county archive, where a clerk indexed them by ship and by year.
+
+Bread rises because yeast ferments the sugars in flour and releases carbon dioxide, which the
+gluten network traps in small pockets. A cool, slow rise gives the enzymes time to break starch
+into simpler sugars, so the crust browns more deeply and the crumb tastes sweeter. Too much water
+makes a dough that spreads instead of rising; too little makes a dense loaf. Bakers adjust for the
+flour they have, because flours absorb water differently depending on their protein content and on
+how finely they were milled.
+
+To estimate the height of a tree without climbing it, stand where the top of the tree appears at
+an angle of forty-five degrees above the horizon. The distance from your feet to the trunk, plus
+the height of your eyes above the ground, is then close to the height of the tree. Surveyors use
+the same idea with more precise instruments and with angles other than forty-five degrees, taking
+the tangent of the measured angle instead of assuming it equals one.
+"""
+
+SETTINGS = {"f32": ("f32", None), "bf16": ("bf16", None), "int8": ("bf16", "int8")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_prompt_arguments(parser, num_prompts=10)
+    parser.add_argument("--model", default=None, help="checkpoint or .gguf (default: the embedded model)")
+    parser.add_argument("--settings", default="bf16,int8", help=f"comma list of {', '.join(SETTINGS)}")
+    parser.add_argument("--text", default=None, help="a text file to score (default: the built-in held-out text)")
+    parser.add_argument("--window", type=int, default=256, help="tokens per scored window")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--output", default=None)
+
+
+@torch.no_grad()
+def perplexity(model, ids: list[int], window: int) -> float:
+    """exp(mean NLL) of ``ids`` scored in windows of ``window`` tokens (each from an empty cache)."""
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = torch.tensor([ids[start:start + window]])
+        if chunk.shape[1] < 2:
+            break
+        model.reset()
+        logits = model.step(chunk, model.sampling_params(), advance=False).logits[0].float()
+        logp = torch.log_softmax(logits[:-1], dim=-1)
+        nll -= float(logp.gather(1, chunk[0, 1:].unsqueeze(1)).sum())
+        count += chunk.shape[1] - 1
+    return math.exp(nll / count)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from ..core.decoder import DecoderModel
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [s for s in args.settings.split(",") if s]
+    bad = [s for s in names if s not in SETTINGS]
+    if bad or not names:
+        raise ValueError(f"unknown setting(s) {bad}: choose from {', '.join(SETTINGS)}")
+    text = open(args.text, encoding="utf-8").read() if args.text else HELD_OUT
+    questions = load_prompts(args.prompts or default_prompts_path(), args.num_prompts)
+    result: dict = {"benchmark": "quality", "window": args.window, "settings": {}}
+    outputs: dict[str, list[list[int]]] = {}
+    for name in tqdm(names, desc="settings", file=sys.stderr):
+        amp, quantization = SETTINGS[name]
+        model = DecoderModel.from_pretrained(args.model, n_positions=max(args.window, 512), amp=amp,
+                                             quantization=quantization, backend="eager", progress=False)
+        ids = list(model.tokenizer(text)["input_ids"])
+        prompts = [chat_ids(model.tokenizer, q) for q in questions]
+        outputs[name] = [model.generate([p], max_new_tokens=args.max_new_tokens, eos_token_id=[])[0, len(p):].tolist()
+                         for p in prompts]
+        result["settings"][name] = {"amp": amp, "quantization": quantization, "tokens_scored": len(ids),
+                                    "perplexity": perplexity(model, ids, args.window)}
+    ref = names[0]
+    for name in names:
+        pairs = list(zip(outputs[name], outputs[ref]))
+        prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in pairs]
+        result["settings"][name]["greedy_agreement_vs_" + ref] = {
+            "common_prefix_share": sum(prefix) / sum(len(y) for _, y in pairs),
+            "prompts_identical": sum(x == y for x, y in pairs) / len(pairs),
+            "common_prefix_tokens": prefix}
+        result["settings"][name]["perplexity_vs_" + ref] = \
+            result["settings"][name]["perplexity"] / result["settings"][ref]["perplexity"]
+    return result
+
+
+def print_result(result: dict, args: argparse.Namespace) -> int:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return 0
