@@ -29,6 +29,9 @@ class SpeculativeGenerator:
     """
 
     def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int | None = None):
+        if draft is target or getattr(draft, "model", None) is target:
+            raise ValueError("the draft is the target object itself: a draft keeps its own KV cache, so load the "
+                             "draft checkpoint as a separate DecoderModel (DraftModel.from_pretrained(path, target))")
         proposer = DraftModel(draft) if isinstance(draft, DecoderModel) else draft
         depth = getattr(proposer, "depth", None)      # tree proposers: k is the tree's depth
         if depth is not None:

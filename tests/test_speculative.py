@@ -232,6 +232,8 @@ def test_validation_errors(tiny, tmp_path_factory):
         SpeculativeGenerator(draft, target, 200)
     with pytest.raises(ValueError, match="batch_size"):
         SpeculativeGenerator(tiny["load"](tiny["draft_dir"], batch_size=2, n_positions=64), target, 2)
+    with pytest.raises(ValueError, match="the draft is the target object itself"):
+        SpeculativeGenerator(target, target, 2)
     _, other_vocab = save_tiny(tmp_path_factory, "v", 1, 5, vocab=80)
     with pytest.raises(ValueError, match="vocab_size"):
         SpeculativeGenerator(tiny["load"](other_vocab, batch_size=1, n_positions=64), target, 2)
