@@ -177,9 +177,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="compiled = torch.compile graphs (cached on disk after the first run)")
     p.add_argument("--n-positions", type=n_positions_value, metavar="N", default=1024,
                    help="KV-cache length: prompt + new tokens (default: 1024)")
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="weight-only int8 attention and MLP projections (per-channel symmetric; with --amp bf16 "
-                        "PyTorch's int8 CPU kernel)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only attention and MLP projections: int8 per channel (with --amp bf16 PyTorch's "
+                        "int8 CPU kernel) or int4 in groups of 32 (PyTorch's int4 CPU kernel)")
 
 
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:

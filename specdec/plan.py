@@ -256,18 +256,20 @@ class ModelFootprint:
 
     def weight_bytes_per_core(self, tp_degree: int, q_heads: int, kv_heads: int, nbytes: int, *,
                               quantization: str | None = None, replicate_embeddings: bool = False) -> int:
-        """Bytes of one core's weights at ``nbytes`` per element; ``quantization="int8"``: the attention
-        and other weight matrices at 1 byte plus one scale per output row (``nbytes`` each), embeddings,
-        LM head and vectors at ``nbytes`` (``specdec.core.quant``)."""
+        """Bytes of one core's weights at ``nbytes`` per element; with ``quantization`` ("int8", "int4")
+        the attention and other weight matrices as ``specdec.core.quant`` stores them (int8: 1 byte and a
+        scale per output row; int4: half a byte and a scale and zero per 32 weights), embeddings, LM head
+        and vectors at ``nbytes``."""
         total = self.weight_elems_per_core(tp_degree, q_heads, kv_heads, replicate_embeddings=replicate_embeddings)
         if quantization is None:
             return total * nbytes
         from .core.parallel import per_rank
         quantized = q_heads * self.q_elems_per_head + kv_heads * self.kv_elems_per_head + \
             sum(per_rank(rows, tp_degree) * rest for rows, rest in self.matrix_shapes)
-        scales = self.num_layers * ((q_heads + 2 * kv_heads) * self.head_dim + self.hidden_size) + \
+        from .core.quant import quantized_bytes
+        rows = self.num_layers * ((q_heads + 2 * kv_heads) * self.head_dim + self.hidden_size) + \
             sum(per_rank(rows, tp_degree) for rows, _ in self.matrix_shapes)
-        return quantized + (total - quantized + scales) * nbytes
+        return quantized_bytes(quantized, rows, nbytes, quantization) + (total - quantized) * nbytes
 
     def kv_elems(self, batch_size: int, n_positions: int, kv_heads: int | None = None) -> int:
         heads = self.num_kv_heads if kv_heads is None else kv_heads
@@ -357,7 +359,7 @@ class CapacityRequest:
     gqa_strategy: str | None = None       # runtime architectures only; None = automatic
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     replicate_embeddings: bool = False    # True: embeddings / LM head whole on every core
-    quantization: str | None = None       # "int8": weight-only int8 projections (DecoderModel's option)
+    quantization: str | None = None       # "int8" / "int4": weight-only projections (DecoderModel's option)
 
 
 @dataclass(frozen=True)
@@ -691,7 +693,7 @@ def format_plan(plan: CapacityPlan) -> str:
         heads = f"{m.num_heads} heads" + (f" / {m.num_kv_heads} KV" if m.num_kv_heads != m.num_heads else "")
         out.append(f"{who}: {m.name} ({m.model_type}, {m.num_parameters / 1e9:.3f} B parameters, {m.num_layers} "
                    f"layers, {heads})")
-        out.append(f"  weights {_gb(m.weight_bytes)} ({req.amp}{', int8 projections' if req.quantization else ''}) + KV cache {_gb(m.kv_bytes)} (batch {req.batch_size}"
+        out.append(f"  weights {_gb(m.weight_bytes)} ({req.amp}{f', {req.quantization} projections' if req.quantization else ''}) + KV cache {_gb(m.kv_bytes)} (batch {req.batch_size}"
                    f" × {req.n_positions} positions) = {_gb(m.total_bytes)}")
     if plan.draft is not None:
         out.append(f"speculation: k={req.k}; draft tp_degree: "
@@ -723,8 +725,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--n-positions", type=int, default=2048, help="KV-cache length (prompt + new tokens + k)")
     p.add_argument("--amp", default="bf16", help="weights/KV dtype: f32, bf16 or f16")
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="weight-only int8 projections (from_pretrained(quantization='int8')): 1 byte per weight")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantized projections (from_pretrained(quantization=...)): int8 1 byte, "
+                        "int4 half a byte per weight")
     p.add_argument("--platform", required=True, help=PLATFORM_HELP)
     p.add_argument("--cores", type=int, default=None,
                    help="cores available (world size); default: the largest instance / all CPUs / 8 GPUs")

@@ -37,10 +37,10 @@ from ..core.chat import chat_ids
 from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_questions
 
 SYSTEMS = ("hf-eager-f32", "hf-compile-f32", "specdec-eager-f32", "specdec-eager-bf16",
-           "specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8")
+           "specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8", "specdec-compiled-int4")
 BASELINE = "hf-eager-f32"
 # systems timed twice, in fresh processes: empty Inductor cache (cold), then reusing it (cached)
-COLD_CACHED = ("specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8")
+COLD_CACHED = ("specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8", "specdec-compiled-int4")
 
 
 def package_parent() -> Path:
@@ -49,10 +49,10 @@ def package_parent() -> Path:
 
 
 def system_info(name: str) -> dict:
-    """{"impl": "hf"|"specdec", "compiled": bool, "dtype": "f32"|"bf16", "quantization": None|"int8"}
-    (``int8``: bf16 activations, int8 weight-only projections)."""
+    """{"impl": "hf"|"specdec", "compiled": bool, "dtype": "f32"|"bf16", "quantization": None|"int8"|"int4"}
+    (``int8`` / ``int4``: bf16 activations, weight-only quantized projections)."""
     impl, mode, dtype = name.split("-")
-    quantization = "int8" if dtype == "int8" else None
+    quantization = dtype if dtype in ("int8", "int4") else None
     return {"impl": impl, "compiled": mode in ("compile", "compiled"), "dtype": "bf16" if quantization else dtype,
             "quantization": quantization}
 
@@ -565,7 +565,8 @@ def run(args: argparse.Namespace) -> dict:
         result["bandwidth"] = bw
         mean_ctx = statistics.fmean(L + (n_new - 1) / 2 for L in lengths)
         bound = {}
-        for name, dt, quant in (("f32", "f32", None), ("bf16", "bf16", None), ("int8", "bf16", "int8")):
+        for name, dt, quant in (("f32", "f32", None), ("bf16", "bf16", None), ("int8", "bf16", "int8"),
+                                ("int4", "bf16", "int4")):
             bound[name] = {**bytes_per_token(config, dt, mean_ctx, quant), "mean_context": mean_ctx}
         _fill_bound(bound, bw["gbps"])
         result["bandwidth_bound"] = bound
@@ -716,7 +717,7 @@ def markdown_table(result: dict) -> str:
         f"batch 1 greedy; {cfg['cpu_count']} CPUs ({cfg['cpu_model']}), torch {cfg['torch']}, "
         f"{cfg['torch_threads']} threads; read bandwidth {result['bandwidth_gbps']:.1f} GB/s → bound "
         f"{bound['f32']['tokens_per_s']:.1f} tok/s f32, {bound['bf16']['tokens_per_s']:.1f} tok/s bf16, "
-        f"{bound['int8']['tokens_per_s']:.1f} tok/s int8 projections",
+        f"{bound['int8']['tokens_per_s']:.1f} / {bound['int4']['tokens_per_s']:.1f} tok/s int8 / int4 projections",
         "",
         "| system | tok/s (median) | decode tok/s | TTFT ms | compile s (cold / cached) | peak RSS MB "
         f"| × {BASELINE} | % of BW bound | same tokens as ref |",

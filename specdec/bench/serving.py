@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--backend", default="compiled", choices=["eager", "compiled"])
     parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
-    parser.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 projections")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"], help="weight-only projections")
     parser.add_argument("--n-positions", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--output", default=None, help="also write the JSON result here")

@@ -110,8 +110,8 @@ class ModelConfig:
         return cls.from_hf(AutoConfig.from_pretrained(path))
 
     def weight_bytes(self, dtype: torch.dtype, quantization: str | None = None) -> int:
-        """Bytes of all weights (tied embeddings counted once); ``quantization="int8"``: the attention and
-        MLP projections at 1 byte per weight plus one ``dtype`` scale per output row (``core.quant``)."""
+        """Bytes of all weights (tied embeddings counted once); with ``quantization`` ("int8", "int4") the
+        attention and MLP projections as ``core.quant`` stores them (``quant.quantized_bytes``)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         projections = h * q + 2 * h * kv + q * h + 3 * h * i
@@ -121,8 +121,10 @@ class ModelConfig:
         size = torch.finfo(dtype).bits // 8
         if quantization is None:
             return total * size
-        scales = q + 2 * kv + h + 2 * i + h
-        return self.num_layers * (projections + scales * size) + (total - self.num_layers * projections) * size
+        from .quant import quantized_bytes
+        rows = q + 2 * kv + h + 2 * i + h
+        return self.num_layers * quantized_bytes(projections, rows, size, quantization) + \
+            (total - self.num_layers * projections) * size
 
     def bytes_read_per_token(self, dtype: torch.dtype, quantization: str | None = None) -> int:
         """Weight bytes a decode step reads: every weight except the embedding table (one row)."""

@@ -10,7 +10,14 @@ so the rounding error of every weight is at most scale_i / 2. ``y = x Wᵀ`` bec
 (``aten._weight_int8pack_mm``, reads int8 weights: a quarter of f32's bytes, half of bf16's); other
 dtypes multiply by the int8 weights cast to the activation dtype (exact reference math, for tests).
 
-Quantized: every attention and MLP projection (q, k, v, o, gate, up, down). Not quantized (as NxD's
+``int4``: group-wise asymmetric 4-bit over groups of ``INT4_GROUP`` = 32 consecutive weights of a row
+(GGUF Q4_1's layout): per group g, ``scale = (max − min) / 15``, ``q = round((w − min) / scale)`` in
+[0, 15], ``w ≈ (q − 8) · scale + zero`` with ``zero = min + 8 · scale`` (error ≤ scale / 2). It runs
+PyTorch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``, any float dtype; scales and zeros
+kept in the compute dtype), half of int8's bytes. Shapes: out features divisible by 16 and in
+features by 32 (per rank), else a ValueError says to use int8; CPU only.
+
+Quantized (either scheme): every attention and MLP projection (q, k, v, o, gate, up, down). Not quantized (as NxD's
 defaults): embeddings, norms and the LM head. Under tensor parallelism each rank quantizes its own
 shard; a row-parallel layer's rows are split along K, so their maxima are all-reduced over the ranks
 first: a sharded model holds exactly the values of the unsharded one.
@@ -23,7 +30,9 @@ from torch import nn
 
 from .parallel import TPGroup, all_reduce_max
 
-ALIASES = {"int8": "int8", "s8": "int8", "per_channel_symmetric": "int8", "int8_weight_only": "int8"}
+ALIASES = {"int8": "int8", "s8": "int8", "per_channel_symmetric": "int8", "int8_weight_only": "int8",
+           "int4": "int4", "s4": "int4", "int4_weight_only": "int4"}
+INT4_GROUP = 32
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")     # sharded along K (their input dimension) at tp > 1
 
@@ -34,10 +43,15 @@ def parse_quantization(name: str | None) -> str | None:
         return None
     if name in ALIASES:
         return ALIASES[name]
-    if name in ("int4", "s4", "per_group_int4"):
-        raise ValueError(f"quantization={name!r} is not implemented yet: use 'int8' or None")
-    raise ValueError(f"quantization={name!r} is not supported: use None or 'int8' "
-                     f"(aliases: {', '.join(a for a in ALIASES if a != 'int8')})")
+    raise ValueError(f"quantization={name!r} is not supported: use None, 'int8' or 'int4' "
+                     f"(aliases: {', '.join(a for a in ALIASES if a not in ('int8', 'int4'))})")
+
+
+def quantized_bytes(elems: int, rows: int, nbytes: int, scheme: str) -> int:
+    """Bytes of ``elems`` quantized weights in ``rows`` output rows, scales / zeros at ``nbytes`` each."""
+    if scheme == "int8":
+        return elems + rows * nbytes
+    return elems // 2 + 2 * (elems // INT4_GROUP) * nbytes
 
 
 def quantize_int8(weight: torch.Tensor, row_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +96,46 @@ class Int8Linear(nn.Module):
         return self.weight.float() * self.scale.float().unsqueeze(1)
 
 
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] (K divisible by ``INT4_GROUP``) → (q [N, K] int32 in [0, 15], scale [N, K/G] f32,
+    zero [N, K/G] f32) with w ≈ (q − 8) · scale + zero per group of G weights; constant groups get
+    scale 1."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // INT4_GROUP, INT4_GROUP)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
+    q = torch.round((w - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15).to(torch.int32).view(n, k)
+    return q, scale, low + 8 * scale
+
+
+class Int4Linear(nn.Module):
+    """``nn.Linear`` with group-wise int4 weights packed for PyTorch's CPU kernel (buffer ``weight``
+    [N, K/2] uint8) and ``scales_and_zeros`` [K/G, N, 2] in the compute dtype. x [..., K] → [..., N]."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1))
+        self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int4Linear:
+        n, k = linear.weight.shape
+        if n % 16 or k % INT4_GROUP or linear.weight.device.type != "cpu":
+            raise ValueError(f"int4 needs a CPU layer with out features divisible by 16 and in features by "
+                             f"{INT4_GROUP} (PyTorch's CPU int4 kernel); this layer is [{n}, {k}] on "
+                             f"{linear.weight.device.type}: use quantization='int8'")
+        return cls(*quantize_int4(linear.weight), linear.bias, linear.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP, self.scales_and_zeros)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup()) -> nn.Module:
     """Replace the attention and MLP projections (``PROJECTIONS``) of every decoder layer in ``lm``
     (a ``DecoderLM``, an EAGLE draft's layer) with quantized ones, in place."""
@@ -91,6 +145,9 @@ def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup())
         for name in PROJECTIONS:
             linear = getattr(block, name, None)
             if not isinstance(linear, nn.Linear):
+                continue
+            if scheme == "int4":     # groups lie within a row and a rank's K range: no cross-rank statistic
+                setattr(block, name, Int4Linear.from_linear(linear))
                 continue
             row_max = None
             if name in ROW_PARALLEL and tp.size > 1:
