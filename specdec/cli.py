@@ -439,29 +439,27 @@ def build_parser() -> argparse.ArgumentParser:
     g = command("generate", "generate from a prompt (chat template applied), target-only or speculative")
     add_generate_arguments(g)
     g.set_defaults(func=cmd_generate)
-    from .bench import runtime as bench_runtime, speculative as bench_spec
-    b = command("bench", "target-only decoding benchmark vs transformers (prints JSON)")
-    bench_runtime.add_arguments(b)
-    b.set_defaults(func=lambda a: bench_runtime.print_result(bench_runtime.run(a), a))
-    s = command("bench-spec", "speculative decoding benchmark with a shipped proposer: draft model, EAGLE or "
-                "Medusa (prints JSON)")
-    bench_spec.add_arguments(s)
-    s.set_defaults(func=lambda a: bench_spec.print_result(bench_spec.run(a), a))
+    from .bench import quality as bench_quality, runtime as bench_runtime, serving as bench_serving, \
+        speculative as bench_spec
+
+    def benchmark(name: str, help: str, module) -> None:
+        """A benchmark command: ``module.add_arguments``, then ``module.print_result(module.run(args), args)``."""
+        b = command(name, help)
+        module.add_arguments(b)
+        b.set_defaults(func=lambda a: module.print_result(module.run(a), a))
+
+    benchmark("bench", "target-only decoding benchmark vs transformers (prints JSON)", bench_runtime)
+    benchmark("bench-spec", "speculative decoding benchmark with a shipped proposer: draft model, EAGLE or "
+              "Medusa (prints JSON)", bench_spec)
     from .serving import server
     sv = command("serve", "serve the model over HTTP: OpenAI-compatible completions and chat, /generate, "
                  "/health, /metrics (continuous batching, speculation inside)")
     server.add_arguments(sv)
     sv.set_defaults(func=server.run)
-    from .bench import quality as bench_quality
-    bq = command("bench-quality", "perplexity on held-out text and greedy agreement of f32 / bf16 / int8 "
-                 "(prints JSON)")
-    bench_quality.add_arguments(bq)
-    bq.set_defaults(func=lambda a: bench_quality.print_result(bench_quality.run(a), a))
-    from .bench import serving as bench_serving
-    bs = command("bench-serve", "serving benchmark: the HTTP server under 1-16 concurrent streaming clients, "
-                 "with and without speculation (prints JSON)")
-    bench_serving.add_arguments(bs)
-    bs.set_defaults(func=lambda a: bench_serving.print_result(bench_serving.run(a), a))
+    benchmark("bench-quality", "perplexity on held-out text and greedy agreement of f32 / bf16 / int8 / int4 "
+              "(prints JSON)", bench_quality)
+    benchmark("bench-serve", "serving benchmark: the HTTP server under 1-16 concurrent streaming clients, "
+              "with and without speculation (prints JSON)", bench_serving)
     from . import plan
     pl = command("plan", "capacity planner: memory per core and the smallest tp_degree that fits")
     plan.add_arguments(pl)

@@ -267,9 +267,9 @@ class ModelFootprint:
         quantized = q_heads * self.q_elems_per_head + kv_heads * self.kv_elems_per_head + \
             sum(per_rank(rows, tp_degree) * rest for rows, rest in self.matrix_shapes)
         from .core.quant import quantized_bytes
-        rows = self.num_layers * ((q_heads + 2 * kv_heads) * self.head_dim + self.hidden_size) + \
+        out_rows = self.num_layers * ((q_heads + 2 * kv_heads) * self.head_dim + self.hidden_size) + \
             sum(per_rank(rows, tp_degree) for rows, _ in self.matrix_shapes)
-        return quantized_bytes(quantized, rows, nbytes, quantization) + (total - quantized) * nbytes
+        return quantized_bytes(quantized, out_rows, nbytes, quantization) + (total - quantized) * nbytes
 
     def kv_elems(self, batch_size: int, n_positions: int, kv_heads: int | None = None) -> int:
         heads = self.num_kv_heads if kv_heads is None else kv_heads

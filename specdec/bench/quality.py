@@ -14,7 +14,6 @@ shares with the reference's before the first difference and the share of outputs
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
@@ -22,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
+from . import runtime
 from .prompts import add_prompt_arguments, default_prompts_path, load_prompts
 
 HELD_OUT = """\
@@ -116,9 +116,5 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def print_result(result: dict, args: argparse.Namespace) -> int:
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
-    return 0
+    """JSON to stdout (and ``--output``)."""
+    return runtime.print_result(result, args)

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
 from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_prompts
+from . import runtime
 from .runtime import _machine_info
 
 
@@ -77,12 +78,12 @@ async def run_load(base: str, prompts: list[list[int]], concurrency: int, args: 
     """A closed loop: ``concurrency`` clients, each sending the next prompt when its last one ends."""
     import httpx
 
-    queue = list(enumerate(prompts))
+    queue = list(prompts)
     results: list[dict] = []
 
     async def client_loop(client):
         while queue:
-            _, prompt = queue.pop(0)
+            prompt = queue.pop(0)
             results.append(await one_request(client, base, prompt, args))
 
     limits = httpx.Limits(max_connections=concurrency + 2)
@@ -151,10 +152,6 @@ def table(result: dict) -> str:
 
 
 def print_result(result: dict, args: argparse.Namespace) -> int:
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+    """JSON to stdout (and ``--output``), the table to stderr."""
     print(table(result), file=sys.stderr)
-    return 0
+    return runtime.print_result(result, args)
