@@ -177,9 +177,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="compiled = torch.compile graphs (cached on disk after the first run)")
     p.add_argument("--n-positions", type=n_positions_value, metavar="N", default=1024,
                    help="KV-cache length: prompt + new tokens (default: 1024)")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
                    help="weight-only attention and MLP projections: int8 per channel (with --amp bf16 PyTorch's "
-                        "int8 CPU kernel) or int4 in groups of 32 (PyTorch's int4 CPU kernel)")
+                        "int8 CPU kernel) or int4 in groups of 32 (PyTorch's int4 CPU kernel); gguf (a GGUF "
+                        "model, e.g. the embedded one): its own Q4_0 / Q4_1 / Q8_0 blocks, LM head included")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3"],
+                   help="8-bit KV cache with an f32 scale per (slot, KV head), dequantized when read "
+                        "(default: the --amp dtype); drafts use it too")
 
 
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
@@ -352,7 +356,8 @@ def generate_on_rank(args: argparse.Namespace) -> int:
                               top_k=args.top_k, top_p=args.top_p)
     target = DecoderModel.from_pretrained(args.model, n_positions=args.n_positions, amp=args.amp,
                                           backend=args.backend, sampling=sampling, tp_degree=args.tp_degree,
-                                          gqa_strategy=args.gqa_strategy, quantization=args.quantization)
+                                          gqa_strategy=args.gqa_strategy, quantization=args.quantization,
+                                          kv_cache_dtype=args.kv_cache_dtype)
     rank0 = target.tp.rank == 0
     ids = prompt_ids_of(args, target)
     n_pos = args.n_positions

@@ -12,6 +12,8 @@ parameters × dtype bytes (``amp``: f32 = 4, bf16 / f16 = 2). Buffers (RoPE tabl
 
     kv_bytes = 2 (K and V) × layers × batch_size × n_positions × kv_heads × head_dim × dtype bytes
 
+With ``kv_cache_dtype`` ("int8" / "fp8_e4m3", ``specdec.core.kv_quant``) each element takes 1 byte and
+each (slot, KV head) of K and of V a 4-byte f32 scale: ``kv_bytes = kv_elems + kv_elems / head_dim × 4``.
 ``n_positions`` is the whole cache: prompt + generated tokens + the k speculative positions a
 verification step writes (the runtime shrinks k near the end rather than reserving more), so k adds
 no memory of its own. Sliding windows do not shrink the cache (the runtime allocates n_positions).
@@ -23,6 +25,7 @@ no memory of its own. Sliding windows do not shrink the cache (the runtime alloc
                  + Σ ceil(vocab / tp) × hidden      # embeddings and LM head: vocab-parallel (default)
                  + 1-D parameters                   # norms, biases: replicated (a small upper bound)
     kv/core      = 2 × layers × batch_size × n_positions × kv_heads/core × head_dim × dtype bytes
+                   (quantized KV: 1 byte per element + 4 bytes per (slot, head), as above)
     total/core   = weights/core + kv/core (+ the draft's, see below)
 
 Heads per core come from the runtime's GQA layout for the architectures it runs (``llama``,
@@ -275,6 +278,13 @@ class ModelFootprint:
         heads = self.num_kv_heads if kv_heads is None else kv_heads
         return 2 * self.num_layers * batch_size * n_positions * heads * self.head_dim
 
+    def kv_bytes(self, batch_size: int, n_positions: int, nbytes: int, kv_cache_dtype: str | None = None,
+                 kv_heads: int | None = None) -> int:
+        """Bytes of the KV cache (``kv_heads`` per core, default all): ``nbytes`` per element, or with
+        ``kv_cache_dtype`` 1 byte per element + a 4-byte scale per (slot, head) (``kv_quant.kv_cache_bytes``)."""
+        from .core.kv_quant import kv_cache_bytes
+        return kv_cache_bytes(self.kv_elems(batch_size, n_positions, kv_heads), self.head_dim, nbytes, kv_cache_dtype)
+
 
 _FOOTPRINTS: dict[str, ModelFootprint] = {}
 _EMBEDDING_MODULES = {"embed_tokens", "embed_positions", "wte", "wpe", "lm_head", "embed_out", "word_embeddings"}
@@ -360,6 +370,7 @@ class CapacityRequest:
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     replicate_embeddings: bool = False    # True: embeddings / LM head whole on every core
     quantization: str | None = None       # "int8" / "int4": weight-only projections (DecoderModel's option)
+    kv_cache_dtype: str | None = None     # "int8" / "fp8_e4m3": 8-bit KV cache + scales (DecoderModel's option)
 
 
 @dataclass(frozen=True)
@@ -472,7 +483,7 @@ def _summary(fp: ModelFootprint, req: CapacityRequest, nbytes: int) -> ModelSumm
     weights = fp.num_parameters * nbytes if req.quantization is None else \
         fp.weight_bytes_per_core(1, fp.num_heads, fp.num_kv_heads, nbytes, quantization=req.quantization)
     return ModelSummary(fp.name, fp.model_type, fp.num_parameters, fp.num_layers, fp.num_heads, fp.num_kv_heads,
-                        fp.head_dim, weights, fp.kv_elems(req.batch_size, req.n_positions) * nbytes)
+                        fp.head_dim, weights, fp.kv_bytes(req.batch_size, req.n_positions, nbytes, req.kv_cache_dtype))
 
 
 def _per_core(fp: ModelFootprint, tp: int, req: CapacityRequest, nbytes: int, strategy: str | None):
@@ -488,7 +499,7 @@ def _per_core(fp: ModelFootprint, tp: int, req: CapacityRequest, nbytes: int, st
     weights = fp.weight_bytes_per_core(tp, q, kv, nbytes, quantization=req.quantization,
                                        replicate_embeddings=req.replicate_embeddings)
     return q, kv, (lay.strategy.value if lay is not None else None), weights, \
-        fp.kv_elems(req.batch_size, req.n_positions, kv) * nbytes
+        fp.kv_bytes(req.batch_size, req.n_positions, nbytes, req.kv_cache_dtype, kv)
 
 
 def _head_reasons(fp: ModelFootprint, tp: int, who: str) -> list[str]:
@@ -561,18 +572,20 @@ def plan_capacity(config: Any, *, batch_size: int, n_positions: int, amp: str, p
                   tp_degree: int | None = None, draft_tp_degree: int | None = None,
                   gqa_strategy: str | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
                   replicate_embeddings: bool = False, quantization: str | None = None,
-                  require_fit: bool = True) -> CapacityPlan:
+                  kv_cache_dtype: str | None = None, require_fit: bool = True) -> CapacityPlan:
     """Plan memory for ``config`` (a ``config.json`` path, checkpoint directory, dict or transformers
     config) and an optional ``draft_config`` on ``platform`` (see :data:`PLATFORM_HELP`).
 
     Reports weight and KV bytes, and for each candidate tensor-parallel degree (or only ``tp_degree``)
     the bytes per core, whether it is valid and why not; ``smallest_fitting_tp`` is the smallest valid
-    degree. The formulas and the capacity rule are in this module's docstring.
+    degree. ``quantization`` / ``kv_cache_dtype``: weights / KV cache as ``DecoderModel.from_pretrained``
+    stores them with those options. The formulas and the capacity rule are in this module's docstring.
 
     Raises ``ValueError`` for bad input (batch_size / n_positions < 1, unknown amp or platform,
     tp_degree < 1, not supported on the platform or larger than ``cores``, ...), and
     :class:`NoFitError` (a ``ValueError`` carrying the plan) when no degree fits and ``require_fit``.
     """
+    from .core.kv_quant import parse_kv_cache_dtype
     from .core.quant import parse_quantization
     from .core.tp_layout import parse_gqa
 
@@ -599,9 +612,12 @@ def plan_capacity(config: Any, *, batch_size: int, n_positions: int, amp: str, p
             raise ValueError(f"draft_tp_degree={draft_tp_degree} is not supported with tp_degree={tp_degree}: a "
                              f"draft is replicated (1) or sharded like the target ({tp_degree})")
 
+    if parse_quantization(quantization) == "gguf":
+        raise ValueError("the planner counts quantization='int8' or 'int4'; a GGUF file's own mix of block types "
+                         "is not modelled (plan a Q4_0 / Q4_1 file as 'int4')")
     req = CapacityRequest(batch_size, n_positions, str(amp), platform, cores, lnc, k, tp_degree, draft_tp_degree,
                           strategy.value if strategy else None, float(memory_fraction), replicate_embeddings,
-                          parse_quantization(quantization))
+                          parse_quantization(quantization), parse_kv_cache_dtype(kv_cache_dtype))
     target = model_footprint(config)
     draft = model_footprint(draft_config) if draft_config is not None else None
     usable = int(plat.bytes_per_core * memory_fraction)
@@ -676,6 +692,8 @@ def _no_fit_message(plan: CapacityPlan, everything: list[DegreeReport]) -> str:
                        f"{req.batch_size}: the KV cache is {_gb(kv_share)} in all)")
     if plan.dtype_bytes > 2:
         suggestions.append("a lower-precision amp: bf16 halves weights and KV cache")
+    if req.kv_cache_dtype is None:
+        suggestions.append("an 8-bit KV cache (kv_cache_dtype int8 or fp8_e4m3: 1 byte per element + scales)")
     return "\n".join(lines + ["suggestions: " + "; ".join(suggestions)])
 
 
@@ -686,6 +704,8 @@ def _no_fit_message(plan: CapacityPlan, everything: list[DegreeReport]) -> str:
 def format_plan(plan: CapacityPlan) -> str:
     """A readable report: the model(s), the platform, one row per degree, the answer."""
     req, plat = plan.request, plan.platform
+    projections = f", {req.quantization} projections" if req.quantization else ""
+    kv_format = f"{req.kv_cache_dtype} + scales, " if req.kv_cache_dtype else ""
     out = []
     for who, m in (("model", plan.model), ("draft", plan.draft)):
         if m is None:
@@ -693,8 +713,8 @@ def format_plan(plan: CapacityPlan) -> str:
         heads = f"{m.num_heads} heads" + (f" / {m.num_kv_heads} KV" if m.num_kv_heads != m.num_heads else "")
         out.append(f"{who}: {m.name} ({m.model_type}, {m.num_parameters / 1e9:.3f} B parameters, {m.num_layers} "
                    f"layers, {heads})")
-        out.append(f"  weights {_gb(m.weight_bytes)} ({req.amp}{f', {req.quantization} projections' if req.quantization else ''}) + KV cache {_gb(m.kv_bytes)} (batch {req.batch_size}"
-                   f" × {req.n_positions} positions) = {_gb(m.total_bytes)}")
+        out.append(f"  weights {_gb(m.weight_bytes)} ({req.amp}{projections}) + KV cache {_gb(m.kv_bytes)} "
+                   f"({kv_format}batch {req.batch_size} × {req.n_positions} positions) = {_gb(m.total_bytes)}")
     if plan.draft is not None:
         out.append(f"speculation: k={req.k}; draft tp_degree: "
                    f"{req.draft_tp_degree if req.draft_tp_degree else 'same as the target'}")
@@ -728,6 +748,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantized projections (from_pretrained(quantization=...)): int8 1 byte, "
                         "int4 half a byte per weight")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3"],
+                   help="8-bit KV cache (from_pretrained(kv_cache_dtype=...)): 1 byte per element + a 4-byte "
+                        "scale per (slot, KV head)")
     p.add_argument("--platform", required=True, help=PLATFORM_HELP)
     p.add_argument("--cores", type=int, default=None,
                    help="cores available (world size); default: the largest instance / all CPUs / 8 GPUs")
@@ -752,7 +775,7 @@ def run(args: argparse.Namespace) -> int:
                              k=args.k, tp_degree=args.tp_degree, draft_tp_degree=args.draft_tp_degree,
                              gqa_strategy=args.gqa_strategy, memory_fraction=args.memory_fraction,
                              replicate_embeddings=args.replicate_embeddings, quantization=args.quantization,
-                             require_fit=False)
+                             kv_cache_dtype=args.kv_cache_dtype, require_fit=False)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"specdec plan: error: {e}", file=sys.stderr)
         return 2
@@ -766,7 +789,7 @@ def run(args: argparse.Namespace) -> int:
                                        draft_tp_degree=args.draft_tp_degree, gqa_strategy=args.gqa_strategy,
                                        memory_fraction=args.memory_fraction,
                                        replicate_embeddings=args.replicate_embeddings, quantization=args.quantization,
-                                       require_fit=False).degrees
+                                       kv_cache_dtype=args.kv_cache_dtype, require_fit=False).degrees
         print(f"specdec plan: {_no_fit_message(plan, list(everything))}", file=sys.stderr)
         return 2
     return 0

@@ -1,6 +1,8 @@
-"""The benchmarks' prompt data ships inside the package, and the bench CLIs start (no model is loaded)."""
+"""The benchmarks' prompt data ships inside the package, and the bench CLIs start (no model is loaded, except
+by the slow runs of the optional llamacpp-gguf system)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,3 +79,75 @@ def test_bench_cli_help():
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, f"specdec {cmd} --help failed:\n{err}"
         assert "--prompts" in out and "--num-prompts" in out
+
+
+# --- the optional llama.cpp system (llamacpp-gguf) ---------------------------------------------
+def test_bench_systems_default_excludes_the_optional_llamacpp():
+    import argparse
+
+    from specdec.bench import runtime
+
+    parser = argparse.ArgumentParser()
+    runtime.add_arguments(parser)
+    default = parser.parse_args([]).systems
+    assert "llamacpp-gguf" in runtime.SYSTEMS and "llamacpp-gguf" not in default
+    assert default == [s for s in runtime.SYSTEMS if s != "llamacpp-gguf"]
+    assert parser.parse_args(["--systems", "all"]).systems == list(runtime.SYSTEMS)
+    assert parser.parse_args(["--systems", "llamacpp-gguf,specdec-compiled-bf16"]).systems == \
+        ["llamacpp-gguf", "specdec-compiled-bf16"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--systems", "llamacpp"])
+    assert runtime.system_info("llamacpp-gguf")["impl"] == "llamacpp"
+
+
+def test_llamacpp_skipped_with_a_note_when_not_importable_or_not_gguf(monkeypatch):
+    from specdec.bench import runtime
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)   # import llama_cpp → ImportError
+    res = runtime.run_worker("llamacpp-gguf", {"gguf": "m.gguf", "model": "m"}, progress=False)
+    assert res == {"system": "llamacpp-gguf",
+                   "skipped": "llama-cpp-python is not installed: pip install llama-cpp-python"}
+    assert ".gguf" in runtime.skip_reason("llamacpp-gguf", {"gguf": None, "model": "ckpt-dir"})
+    assert ".gguf" in runtime.skip_reason("specdec-compiled-gguf", {"gguf": None, "model": "ckpt-dir"})
+    assert runtime.skip_reason("specdec-compiled-gguf", {"gguf": "x.gguf", "model": "x.gguf"}) is None
+    assert runtime.skip_reason("hf-eager-f32", {"gguf": None}) is None
+    # the parent's summary and ratios carry the note, no timings
+    systems = runtime._summarize({"llamacpp-gguf": {"eager": {**res, "wall_s": 0.5}}}, 4, {})
+    assert systems["llamacpp-gguf"]["skipped"] == runtime.LLAMACPP_MISSING
+    assert "tokens_per_s" not in systems["llamacpp-gguf"]
+    assert all("llamacpp-gguf" not in r for r in runtime._ratios(systems).values())
+
+
+def _bench_json(capsys, *args: str) -> tuple[int, dict, str]:
+    from specdec.bench import runtime
+
+    rc = runtime.main(["--num-prompts", "2", "--max-new-tokens", "4", "--threads", "1", "--bandwidth-gbps", "10",
+                       "--warmup-tokens", "2", "--no-progress", *args])
+    out, err = capsys.readouterr()
+    return rc, json.loads(out), err
+
+
+@pytest.mark.slow
+def test_bench_run_reports_llamacpp_skipped_and_does_not_fail(embedded_model, single_thread, tmp_path, monkeypatch,
+                                                              capsys):
+    """The worker finds no llama_cpp (a shadowing module that raises ImportError): a note, exit 0."""
+    (tmp_path / "llama_cpp.py").write_text("raise ImportError('simulated: llama-cpp-python missing')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))   # the workers inherit it
+    rc, result, table = _bench_json(capsys, "--systems", "llamacpp-gguf")
+    assert rc == 0
+    assert result["systems"]["llamacpp-gguf"] == {
+        "impl": "llamacpp", "compiled": False, "dtype": "gguf", "quantization": "gguf",
+        "skipped": "llama-cpp-python is not installed: pip install llama-cpp-python",
+        "worker_wall_s": result["systems"]["llamacpp-gguf"]["worker_wall_s"]}
+    assert "| llamacpp-gguf | skipped: llama-cpp-python is not installed" in table
+
+
+@pytest.mark.slow
+def test_bench_llamacpp_decodes_exactly_max_new_tokens(embedded_model, single_thread, capsys):
+    llama_cpp = pytest.importorskip("llama_cpp", exc_type=ImportError)
+    rc, result, _ = _bench_json(capsys, "--systems", "llamacpp-gguf", "--save-tokens")
+    assert rc == 0
+    entry = result["systems"]["llamacpp-gguf"]
+    assert [len(t) for t in entry["tokens"]] == [4, 4]
+    assert entry["details"]["llama_cpp"] == llama_cpp.__version__ and entry["threads"] == 1
+    assert entry["tokens_per_s"]["median"] > 0 and 0 < entry["fraction_of_bandwidth_bound"]

@@ -48,7 +48,7 @@ def test_compiled_greedy_equals_eager_and_transformers(setup):
     # the graphs really are compiled callables, one per (context bucket, KV bucket)
     assert sorted((k.n_tokens, k.kv_len) for k in model._graphs) == [(1, 64), (16, 16)]
     for g in model._graphs.values():
-        assert isinstance(g, torch._dynamo.eval_frame.OptimizedModule)
+        assert hasattr(g, "_torchdynamo_orig_callable")        # torch.compile's wrapper
     # step logits agree with eager to float tolerance
     params = model.sampling_params(do_sample=False)
     p = torch.tensor(setup["prompts"][0])

@@ -110,7 +110,7 @@ def test_quantization_names(name, scheme):
     assert parse_quantization(name) == scheme
 
 
-@pytest.mark.parametrize("variant,name,match", [("llama", "fp4", "not supported: use None, 'int8' or 'int4'"),
+@pytest.mark.parametrize("variant,name,match", [("llama", "fp4", "not supported: use None, 'int8', 'int4' or 'gguf'"),
                                                 ("llama-tp-padded", "int4", "divisible by 16 .* use quantization='int8'")])
 def test_unsupported_quantization_is_a_clear_error(checkpoint, variant, name, match):
     with pytest.raises(ValueError, match=match):

@@ -1,8 +1,7 @@
 """Quality of a precision / quantization setting: perplexity on held-out text and greedy agreement.
 
 For each ``--settings`` entry (``f32``, ``bf16``, ``int8`` / ``int4`` = bf16 activations with
-quantized projections)
-the embedded model (or ``--model``) scores ``--text`` (default: ``HELD_OUT``, prose written for this
+quantized projections, ``gguf`` = bf16 activations with the GGUF file's own blocks) the embedded model (or ``--model``) scores ``--text`` (default: ``HELD_OUT``, prose written for this
 benchmark, none of it in the prompts or training data of the shipped drafts) in windows of
 ``--window`` tokens: perplexity = exp(mean negative log-likelihood of every token after the first of
 each window). It also decodes ``--max-new-tokens`` greedy tokens for the first ``--num-prompts``
@@ -49,7 +48,8 @@ the same idea with more precise instruments and with angles other than forty-fiv
 the tangent of the measured angle instead of assuming it equals one.
 """
 
-SETTINGS = {"f32": ("f32", None), "bf16": ("bf16", None), "int8": ("bf16", "int8"), "int4": ("bf16", "int4")}
+SETTINGS = {"f32": ("f32", None), "bf16": ("bf16", None), "int8": ("bf16", "int8"), "int4": ("bf16", "int4"),
+            "gguf": ("bf16", "gguf")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,12 @@ Systems:
                          mechanism (decode step compiled by ``torch.compile``), float32
   specdec-eager-f32/bf16 specdec ``DecoderModel.generate``, eager backend
   specdec-compiled-f32/bf16  specdec, ``compiled`` backend (one graph per bucket)
+  specdec-compiled-int8/int4 the same, bf16 activations, weight-only int8 / int4 projections
+  specdec-compiled-gguf  the same, ``quantization="gguf"``: the GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks,
+                         LM head included (skipped with a note when ``--model`` is no .gguf file)
+  llamacpp-gguf          llama.cpp (``llama-cpp-python``, optional: not installed with specdec, not run unless
+                         named or ``all``) on the ``--model``'s GGUF file, its quantized weights as they are;
+                         skipped with a note when ``llama_cpp`` is missing or ``--model`` is no .gguf file
 
 Usage: ``python bench/bench_runtime.py [--systems a,b] [--num-prompts N] [--max-new-tokens N]
 [--output FILE]`` or ``specdec bench ...``; JSON on stdout, a markdown table on stderr. The prompts
@@ -37,10 +43,17 @@ from ..core.chat import chat_ids
 from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_questions
 
 SYSTEMS = ("hf-eager-f32", "hf-compile-f32", "specdec-eager-f32", "specdec-eager-bf16",
-           "specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8", "specdec-compiled-int4")
+           "specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8", "specdec-compiled-int4",
+           "specdec-compiled-gguf", "llamacpp-gguf")
+GGUF_SYSTEMS = ("specdec-compiled-gguf", "llamacpp-gguf")          # they read the --model's GGUF file
+# run only when named (or with ``all``): they need packages specdec does not install
+OPTIONAL = ("llamacpp-gguf",)
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in OPTIONAL)
+LLAMACPP_MISSING = "llama-cpp-python is not installed: pip install llama-cpp-python"
 BASELINE = "hf-eager-f32"
 # systems timed twice, in fresh processes: empty Inductor cache (cold), then reusing it (cached)
-COLD_CACHED = ("specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8", "specdec-compiled-int4")
+COLD_CACHED = ("specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8", "specdec-compiled-int4",
+               "specdec-compiled-gguf")
 
 
 def package_parent() -> Path:
@@ -49,10 +62,13 @@ def package_parent() -> Path:
 
 
 def system_info(name: str) -> dict:
-    """{"impl": "hf"|"specdec", "compiled": bool, "dtype": "f32"|"bf16", "quantization": None|"int8"|"int4"}
-    (``int8`` / ``int4``: bf16 activations, weight-only quantized projections)."""
+    """{"impl": "hf"|"specdec"|"llamacpp", "compiled": bool, "dtype": "f32"|"bf16"|"gguf",
+    "quantization": None|"int8"|"int4"|"gguf"} (``int8`` / ``int4``: bf16 activations, weight-only quantized
+    projections; ``gguf``: the GGUF file's own tensor types, in specdec or llama.cpp)."""
+    if name == "llamacpp-gguf":
+        return {"impl": "llamacpp", "compiled": False, "dtype": "gguf", "quantization": "gguf"}
     impl, mode, dtype = name.split("-")
-    quantization = dtype if dtype in ("int8", "int4") else None
+    quantization = dtype if dtype in ("int8", "int4", "gguf") else None
     return {"impl": impl, "compiled": mode in ("compile", "compiled"), "dtype": "bf16" if quantization else dtype,
             "quantization": quantization}
 
@@ -70,8 +86,9 @@ def _systems_arg(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the benchmark (used by ``specdec bench`` and ``python -m specdec.bench.runtime``)."""
-    parser.add_argument("--systems", type=_systems_arg, default=list(SYSTEMS),
-                        help=f"comma-separated subset of {', '.join(SYSTEMS)} (default: all)")
+    parser.add_argument("--systems", type=_systems_arg, default=list(DEFAULT_SYSTEMS),
+                        help=f"comma-separated subset of {', '.join(SYSTEMS)}, or 'all' (default: all but the "
+                             f"optional {', '.join(OPTIONAL)})")
     parser.add_argument("--model", default=None,
                         help="checkpoint directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     add_prompt_arguments(parser)
@@ -149,16 +166,25 @@ def measure_bandwidth(gb: float = 1.0, runs: int = 9) -> dict:
             "method": "median over runs of bytes / time of torch.sum over a float32 tensor"}
 
 
-def bytes_per_token(config, dtype_name: str, mean_context: float, quantization: str | None = None) -> dict:
+def bytes_per_token(config, dtype_name: str, mean_context: float, quantization: str | None = None,
+                    weight_bytes: int | None = None) -> dict:
     """Bytes a decode step must read: all weights (tied embeddings once; int8 projections at 1 byte
-    with ``quantization``) + the K/V of the context."""
+    with ``quantization``; ``weight_bytes`` if given) + the K/V of the context (in ``dtype_name``)."""
     from ..core.config import amp_dtype
 
     dtype = amp_dtype(dtype_name)
-    weights = config.weight_bytes(dtype, quantization)
+    weights = weight_bytes if weight_bytes is not None else config.weight_bytes(dtype, quantization)
     itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else dtype.bits // 8
     kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * mean_context * itemsize
     return {"weight_bytes": weights, "kv_bytes": kv, "bytes_per_token": weights + kv}
+
+
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file llama.cpp loads for ``--model`` (``paths.gguf_source``); None for a checkpoint
+    directory (llama.cpp reads only GGUF)."""
+    from ..core.paths import gguf_source
+
+    return gguf_source(model)
 
 
 # ---------------------------------------------------------------------------------------- worker
@@ -278,6 +304,55 @@ class _SpecdecRunner:
         return time.perf_counter() - t0, per_graph
 
 
+class _LlamaCppRunner:
+    """llama.cpp (``llama-cpp-python``) on the GGUF file: ``Llama.generate`` with the greedy sampler
+    (temperature 0, no penalties). That generator never stops by itself (EOS is checked only by the
+    completion API), so EOS is ignored and exactly ``n`` tokens are taken. The KV cache is cleared before
+    every call, so each one prefills its whole prompt as the other systems do (no prefix reuse)."""
+
+    def __init__(self, job: dict, threads: int):
+        import llama_cpp
+
+        self.compiled = False
+        n_ctx = job["n_positions"]   # >= longest prompt + max_new_tokens, as the others' KV length
+        self.llm = llama_cpp.Llama(job["gguf"], n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   verbose=False)
+        self.describe = {"llama_cpp": llama_cpp.__version__, "gguf": job["gguf"], "n_ctx": n_ctx,
+                         "n_threads": threads, "sampler": "greedy (temp 0), EOS ignored"}
+
+    def generate(self, ids: list[int], n: int, streamer=None) -> list[int]:
+        self.llm.reset()
+        if streamer is not None:
+            streamer.put(ids)   # the prompt, as transformers' streamers get it
+        out = []
+        for token in self.llm.generate(ids, temp=0.0, repeat_penalty=1.0):
+            out.append(int(token))
+            if streamer is not None:
+                streamer.put(token)
+            if len(out) == n:
+                break
+        return out
+
+    def compile(self, prompt_ids, n, compile_all) -> tuple[float | None, dict]:
+        return None, {}
+
+
+def skip_reason(system: str, job: dict) -> str | None:
+    """Why ``system`` cannot run here (a one-line note), or None: the ``GGUF_SYSTEMS`` need a GGUF
+    ``--model``, llamacpp-gguf also ``llama_cpp`` importable."""
+    if system not in GGUF_SYSTEMS:
+        return None
+    if not job.get("gguf"):
+        return f"{system} needs a .gguf file as --model ({job.get('model')} is not one)"
+    if system != "llamacpp-gguf":
+        return None
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return LLAMACPP_MISSING
+    return None
+
+
 def _counters() -> dict:
     try:
         from torch._dynamo.utils import counters
@@ -289,7 +364,11 @@ def _counters() -> dict:
 
 def run_worker(system: str, job: dict, compile_only: bool = False, progress: bool = True) -> dict:
     """Load, compile, warm up, then time every prompt: one ``generate(max_new_tokens=1)`` (TTFT)
-    and one full ``generate`` with a timing streamer. Runs inside the worker process."""
+    and one full ``generate`` with a timing streamer. Runs inside the worker process. A system that
+    cannot run here returns only ``{"system", "skipped": note}`` (see :func:`skip_reason`)."""
+    skipped = skip_reason(system, job)
+    if skipped:
+        return {"system": system, "skipped": skipped}
     import torch
     from tqdm.auto import tqdm
 
@@ -306,6 +385,8 @@ def run_worker(system: str, job: dict, compile_only: bool = False, progress: boo
     t = time.perf_counter()
     if info["impl"] == "hf":
         runner = _HFRunner(job, info["compiled"])
+    elif info["impl"] == "llamacpp":
+        runner = _LlamaCppRunner(job, torch.get_num_threads())
     else:
         runner = _SpecdecRunner(job, info["dtype"], info["compiled"], info["quantization"])
     res["load_s"] = time.perf_counter() - t
@@ -536,12 +617,13 @@ def run(args: argparse.Namespace) -> dict:
         if n_positions < need:
             raise ValueError(f"--n-positions={n_positions} is too small: the longest prompt has {max(lengths)} "
                              f"tokens + {n_new} new tokens = {need}")
+        gguf = gguf_file(args.model) if set(GGUF_SYSTEMS) & set(systems) else None
         pad = config.pad_token_id if config.pad_token_id is not None else \
             (config.eos_token_ids[0] if config.eos_token_ids else 0)
         job = {"model": str(model_path), "prompt_ids": prompt_ids, "max_new_tokens": n_new,
                "n_positions": n_positions, "context_buckets": args.context_buckets, "kv_buckets": args.kv_buckets,
                "compile_all": args.compile_all, "threads": args.threads, "warmup_tokens": args.warmup_tokens,
-               "pad_token_id": pad}
+               "pad_token_id": pad, "gguf": str(gguf) if gguf else None}
         job_file = work_dir / "job.json"
         job_file.write_text(json.dumps(job))
 
@@ -568,6 +650,9 @@ def run(args: argparse.Namespace) -> dict:
         for name, dt, quant in (("f32", "f32", None), ("bf16", "bf16", None), ("int8", "bf16", "int8"),
                                 ("int4", "bf16", "int4")):
             bound[name] = {**bytes_per_token(config, dt, mean_ctx, quant), "mean_context": mean_ctx}
+        if gguf:  # the GGUF file's bytes (its tensors + ~2% metadata), a 16-bit KV cache
+            bound["gguf"] = {**bytes_per_token(config, "f16", mean_ctx, weight_bytes=gguf.stat().st_size),
+                             "mean_context": mean_ctx}
         _fill_bound(bound, bw["gbps"])
         result["bandwidth_bound"] = bound
 
@@ -592,6 +677,8 @@ def run(args: argparse.Namespace) -> dict:
             raw.setdefault(s, {})[phase] = r
             if "error" in r:
                 tqdm.write(f"[bench] {s} ({phase}) failed: {r['error']}", file=sys.stderr)
+            elif "skipped" in r:
+                tqdm.write(f"[bench] {s} skipped: {r['skipped']}", file=sys.stderr)
         bar.close()
         result["config"]["loadavg_end"] = list(os.getloadavg())
         if not args.bandwidth_gbps:  # measured again after the workers: the higher median counts
@@ -635,7 +722,9 @@ def _summarize(raw: dict, n_new: int, bound: dict) -> dict:
         errors = {p: r["error"] for p, r in phases.items() if "error" in r}
         if errors:
             entry["error"] = errors
-        if "error" not in main:
+        if "skipped" in main:
+            entry["skipped"] = main["skipped"]
+        elif "error" not in main:
             e2e, dec, ttft = main["e2e_s"], main["decode_s"], main["ttft_s"]
             entry["tokens_per_s"] = _stats([n_new / t for t in e2e])
             entry["decode_tokens_per_s"] = _stats([(n_new - 1) / t for t in dec if t > 0])
@@ -717,7 +806,8 @@ def markdown_table(result: dict) -> str:
         f"batch 1 greedy; {cfg['cpu_count']} CPUs ({cfg['cpu_model']}), torch {cfg['torch']}, "
         f"{cfg['torch_threads']} threads; read bandwidth {result['bandwidth_gbps']:.1f} GB/s → bound "
         f"{bound['f32']['tokens_per_s']:.1f} tok/s f32, {bound['bf16']['tokens_per_s']:.1f} tok/s bf16, "
-        f"{bound['int8']['tokens_per_s']:.1f} / {bound['int4']['tokens_per_s']:.1f} tok/s int8 / int4 projections",
+        f"{bound['int8']['tokens_per_s']:.1f} / {bound['int4']['tokens_per_s']:.1f} tok/s int8 / int4 projections"
+        + (f", {bound['gguf']['tokens_per_s']:.1f} tok/s the GGUF file" if "gguf" in bound else ""),
         "",
         "| system | tok/s (median) | decode tok/s | TTFT ms | compile s (cold / cached) | peak RSS MB "
         f"| × {BASELINE} | % of BW bound | same tokens as ref |",
@@ -726,7 +816,8 @@ def markdown_table(result: dict) -> str:
     speed = result["ratios"].get(f"speedup_vs_{BASELINE}", {})
     for s, e in result["systems"].items():
         if "tokens_per_s" not in e:
-            lines.append(f"| {s} | error: {e.get('error')} | | | | | | | |")
+            why = f"skipped: {e['skipped']}" if "skipped" in e else f"error: {e.get('error')}"
+            lines.append(f"| {s} | {why} | | | | | | | |")
             continue
         comp = e.get("compile", {})
         if "cold_s" in comp and "cached_s" in comp:

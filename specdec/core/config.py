@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from .kv_quant import kv_cache_bytes
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 AMP_DTYPES = {
@@ -125,6 +127,13 @@ class ModelConfig:
         rows = q + 2 * kv + h + 2 * i + h
         return self.num_layers * quantized_bytes(projections, rows, size, quantization) + \
             (total - self.num_layers * projections) * size
+
+    def kv_bytes(self, dtype: torch.dtype, batch_size: int, n_positions: int, kv_cache_dtype: str | None = None) -> int:
+        """Bytes of the preallocated KV cache (K and V of every layer, ``batch_size`` rows of ``n_positions``
+        slots, unsharded): ``dtype`` elements, or with ``kv_cache_dtype`` ("int8", "fp8_e4m3") 1 byte per
+        element plus a 4-byte scale per (slot, head) for K and for V (``kv_quant.kv_cache_bytes``)."""
+        elems = 2 * self.num_layers * batch_size * n_positions * self.num_kv_heads * self.head_dim
+        return kv_cache_bytes(elems, self.head_dim, torch.finfo(dtype).bits // 8, kv_cache_dtype)
 
     def bytes_read_per_token(self, dtype: torch.dtype, quantization: str | None = None) -> int:
         """Weight bytes a decode step reads: every weight except the embedding table (one row)."""

@@ -24,9 +24,11 @@ from tqdm.auto import tqdm
 from .buckets import check_buckets, pick_bucket
 from .checkpoint import load_weights
 from .config import ModelConfig, amp_dtype
-from .paths import resolve_model_path
+from .gguf_weights import load_gguf_blocks
+from .paths import gguf_source, resolve_model_path
 from .graphs import BACKENDS, GraphKey, StepGraph, build_graph, configure_compile_cache
-from .model import DecoderLM
+from .kv_quant import parse_kv_cache_dtype
+from .model import Attention, DecoderLM
 from .parallel import TPGroup, barrier, shard_plan, tp_group
 from .quant import parse_quantization, quantize_linears
 from .sampling import (TEMPERATURE, RowGenerators, SamplingConfig, any_penalised, any_sampled, needs_filter,
@@ -49,6 +51,7 @@ class RuntimeSettings:
     backend: str = "compiled"
     device: str = "cpu"
     quantization: str | None = None
+    kv_cache_dtype: str | None = None      # None: the compute dtype; "int8" / "fp8_e4m3" (``kv_quant``)
 
 
 @dataclass
@@ -66,6 +69,7 @@ class StepOutput:
 class DecoderModel:
     def __init__(self, path: Path, config: ModelConfig, lm: DecoderLM, settings: RuntimeSettings):
         self.path, self.config, self.lm, self.settings = path, config, lm, settings
+        self.source = path      # what ``load`` reloads from: the checkpoint directory, or the GGUF file
         self.context_buckets = check_buckets("context_buckets", settings.context_buckets, settings.n_positions)
         self.kv_buckets = check_buckets("kv_buckets", settings.kv_buckets, settings.n_positions)
         self.device = torch.device(settings.device)
@@ -85,7 +89,8 @@ class DecoderModel:
                         amp: str = "f32", tp_degree: int = 1, gqa_strategy: str | None = None,
                         context_buckets: list[int] | None = None, kv_buckets: list[int] | None = None,
                         sampling: SamplingConfig | None = None, backend: str = "compiled", device: str = "cpu",
-                        quantization: str | None = None, progress: bool = True) -> "DecoderModel":
+                        quantization: str | None = None, kv_cache_dtype: str | None = None,
+                        progress: bool = True) -> "DecoderModel":
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, or (``None``) the embedded
         SmolLM2-135M-Instruct. Graphs are built lazily on first use, or all at once by ``compile()``.
 
@@ -94,17 +99,29 @@ class DecoderModel:
         ``gqa_strategy`` ('replicate-to-tp-degree' / 'convert-to-mha', None = automatic) sets how
         query/KV heads are laid out over the ranks (``tp_layout``). ``quantization``: None, or ``"int8"``
         weight-only per-channel int8 of the attention and MLP projections (NxD Inference's names
-        ``"per_channel_symmetric"``, transformers-neuronx's ``"s8"`` also accepted; see ``quant``)."""
+        ``"per_channel_symmetric"``, transformers-neuronx's ``"s8"`` also accepted; see ``quant``),
+        ``"int4"`` group-wise int4, or ``"gguf"`` (a GGUF file only): every Q4_0 / Q4_1 / Q8_0 tensor,
+        LM head included, keeps the file's own blocks (``gguf_weights``). With int4 / int8 a GGUF file's
+        Q4_0 / Q4_1 (int4) or Q8_0 (int8) projections keep theirs too instead of being rounded again.
+        ``kv_cache_dtype``: None / "auto" (the KV cache in the compute dtype), ``"int8"`` or ``"fp8_e4m3"``
+        (alias ``"fp8"``; vLLM's names, NxD Inference's ``kv_cache_quant``): 8-bit K/V with an f32 scale
+        per (row, slot, KV head), dequantized when read (``kv_quant``). Drafts inherit both settings."""
         gqa = parse_gqa(gqa_strategy)
         quantization = parse_quantization(quantization)
+        kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
         settings = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa and gqa.value, context_buckets,
-                                   kv_buckets, sampling or SamplingConfig(), backend, device, quantization)
+                                   kv_buckets, sampling or SamplingConfig(), backend, device, quantization,
+                                   kv_cache_dtype)
         dtype = amp_dtype(amp)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")
         tp = tp_group(tp_degree, device)   # validates tp_degree against the running processes
         if batch_size < 1 or n_positions < 2:
             raise ValueError(f"batch_size must be >= 1 and n_positions >= 2 (got {batch_size}, {n_positions})")
+        gguf = gguf_source(path)
+        if quantization == "gguf" and gguf is None:
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's own quantized tensors, but {path} is a "
+                             "checkpoint directory, not a .gguf file: use 'int8' or 'int4'")
         path = resolve_model_path(path, progress=progress and tp.rank == 0)
         config = ModelConfig.from_dir(path)
         if n_positions > config.max_position_embeddings:
@@ -115,13 +132,17 @@ class DecoderModel:
                              "sliding-window attention is not implemented")
         layout = head_layout(config.num_heads, config.num_kv_heads, tp_degree, gqa)
         with torch.device("meta"):
-            lm = DecoderLM(config, batch_size, n_positions, dtype, tp, layout)
+            lm = DecoderLM(config, batch_size, n_positions, dtype, tp, layout, kv_cache_dtype)
         lm = lm.to_empty(device=device).to(dtype)
         lm.init_buffers()
-        load_weights(lm, path, progress=progress and tp.rank == 0, shards=shard_plan(config, layout, tp.rank))
+        shards = shard_plan(config, layout, tp.rank)
+        load_weights(lm, path, progress=progress and tp.rank == 0, shards=shards)
+        if quantization is not None and gguf is not None:
+            load_gguf_blocks(lm, gguf, quantization, shards)
         quantize_linears(lm, quantization, tp)
         lm.eval().requires_grad_(False)
         model = cls(path, config, lm, settings)
+        model.source = gguf or path
         model.progress = progress
         return model
 
@@ -267,14 +288,14 @@ class DecoderModel:
         self.presence.index_put_(index, torch.ones((), dtype=torch.bool, device=self.device))
 
     def copy_cache_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """KV compaction, on device: in every layer, row b's cache slot src[b, i] is copied to slot
-        dst[b, i] (src, dst [B, m]; all slots are read before any is written)."""
+        """KV compaction, on device: in every layer, row b's cache slot src[b, i] (K, V and, quantized,
+        their scales) is copied to slot dst[b, i] (src, dst [B, m]; all slots are read before any is written)."""
         rows = torch.arange(self.batch_size, device=self.device).unsqueeze(1)
         src, dst = src.to(self.device), dst.to(self.device)
         with torch.no_grad():
             for module in self.lm.modules():
-                if hasattr(module, "k_cache"):
-                    for cache in (module.k_cache, module.v_cache):
+                if isinstance(module, Attention):
+                    for cache in module.cache_buffers():
                         cache.index_put_((rows, dst), cache[rows, src])
 
     # ------------------------------------------------------------------ input checks
@@ -474,7 +495,7 @@ class DecoderModel:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         if self.tp.rank == 0:
-            meta = {"checkpoint": str(self.path.resolve()), "settings": asdict(self.settings),
+            meta = {"checkpoint": str(Path(self.source).resolve()), "settings": asdict(self.settings),
                     "graphs": [asdict(k) for k in self._graphs]}
             (directory / "specdec.json").write_text(json.dumps(meta, indent=2))
         if self.settings.backend == "compiled":

@@ -15,7 +15,10 @@ Invariants:
   for a tree), independent of the slot a token is written to;
 - a new token i attends to all committed slots of its row and to new token j iff ``token_mask[b, i, j]``;
 - attention reads only the first ``kv_len`` slots (the KV bucket); stale slots past a row's length
-  are masked, so rollback is just lowering ``cache_lengths``.
+  are masked, so rollback is just lowering ``cache_lengths``;
+- with ``kv_cache_dtype`` ("int8" / "fp8_e4m3", ``kv_quant``) each slot holds 8-bit K/V and f32 scales
+  per KV head (``k_scale`` / ``v_scale`` [B, S, Hkv]), written together; the n new tokens are written
+  first, so they too attend to their own dequantized K/V, as every later step sees them.
 Parameter names equal the Hugging Face ``LlamaForCausalLM`` state-dict keys.
 
 Tensor parallelism (``tp.size > 1``, see ``parallel``): every module holds its rank's shard — head
@@ -32,6 +35,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .config import ModelConfig
+from .kv_quant import dequantize_kv, quantize_kv, storage_dtype
 from .parallel import TPGroup, all_gather_last, all_reduce, per_rank
 from .tp_layout import HeadLayout, head_layout
 
@@ -79,19 +83,57 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Column-parallel q/k/v over the rank's head slots, row-parallel o_proj (+ all-reduce)."""
+    """Column-parallel q/k/v over the rank's head slots, row-parallel o_proj (+ all-reduce).
+
+    KV cache of the rank's KV heads: ``k_cache`` / ``v_cache`` [B, S, Hkv per rank, D] in the compute
+    dtype, or with ``kv_cache_dtype`` ("int8" / "fp8_e4m3") in 8 bits plus f32 scales ``k_scale`` /
+    ``v_scale`` [B, S, Hkv per rank], one per (row, slot, head) (``kv_quant``: format, error bound)."""
 
     def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype,
-                 layout: HeadLayout, tp: TPGroup):
+                 layout: HeadLayout, tp: TPGroup, kv_cache_dtype: str | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim, self.tp = layout.q_per_rank, layout.kv_per_rank, c.head_dim, tp
         self.q_proj = nn.Linear(c.hidden_size, self.n_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=False)
-        shape = (batch_size, n_positions, self.n_kv, c.head_dim)  # [B, S, Hkv per rank, D]
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.cache_shape = (batch_size, n_positions, self.n_kv, c.head_dim)  # [B, S, Hkv per rank, D]
+        self.cache_dtype = dtype if kv_cache_dtype is None else storage_dtype(kv_cache_dtype)
+        for name, buffer_dtype, shape in self._cache_specs():
+            self.register_buffer(name, torch.zeros(shape, dtype=buffer_dtype), persistent=False)
+
+    def _cache_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, dtype, shape) of each per-slot buffer: the caches and, quantized, their scales."""
+        specs = [("k_cache", self.cache_dtype, self.cache_shape), ("v_cache", self.cache_dtype, self.cache_shape)]
+        if self.kv_cache_dtype is not None:
+            specs += [(f"{kv}_scale", torch.float32, self.cache_shape[:3]) for kv in "kv"]
+        return specs
+
+    def cache_buffers(self) -> list[torch.Tensor]:
+        """The per-slot buffers, each [B, S, ...] (rows, slots first): what KV compaction moves."""
+        return [getattr(self, name) for name, _, _ in self._cache_specs()]
+
+    def init_cache(self) -> None:
+        """Zero the per-slot buffers, restoring their dtypes (a module-wide ``.to(dtype)`` casts the fp8
+        caches and the f32 scales)."""
+        for name, dtype, _ in self._cache_specs():
+            setattr(self, name, getattr(self, name).to(dtype).zero_())
+
+    def _write_read(self, kv: str, x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, kv_len: int,
+                    seq_ids: torch.Tensor | None) -> torch.Tensor:
+        """Write x [b, n, Hkv, D] (``kv``: "k" keys, "v" values) to cache slots (rows [b, 1], slots [b, n]);
+        return the first ``kv_len`` slots of the input rows' cache rows, [b, kv_len, Hkv, D] in x's dtype
+        (dequantized when the cache is quantized)."""
+        cache = getattr(self, f"{kv}_cache")
+        if self.kv_cache_dtype is None:
+            cache.index_put_((rows, slots), x.to(cache.dtype))
+            return read_slots(cache, seq_ids, kv_len)
+        scale = getattr(self, f"{kv}_scale")
+        q, s = quantize_kv(x, cache.dtype)
+        cache.index_put_((rows, slots), q)
+        scale.index_put_((rows, slots), s)
+        return dequantize_kv(read_slots(cache, seq_ids, kv_len), read_slots(scale, seq_ids, kv_len), x.dtype)
 
     def forward(self, x, cos, sin, slots, mask, kv_len: int, seq_ids=None):
         """x [b, n, H]; cos/sin [b, n, D]; slots [b, n] cache slots to write; mask [b, 1, n, kv_len];
@@ -103,16 +145,40 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rows = (torch.arange(b, device=x.device) if seq_ids is None else seq_ids).unsqueeze(1)
-        self.k_cache.index_put_((rows, slots), k.to(self.k_cache.dtype))
-        self.v_cache.index_put_((rows, slots), v.to(self.v_cache.dtype))
-        k_rows, v_rows = ((self.k_cache, self.v_cache) if seq_ids is None
-                          else (self.k_cache[seq_ids], self.v_cache[seq_ids]))
-        keys = k_rows[:, :kv_len].transpose(1, 2)  # [b, Hkv, kv_len, D]
-        values = v_rows[:, :kv_len].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                             enable_gqa=self.n_heads != self.n_kv)
-        out = self.o_proj(out.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+        keys = self._write_read("k", k, rows, slots, kv_len, seq_ids).transpose(1, 2)  # [b, Hkv, kv_len, D]
+        values = self._write_read("v", v, rows, slots, kv_len, seq_ids).transpose(1, 2)
+        if n == 1:
+            out = one_token_attention(q, keys, values, mask)
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                                 enable_gqa=self.n_heads != self.n_kv).transpose(1, 2)
+        out = self.o_proj(out.reshape(b, n, self.n_heads * self.head_dim))
         return all_reduce(out, self.tp) if self.tp.size > 1 else out
+
+
+def read_slots(buffer: torch.Tensor, seq_ids: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+    """The first ``kv_len`` slots of a per-slot buffer [B, S, ...]: every row (seq_ids None) or rows
+    ``seq_ids`` [b] → [b, kv_len, ...]."""
+    return buffer[:, :kv_len] if seq_ids is None else buffer[seq_ids, :kv_len]
+
+
+def one_token_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one new token per row as two fused reductions (a decode step; the compiled kernel
+    costs a quarter of the fused-attention kernel's set-up at this size).
+
+    q [b, 1, Hq, D]; keys / values [b, Hkv, L, D] with Hq = G · Hkv (query head h reads KV head h // G,
+    transformers' ``repeat_kv``); mask [b, 1, 1, L] bool (True: may attend). Returns [b, 1, Hq, D].
+    Scores and softmax in f32; a masked score is f32's minimum, not -inf, so a row with nothing to
+    attend to averages its slots instead of producing NaN.
+    """
+    b, _, hq, d = q.shape
+    hkv = keys.shape[1]
+    grouped = q.view(b, hkv, hq // hkv, 1, d).float()                             # [b, Hkv, G, 1, D]
+    scores = (grouped * keys.unsqueeze(2).float()).sum(-1) * d ** -0.5           # [b, Hkv, G, L]
+    scores = torch.where(mask, scores, torch.finfo(torch.float32).min)
+    weights = scores.softmax(-1).unsqueeze(-1)                                    # [b, Hkv, G, L, 1]
+    out = (weights * values.unsqueeze(2).float()).sum(3)                          # [b, Hkv, G, D]
+    return out.to(q.dtype).view(b, 1, hq, d)
 
 
 class MLP(nn.Module):
@@ -132,10 +198,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype,
-                 layout: HeadLayout, tp: TPGroup):
+                 layout: HeadLayout, tp: TPGroup, kv_cache_dtype: str | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, batch_size, n_positions, dtype, layout, tp)
+        self.self_attn = Attention(c, batch_size, n_positions, dtype, layout, tp, kv_cache_dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c, tp)
 
@@ -146,10 +212,10 @@ class DecoderLayer(nn.Module):
 
 class Backbone(nn.Module):
     def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype,
-                 layout: HeadLayout, tp: TPGroup):
+                 layout: HeadLayout, tp: TPGroup, kv_cache_dtype: str | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(per_rank(c.vocab_size, tp.size), c.hidden_size)  # vocab-parallel
-        self.layers = nn.ModuleList(DecoderLayer(c, batch_size, n_positions, dtype, layout, tp)
+        self.layers = nn.ModuleList(DecoderLayer(c, batch_size, n_positions, dtype, layout, tp, kv_cache_dtype)
                                     for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -169,15 +235,16 @@ class DecoderLM(nn.Module):
     """Llama-family causal LM with a preallocated KV cache of ``n_positions`` slots per row.
 
     ``tp``: this rank's tensor-parallel group (default: not sharded); ``layout``: the head slots
-    (default: ``head_layout`` with the automatic GQA strategy for ``tp.size``).
+    (default: ``head_layout`` with the automatic GQA strategy for ``tp.size``); ``kv_cache_dtype``:
+    None (the cache in ``dtype``), "int8" or "fp8_e4m3" (``kv_quant``).
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype,
-                 tp: TPGroup = TPGroup(), layout: HeadLayout | None = None):
+                 tp: TPGroup = TPGroup(), layout: HeadLayout | None = None, kv_cache_dtype: str | None = None):
         super().__init__()
         self.config, self.tp = config, tp
         self.layout = layout or head_layout(config.num_heads, config.num_kv_heads, tp.size)
-        self.model = Backbone(config, batch_size, n_positions, dtype, self.layout, tp)
+        self.model = Backbone(config, batch_size, n_positions, dtype, self.layout, tp, kv_cache_dtype)
         self.out_vocab = config.output_vocab_size or config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, per_rank(self.out_vocab, tp.size), bias=False)  # vocab-parallel
         if config.output_vocab_size:
@@ -191,13 +258,13 @@ class DecoderLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def init_buffers(self) -> None:
-        """Restore what ``to_empty``/dtype casts lose: weight tying, f32 RoPE frequencies, zero caches."""
-        if self.config.tie_word_embeddings:
+        """Restore what ``to_empty``/dtype casts lose: weight tying, f32 RoPE frequencies, zero caches
+        (and scales) in their storage dtypes."""
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):   # not a quantized head
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.inv_freq = rope_inv_freq(self.config)[0].to(self.lm_head.weight.device)
+        self.inv_freq = rope_inv_freq(self.config)[0].to(self.model.norm.weight.device)
         for layer in self.model.layers:
-            layer.self_attn.k_cache.zero_()
-            layer.self_attn.v_cache.zero_()
+            layer.self_attn.init_cache()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, n] → [B, n, H]; vocab-parallel: the owning rank's row, summed over ranks."""

@@ -229,19 +229,29 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path | None = None, progr
     return out_dir
 
 
-def resolve_model_path(path: str | Path | None, progress: bool = True) -> Path:
-    """A checkpoint directory for ``path``: None / the embedded name → the embedded model;
-    a ``.gguf`` file (or a directory holding exactly one) → its converted safetensors directory
-    (converted on first use, with progress output unless ``progress=False``)."""
+def gguf_source(path: str | Path | None) -> Path | None:
+    """The GGUF file ``path`` names: the embedded model's (None or its name), a ``.gguf`` file, or the one
+    ``.gguf`` file of a directory without config.json; None for a checkpoint directory."""
     if path is None or str(path) == EMBEDDED_MODEL:
-        return convert_gguf(embedded_gguf_path(), progress=progress)
+        return embedded_gguf_path()
     path = Path(path)
     if path.suffix == ".gguf":
-        return convert_gguf(path, progress=progress)
+        return path
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = list(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return convert_gguf(ggufs[0], progress=progress)
+            return ggufs[0]
+    return None
+
+
+def resolve_model_path(path: str | Path | None, progress: bool = True) -> Path:
+    """A checkpoint directory for ``path``: a GGUF file (``gguf_source``: None / the embedded name, a
+    ``.gguf`` file, a directory holding exactly one) → its converted safetensors directory (converted on
+    first use, with progress output unless ``progress=False``); a checkpoint directory as it is."""
+    source = gguf_source(path)
+    if source is not None:
+        return convert_gguf(source, progress=progress)
+    path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     return path

@@ -31,7 +31,7 @@ from torch import nn
 from .parallel import TPGroup, all_reduce_max
 
 ALIASES = {"int8": "int8", "s8": "int8", "per_channel_symmetric": "int8", "int8_weight_only": "int8",
-           "int4": "int4", "s4": "int4", "int4_weight_only": "int4"}
+           "int4": "int4", "s4": "int4", "int4_weight_only": "int4", "gguf": "gguf"}
 INT4_GROUP = 32
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")     # sharded along K (their input dimension) at tp > 1
@@ -43,8 +43,8 @@ def parse_quantization(name: str | None) -> str | None:
         return None
     if name in ALIASES:
         return ALIASES[name]
-    raise ValueError(f"quantization={name!r} is not supported: use None, 'int8' or 'int4' "
-                     f"(aliases: {', '.join(a for a in ALIASES if a not in ('int8', 'int4'))})")
+    raise ValueError(f"quantization={name!r} is not supported: use None, 'int8', 'int4' or 'gguf' "
+                     f"(aliases: {', '.join(a for a in ALIASES if a not in ('int8', 'int4', 'gguf'))})")
 
 
 def quantized_bytes(elems: int, rows: int, nbytes: int, scheme: str) -> int:
@@ -138,8 +138,10 @@ class Int4Linear(nn.Module):
 
 def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup()) -> nn.Module:
     """Replace the attention and MLP projections (``PROJECTIONS``) of every decoder layer in ``lm``
-    (a ``DecoderLM``, an EAGLE draft's layer) with quantized ones, in place."""
-    if scheme is None:
+    (a ``DecoderLM``, an EAGLE draft's layer) with quantized ones, in place. Layers already quantized
+    (a GGUF file's own blocks, ``gguf_weights``) are left alone; ``"gguf"`` quantizes nothing more:
+    float tensors stay float."""
+    if scheme in (None, "gguf"):
         return lm
     for block in list(lm.modules()):
         for name in PROJECTIONS:

@@ -54,7 +54,7 @@ class EagleModel(DecoderModel):
         dtype = target.dtype
         with torch.device("meta"):
             lm = EagleLM(config, settings.batch_size, settings.n_positions, dtype, input_norm,
-                         fc_bias="fc.bias" in names)
+                         fc_bias="fc.bias" in names, kv_cache_dtype=settings.kv_cache_dtype)
         lm = lm.to_empty(device=settings.device).to(dtype)
         lm.init_buffers()
         shared_embedding = "embed_tokens.weight" not in names

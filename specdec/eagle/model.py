@@ -30,7 +30,7 @@ from ..core.tp_layout import head_layout
 
 class EagleLM(nn.Module):
     def __init__(self, config: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype,
-                 input_norm: bool = False, fc_bias: bool = True):
+                 input_norm: bool = False, fc_bias: bool = True, kv_cache_dtype: str | None = None):
         super().__init__()
         if config.num_layers != 1:
             raise ValueError(f"an EAGLE-1 draft has one decoder layer; its config says num_hidden_layers="
@@ -41,7 +41,8 @@ class EagleLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         layout = head_layout(config.num_heads, config.num_kv_heads, 1)
-        self.layers = nn.ModuleList([DecoderLayer(config, batch_size, n_positions, dtype, layout, TPGroup())])
+        self.layers = nn.ModuleList([DecoderLayer(config, batch_size, n_positions, dtype, layout, TPGroup(),
+                                                  kv_cache_dtype)])
         if not input_norm:
             self.layers[0].input_layernorm = nn.Identity()
         self.lm_head = nn.Linear(h, config.output_vocab_size or config.vocab_size, bias=False)
@@ -51,11 +52,9 @@ class EagleLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def init_buffers(self) -> None:
-        """Restore what ``to_empty``/dtype casts lose: f32 RoPE frequencies, zero caches."""
+        """Restore what ``to_empty``/dtype casts lose: f32 RoPE frequencies, zero caches (and scales)."""
         self.inv_freq = rope_inv_freq(self.config)[0].to(self.fc.weight.device)
-        attn = self.layers[0].self_attn
-        attn.k_cache.zero_()
-        attn.v_cache.zero_()
+        self.layers[0].self_attn.init_cache()
 
     def forward(self, input_ids, position_ids, cache_lengths, token_mask, logit_index, features, kv_len: int,
                 seq_ids=None):

@@ -1,0 +1,187 @@
+"""A GGUF file's Q4_0 / Q4_1 / Q8_0 tensors kept as the file stores them (``specdec.core.gguf_weights``):
+the blocks decode to ``gguf``'s own dequantizer, the kernel-backed layers compute with those values,
+tensor-parallel shards take whole blocks, and a model loaded with ``quantization="gguf"`` equals
+transformers on the dequantized file, speculates exactly (greedy identity, chi-square losslessness)
+and shards (TP=2 = TP=1)."""
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+from test_speculative import lossless_pvalue  # noqa: E402
+from tiny_gguf import GGUF_PROJECTIONS, HEADS, HF_PROJECTIONS, LAYER_TYPES, VOCAB, llama_cpp_permute, write_tiny_gguf  # noqa: E402
+
+from conftest import hf_logits, load, prompt_ids  # noqa: E402
+from specdec import DraftModel, PromptLookup, SpeculativeGenerator  # noqa: E402
+from specdec.core.gguf_weights import BlockWeights, Q8Linear, gguf_quantized_tensors, rope_row_order  # noqa: E402
+from specdec.core.parallel import launch  # noqa: E402
+from specdec.core.quant import Int4Linear, Int8Linear  # noqa: E402
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def file_blocks(qtype: str, n: int = 48, k: int = 128, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """(raw bytes [n, k/32 · block bytes] as a GGUF file holds them, gguf's dequantized values [n, k])."""
+    w = (0.3 * np.random.default_rng(seed).standard_normal((n, k))).astype(np.float32)
+    raw = quantize(w, T[qtype])
+    return raw, torch.from_numpy(dequantize(raw, T[qtype]).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_blocks_decode_to_the_gguf_dequantizer(qtype):
+    raw, expected = file_blocks(qtype)
+    blocks = BlockWeights.from_bytes(raw, qtype)
+    assert torch.equal(blocks.dequantize(), expected)
+    low, high = (-128, 127) if qtype == "Q8_0" else (0, 15)
+    assert int(blocks.codes.min()) >= low and int(blocks.codes.max()) <= high
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_kernel_layer_computes_with_the_file_values(qtype):
+    raw, expected = file_blocks(qtype, seed=1)
+    layer = BlockWeights.from_bytes(raw, qtype).to_module(torch.float32)
+    assert isinstance(layer, Q8Linear if qtype == "Q8_0" else Int4Linear)
+    x = torch.randn(5, expected.shape[1], generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(layer(x), x @ expected.T, rtol=1e-5, atol=1e-5)
+    # bf16: the kernel holds scales in bf16 and rounds its output; still the same weights to bf16 precision
+    y = BlockWeights.from_bytes(raw, qtype).to_module(torch.bfloat16)(x.bfloat16()).float()
+    torch.testing.assert_close(y, x @ expected.T, rtol=0.03, atol=0.05)
+
+
+def test_shards_take_rows_and_whole_blocks():
+    raw, expected = file_blocks("Q4_1", n=32, k=128, seed=2)
+    blocks = BlockWeights.from_bytes(raw, "Q4_1")
+    rows = blocks.take(0, [3, -1, 0] + list(range(4, 17)))
+    assert torch.equal(rows.dequantize(), torch.cat([expected[[3]], torch.zeros(1, 128), expected[[0]], expected[4:17]]))
+    cols = blocks.take(1, list(range(64, 96)) + [-1] * 32)
+    assert torch.equal(cols.dequantize(), torch.cat([expected[:, 64:96], torch.zeros(32, 32)], 1))
+    with pytest.raises(ValueError, match="only at multiples of 32 columns"):
+        blocks.take(1, list(range(16, 48)))
+
+
+def test_rope_row_order_undoes_llama_cpp_permutation():
+    w = np.arange(64 * 8).reshape(64, 8)
+    order = rope_row_order(64, HEADS)
+    assert np.array_equal(llama_cpp_permute(w, HEADS)[order.numpy()], w)
+
+
+def test_embedded_file_blocks_equal_its_conversion(embedded_model):
+    from safetensors.torch import load_file
+
+    from specdec.core.config import ModelConfig
+    from specdec.core.paths import embedded_gguf_path, resolve_model_path
+
+    path = resolve_model_path(None, progress=False)
+    converted = load_file(path / "model.safetensors")
+    found = gguf_quantized_tensors(embedded_gguf_path(), ModelConfig.from_dir(path), tuple(QTYPES))
+    assert len(found) == 30 * 7 + 1 and found["lm_head.weight"].qtype == "Q8_0"     # tied: the embedding's blocks
+    for name, blocks in found.items():
+        source = "model.embed_tokens.weight" if name == "lm_head.weight" else name
+        assert torch.equal(blocks.dequantize(), converted[source].float()), name
+
+
+# ---------------------------------------------------------------------------------- a tiny GGUF model
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDEC_CACHE", str(root / "cache"))
+        yield write_tiny_gguf(root / "target.gguf", seed=0), write_tiny_gguf(root / "draft.gguf", seed=1)
+
+
+def kept(model, qtypes: tuple[str, ...]) -> dict[str, str]:
+    """HF projection name → "kept" / "requantized" / "float" for every layer of ``model``."""
+    out = {}
+    for i, types in enumerate(LAYER_TYPES):
+        for name, qtype in zip(HF_PROJECTIONS, types):
+            layer = model.lm.get_submodule(f"model.layers.{i}.{name}")
+            out[f"{i}.{name}"] = qtype.name in qtypes and isinstance(layer, (Int4Linear, Q8Linear))
+    return out
+
+
+def test_gguf_model_keeps_every_block_and_equals_transformers(tiny):
+    from transformers import AutoModelForCausalLM
+
+    target, _ = tiny
+    model = load(target, quantization="gguf")
+    assert all(kept(model, tuple(QTYPES)).values())
+    assert isinstance(model.lm.lm_head, Q8Linear)                      # the tied Q8_0 embedding's blocks
+    hf = AutoModelForCausalLM.from_pretrained(model.path).eval()        # transformers' dequantized conversion
+    for seed in range(3):
+        prompt = prompt_ids(7 + seed, seed, VOCAB)
+        logits = model.prefill([torch.tensor(prompt)], model.sampling_params()).logits[0, -1]
+        torch.testing.assert_close(logits, hf_logits(hf, prompt)[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme,keeps,requantized", [("int4", ("Q4_0", "Q4_1"), Int4Linear),
+                                                      ("int8", ("Q8_0",), Int8Linear)])
+def test_int4_and_int8_keep_the_blocks_of_their_own_width(tiny, scheme, keeps, requantized):
+    target, _ = tiny
+    model = load(target, quantization=scheme)
+    file_blocks_ = gguf_quantized_tensors(target, model.config, tuple(QTYPES))
+    for i, types in enumerate(LAYER_TYPES):
+        for name, qtype in zip(HF_PROJECTIONS, types):
+            layer = model.lm.get_submodule(f"model.layers.{i}.{name}")
+            if qtype.name in keeps:
+                exact = file_blocks_[f"model.layers.{i}.{name}.weight"].to_module(torch.float32)
+                x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(i))
+                assert torch.equal(layer(x), exact(x)), (i, name)
+            else:
+                assert isinstance(layer, requantized), (i, name)
+    assert isinstance(model.lm.lm_head, torch.nn.Linear)               # int4 / int8 leave the LM head alone
+
+
+def test_greedy_speculation_equals_the_gguf_target(tiny):
+    target_path, draft_path = tiny
+    target = load(target_path, batch_size=3, quantization="gguf")
+    prompts = [prompt_ids(5, 1, VOCAB), [5, 6, 7, 5, 6, 7, 5, 6], prompt_ids(12, 3, VOCAB)]
+    reference = target.generate(prompts, max_new_tokens=30, eos_token_id=[])
+    draft = DraftModel.from_pretrained(draft_path, target)
+    assert isinstance(draft.model.lm.lm_head, Q8Linear)                 # the draft inherits "gguf"
+    for proposer, k in ((draft, 3), (PromptLookup(target), 4)):
+        gen = SpeculativeGenerator(proposer, target, k)
+        assert torch.equal(gen.generate(prompts, max_new_tokens=30, eos_token_id=[]), reference)
+        assert gen.last_stats.drafted > 0
+
+
+def test_sampling_with_gguf_target_and_draft_is_lossless(tiny):
+    from transformers import AutoModelForCausalLM
+
+    target_path, draft_path = tiny
+    kw = dict(batch_size=512, n_positions=32, context_buckets=[8], kv_buckets=[32], quantization="gguf")
+    target = load(target_path, **kw)
+    gen = SpeculativeGenerator(load(draft_path, **kw), target, 2)
+    reference = AutoModelForCausalLM.from_pretrained(target.path).eval()   # the file's dequantized values
+    assert lossless_pvalue(reference, target, gen, dict(temperature=0.8), 2) > 1e-3    # 20,480 samples
+    assert 0.02 < gen.stats.acceptance_rate < 0.98
+
+
+def tp_gguf(path: str, prompts: list[list[int]]) -> list[list[int]]:
+    return load(path, batch_size=2, tp_degree=2, quantization="gguf").generate(
+        prompts, max_new_tokens=20, eos_token_id=[]).tolist()
+
+
+def test_tp2_gguf_equals_tp1_gguf(tiny):
+    target, _ = tiny
+    prompts = [prompt_ids(6, 7, VOCAB), prompt_ids(10, 8, VOCAB)]
+    tp1 = load(target, batch_size=2, quantization="gguf").generate(prompts, max_new_tokens=20, eos_token_id=[])
+    assert launch(tp_gguf, 2, str(target), prompts, timeout_s=300) == tp1.tolist()
+
+
+def test_gguf_quantization_needs_a_gguf_file_and_is_not_planned(checkpoint):
+    from specdec.plan import plan_capacity
+
+    with pytest.raises(ValueError, match="quantization='gguf' keeps a GGUF file's own .* not a .gguf file"):
+        load(checkpoint("llama"), quantization="gguf")
+    with pytest.raises(ValueError, match="planner counts quantization='int8' or 'int4'"):
+        plan_capacity(checkpoint("llama").path, batch_size=1, n_positions=64, amp="f32", platform="cpu:1",
+                      quantization="gguf")
+
+
+def test_gguf_graphs_export(tiny):
+    target, _ = tiny
+    model = load(target, amp="bf16", quantization="gguf")
+    exported = model.export(model.graph_keys(prompt_length=16, max_length=32)[-1])
+    assert any(n.target == torch.ops.aten._weight_int4pack_mm_for_cpu.default for n in exported.graph.nodes)
