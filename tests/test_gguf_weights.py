@@ -10,7 +10,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
-from test_speculative import lossless_pvalue  # noqa: E402
+from test_speculative import lossless_pvalue, save_tiny  # noqa: E402
 from tiny_gguf import GGUF_PROJECTIONS, HEADS, HF_PROJECTIONS, LAYER_TYPES, VOCAB, llama_cpp_permute, write_tiny_gguf  # noqa: E402
 
 from conftest import hf_logits, load, prompt_ids  # noqa: E402
@@ -133,14 +133,17 @@ def test_int4_and_int8_keep_the_blocks_of_their_own_width(tiny, scheme, keeps, r
     assert isinstance(model.lm.lm_head, torch.nn.Linear)               # int4 / int8 leave the LM head alone
 
 
-def test_greedy_speculation_equals_the_gguf_target(tiny):
+def test_greedy_speculation_equals_the_gguf_target(tiny, tmp_path_factory):
     target_path, draft_path = tiny
     target = load(target_path, batch_size=3, quantization="gguf")
     prompts = [prompt_ids(5, 1, VOCAB), [5, 6, 7, 5, 6, 7, 5, 6], prompt_ids(12, 3, VOCAB)]
     reference = target.generate(prompts, max_new_tokens=30, eos_token_id=[])
     draft = DraftModel.from_pretrained(draft_path, target)
-    assert isinstance(draft.model.lm.lm_head, Q8Linear)                 # the draft inherits "gguf"
-    for proposer, k in ((draft, 3), (PromptLookup(target), 4)):
+    assert isinstance(draft.model.lm.lm_head, Q8Linear)                 # a GGUF draft inherits "gguf"
+    _, float_dir = save_tiny(tmp_path_factory, "float-draft", 1, 5, vocab=VOCAB)
+    float_draft = DraftModel.from_pretrained(float_dir, target)          # a checkpoint directory stays float
+    assert isinstance(float_draft.model.lm.model.layers[0].mlp.up_proj, torch.nn.Linear)
+    for proposer, k in ((draft, 3), (float_draft, 2), (PromptLookup(target), 4)):
         gen = SpeculativeGenerator(proposer, target, k)
         assert torch.equal(gen.generate(prompts, max_new_tokens=30, eos_token_id=[]), reference)
         assert gen.last_stats.drafted > 0

@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="specdec context buckets, e.g. 128,256 (default: the runtime's powers of two)")
     parser.add_argument("--kv-buckets", type=int_list, default=None,
                         help="specdec KV buckets (default: the runtime's powers of two)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3"],
+                        help="every specdec system's KV cache in 8 bits (from_pretrained(kv_cache_dtype=...))")
     parser.add_argument("--compile-all", action="store_true",
                         help="specdec-compiled: compile every bucket (DecoderModel.compile()) instead of only "
                              "the graphs these prompts use")
@@ -251,10 +253,11 @@ class _SpecdecRunner:
         from ..core.decoder import DecoderModel
 
         self.compiled = compiled
+        source = job["gguf"] if quantization == "gguf" else job["model"]      # "gguf" reads the file itself
         self.model = DecoderModel.from_pretrained(
-            job["model"], n_positions=job["n_positions"], amp=amp, context_buckets=job["context_buckets"],
+            source, n_positions=job["n_positions"], amp=amp, context_buckets=job["context_buckets"],
             kv_buckets=job["kv_buckets"], backend="compiled" if compiled else "eager", progress=False,
-            quantization=quantization)
+            quantization=quantization, kv_cache_dtype=job.get("kv_cache_dtype"))
         self.describe = {"context_buckets": self.model.context_buckets, "kv_buckets": self.model.kv_buckets,
                          "n_positions": self.model.n_positions, "backend": self.model.settings.backend}
 
@@ -623,7 +626,7 @@ def run(args: argparse.Namespace) -> dict:
         job = {"model": str(model_path), "prompt_ids": prompt_ids, "max_new_tokens": n_new,
                "n_positions": n_positions, "context_buckets": args.context_buckets, "kv_buckets": args.kv_buckets,
                "compile_all": args.compile_all, "threads": args.threads, "warmup_tokens": args.warmup_tokens,
-               "pad_token_id": pad, "gguf": str(gguf) if gguf else None}
+               "pad_token_id": pad, "gguf": str(gguf) if gguf else None, "kv_cache_dtype": args.kv_cache_dtype}
         job_file = work_dir / "job.json"
         job_file.write_text(json.dumps(job))
 
@@ -634,7 +637,8 @@ def run(args: argparse.Namespace) -> dict:
             "prompt_tokens": lengths, "max_new_tokens": n_new, "n_positions": n_positions,
             "context_buckets": args.context_buckets or default_buckets(n_positions),
             "kv_buckets": args.kv_buckets or default_buckets(n_positions),
-            "compile_all": args.compile_all, "systems": systems, "batch_size": 1, "decoding": "greedy, EOS disabled"}}
+            "compile_all": args.compile_all, "systems": systems, "batch_size": 1, "decoding": "greedy, EOS disabled",
+            "kv_cache_dtype": args.kv_cache_dtype}}
 
         # ---- bandwidth and the bound
         if args.bandwidth_gbps:

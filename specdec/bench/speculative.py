@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
     parser.add_argument("--backend", default="compiled", choices=["eager", "compiled"])
     parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
+                        help="the target's weights (DecoderModel.from_pretrained(quantization=...)); drafts inherit it")
     parser.add_argument("--n-positions", type=int, default=384,
                         help="cache slots; must hold the longest prompt + max-new-tokens + max(ks) + 1")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
     kw = dict(n_positions=args.n_positions, amp=args.amp, backend=args.backend, progress=False,
               kv_buckets=[args.n_positions])
     B = args.batch_size
-    target = DecoderModel.from_pretrained(None, batch_size=B, **kw)
+    target = DecoderModel.from_pretrained(None, batch_size=B, quantization=args.quantization, **kw)
     systems, draft_module = speculative_systems(args, target)   # name -> System
     texts = load_prompts(args.prompts or default_prompts_path(), args.num_prompts)
     prompts = [chat_ids(target.tokenizer, t) for t in texts]
@@ -147,6 +149,7 @@ def run(args: argparse.Namespace) -> dict:
         if key.startswith(spec) and hf_key in runs:
             e["speedup_vs_hf_assisted"] = e["tokens_per_s"] / runs[hf_key]["tokens_per_s"]
     return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
+                       "quantization": args.quantization,
                        "num_prompts": len(prompts), "max_new_tokens": n_new, "systems": list(systems),
                        "temperatures": temps, "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "draft_cost_ratio": 0.0 if draft_module is None else

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..core.decoder import DecoderModel
+from ..core.paths import gguf_source
 from ..core.sampling import any_sampled
 from ..proposer import Proposal
 
@@ -33,9 +34,12 @@ class DraftModel:
         """Load a draft checkpoint with the target's runtime settings (batch size, ``n_positions``,
         ``amp``, buckets, sampling config, backend, device, ``tp_degree``; the head layout is chosen for the
         draft's own heads) unless ``overrides`` (any
-        ``DecoderModel.from_pretrained`` argument) say otherwise."""
+        ``DecoderModel.from_pretrained`` argument) say otherwise. A target's ``quantization="gguf"``
+        applies to a GGUF draft; a checkpoint-directory draft then stays in ``amp``."""
         settings = {**asdict(target.settings), "sampling": target.settings.sampling, "gqa_strategy": None,
                     **overrides}
+        if settings["quantization"] == "gguf" and gguf_source(path) is None:
+            settings["quantization"] = None      # "gguf" keeps what a file stores: a checkpoint directory's floats
         model = DecoderModel.from_pretrained(path, **settings)
         draft = cls(model)
         draft.check_target(target)
