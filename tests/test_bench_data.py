@@ -151,3 +151,20 @@ def test_bench_llamacpp_decodes_exactly_max_new_tokens(embedded_model, single_th
     assert [len(t) for t in entry["tokens"]] == [4, 4]
     assert entry["details"]["llama_cpp"] == llama_cpp.__version__ and entry["threads"] == 1
     assert entry["tokens_per_s"]["median"] > 0 and 0 < entry["fraction_of_bandwidth_bound"]
+
+
+def test_ratios_are_taken_against_every_reference_that_ran():
+    from specdec.bench import runtime
+
+    def entry(tps, dec):
+        return {"tokens_per_s": {"median": tps}, "decode_tokens_per_s": {"median": dec},
+                "fraction_of_bandwidth_bound": 0.1}
+
+    systems = {"specdec-compiled-bf16": entry(50.0, 52.0), "specdec-compiled-gguf": entry(100.0, 130.0),
+               "llamacpp-gguf": entry(125.0, 130.0)}
+    ratios = runtime._ratios(systems)
+    assert ratios["speedup_vs_specdec-compiled-bf16"]["specdec-compiled-gguf"] == 2.0
+    assert ratios["speedup_vs_llamacpp-gguf"]["specdec-compiled-gguf"] == 0.8
+    assert ratios["decode_speedup_vs_llamacpp-gguf"]["specdec-compiled-gguf"] == 1.0
+    assert ratios["speedup_vs_hf-eager-f32"] == {}                      # the baseline did not run
+    assert "speedup_vs_llamacpp-gguf" not in runtime._ratios({"specdec-compiled-bf16": entry(50.0, 52.0)})

@@ -199,7 +199,7 @@ def bytes_read_per_step(module: torch.nn.Module) -> int:
     if embed is None:
         return total
     head = getattr(module, "lm_head", None)
-    if head is not None and head.weight is embed.weight:
+    if head is not None and getattr(head, "weight", None) is embed.weight:   # a quantized head has its own
         return total   # tied: the table is read whole as the LM head
     return total - module_bytes(embed)
 
