@@ -31,7 +31,7 @@ from torch import nn
 from .parallel import Shard
 from .quant import INT4_GROUP, Int4Linear
 
-BLOCK = 32
+BLOCK = INT4_GROUP      # GGML's blocks of 32 weights are the int4 kernel's groups
 KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 # GGUF tensor name suffix → (HF module path within a layer, RoPE row permutation by "heads" / "kv_heads")
 LAYER_TENSORS = {"attn_q": ("self_attn.q_proj", "heads"), "attn_k": ("self_attn.k_proj", "kv_heads"),
@@ -55,11 +55,14 @@ class BlockWeights:
         """raw [N, K/32 · block bytes] uint8, as ``gguf.GGUFReader`` gives a tensor's data."""
         n = raw.shape[0]
         blocks = np.ascontiguousarray(raw).reshape(n, -1, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype])
-        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        def f16(at: int) -> np.ndarray:         # the f16 field at byte ``at`` of every block, as f32
+            return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+        d = f16(0)
         if qtype == "Q8_0":
             codes = blocks[..., 2:].copy().view(np.int8).astype(np.int16)
             return cls(qtype, torch.from_numpy(codes.reshape(n, -1)), torch.from_numpy(d), torch.zeros(d.shape))
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if qtype == "Q4_1" else np.zeros_like(d)
+        m = f16(2) if qtype == "Q4_1" else np.zeros_like(d)
         packed = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
         codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int16)
         return cls(qtype, torch.from_numpy(codes.reshape(n, -1)), torch.from_numpy(d), torch.from_numpy(m))
@@ -78,9 +81,10 @@ class BlockWeights:
         index = torch.as_tensor(index, dtype=torch.long)
         pad = index < 0
         zero_code = 8 if self.qtype == "Q4_0" else 0
+        source = index.clamp(min=0)
         if dim == 0:
-            codes = self.codes[index.clamp(min=0)].masked_fill(pad.unsqueeze(1), zero_code)
-            d, m = (t[index.clamp(min=0)].masked_fill(pad.unsqueeze(1), 0) for t in (self.d, self.m))
+            codes = self.codes[source].masked_fill(pad.unsqueeze(1), zero_code)
+            d, m = (t[source].masked_fill(pad.unsqueeze(1), 0) for t in (self.d, self.m))
             return BlockWeights(self.qtype, codes, d, m)
         groups = index.view(-1, BLOCK)
         first = groups[:, 0]
@@ -92,7 +96,7 @@ class BlockWeights:
                              "use quantization='int8' / 'int4' or another tp_degree")
         block_index = torch.where(first < 0, -1, first // BLOCK)
         keep = (block_index >= 0).unsqueeze(0)
-        codes = self.codes[:, index.clamp(min=0)].masked_fill(pad.unsqueeze(0), zero_code)
+        codes = self.codes[:, source].masked_fill(pad.unsqueeze(0), zero_code)
         d, m = (t[:, block_index.clamp(min=0)] * keep for t in (self.d, self.m))
         return BlockWeights(self.qtype, codes, d, m)
 
@@ -126,10 +130,11 @@ def rope_row_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...]) -> dict[str, BlockWeights]:
-    """HF weight name → ``BlockWeights`` for every projection and LM-head tensor of ``path`` whose GGML
-    type is in ``keep`` (rows in Hugging Face order). The tied embedding's blocks, if quantized, appear
-    as ``lm_head.weight`` when the config ties the LM head to it."""
+def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...],
+                           lm_head: bool = True) -> dict[str, BlockWeights]:
+    """HF weight name → ``BlockWeights`` for every projection and (``lm_head``) LM-head tensor of ``path``
+    whose GGML type is in ``keep`` (rows in Hugging Face order). The tied embedding's blocks, if
+    quantized, appear as ``lm_head.weight`` when the config ties the LM head to it."""
     from gguf import GGUFReader
 
     found = {}
@@ -141,7 +146,8 @@ def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...]) -> d
         if parts[0] == "blk" and parts[2] in LAYER_TENSORS:
             module, permute = LAYER_TENSORS[parts[2]]
             name = f"model.layers.{parts[1]}.{module}.weight"
-        elif tensor.name == "output.weight" or (tensor.name == "token_embd.weight" and config.tie_word_embeddings):
+        elif lm_head and (tensor.name == "output.weight" or
+                          (tensor.name == "token_embd.weight" and config.tie_word_embeddings)):
             name, permute = "lm_head.weight", None
         else:
             continue
@@ -158,14 +164,13 @@ def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...]) -> d
 KEEP = {"gguf": KEPT_TYPES, "int4": ("Q4_0", "Q4_1"), "int8": ("Q8_0",)}
 
 
-def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[str, Shard]) -> list[str]:
+def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[str, Shard]) -> None:
     """Replace the layers of ``lm`` (a ``DecoderLM`` whose float weights are loaded) whose GGUF tensors
-    are of a type ``scheme`` keeps (``KEEP``) by kernel-backed layers holding the file's blocks; each
-    tensor-parallel rank takes its ``shards`` (scales follow their rows). Returns the names replaced."""
+    are of a type ``scheme`` keeps (``KEEP``) by kernel-backed layers holding the file's blocks (the LM
+    head only for "gguf"); each tensor-parallel rank takes its ``shards`` (scales follow their rows)."""
     config = lm.config
-    found = gguf_quantized_tensors(path, config, KEEP[scheme])
-    if scheme != "gguf" or config.output_vocab_size:
-        found.pop("lm_head.weight", None)
+    with_head = scheme == "gguf" and not config.output_vocab_size
+    found = gguf_quantized_tensors(path, config, KEEP[scheme], lm_head=with_head)
     dtype = lm.model.norm.weight.dtype
     for name, weights in found.items():
         shard = shards.get(name)
@@ -180,4 +185,3 @@ def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
         setattr(parent, attr, layer)
-    return sorted(found)
