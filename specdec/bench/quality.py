@@ -115,6 +115,4 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def print_result(result: dict, args: argparse.Namespace) -> int:
-    """JSON to stdout (and ``--output``)."""
-    return runtime.print_result(result, args)
+print_result = runtime.print_result      # JSON to stdout (and --output)

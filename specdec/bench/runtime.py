@@ -845,8 +845,11 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def print_result(result: dict, args: argparse.Namespace) -> int:
-    """JSON to stdout (and ``--output``); exit status 1 if any system failed, else 0."""
+def print_result(result: dict, args: argparse.Namespace, table=None) -> int:
+    """JSON to stdout (and ``--output``), ``table(result)`` (a markdown table) to stderr if given; exit
+    status 1 if any system failed, else 0. Every benchmark module's ``print_result`` is this one."""
+    if table is not None:
+        print(table(result), file=sys.stderr)
     text = json.dumps(result, indent=2)
     print(text)
     if getattr(args, "output", None):

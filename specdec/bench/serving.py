@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 from tqdm.auto import tqdm
@@ -151,7 +152,4 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def print_result(result: dict, args: argparse.Namespace) -> int:
-    """JSON to stdout (and ``--output``), the table to stderr."""
-    print(table(result), file=sys.stderr)
-    return runtime.print_result(result, args)
+print_result = partial(runtime.print_result, table=table)      # JSON to stdout (and --output), the table to stderr

@@ -27,6 +27,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -215,10 +216,7 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def print_result(result: dict, args: argparse.Namespace) -> int:
-    """JSON to stdout (and ``--output``), the table to stderr."""
-    print(table(result), file=sys.stderr)
-    return runtime.print_result(result, args)
+print_result = partial(runtime.print_result, table=table)      # JSON to stdout (and --output), the table to stderr
 
 
 def main(argv: list[str] | None = None) -> int:
