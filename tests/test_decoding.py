@@ -13,16 +13,6 @@ LENGTHS = (5, 13, 9)   # all in the 16-token context bucket; 13 + 24 crosses KV 
 
 
 @pytest.fixture(scope="module")
-def ckpt(checkpoint):
-    return checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
-def model3(ckpt):
-    return load(ckpt, batch_size=3)
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return [prompt_ids(n, seed=10 + i) for i, n in enumerate(LENGTHS)]
 

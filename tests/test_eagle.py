@@ -57,6 +57,16 @@ def random_eagle(target: LlamaForCausalLM, seed: int, input_norm: bool = False) 
     return t
 
 
+def saved_target_and_eagle(directory: Path) -> tuple[Path, Path]:
+    """``tiny_target(0)`` saved to ``directory / "target"`` and a random EAGLE-1 head for it with the
+    target's LM head copied in (``directory / "eagle"``): (target dir, EAGLE dir)."""
+    hf = tiny_target(0)
+    hf.save_pretrained(directory / "target")
+    eagle = copy_lm_head(write_eagle(directory / "eagle1", hf, random_eagle(hf, 1)), directory / "target",
+                         directory / "eagle")
+    return directory / "target", eagle
+
+
 def load_target(path, **kw) -> DecoderModel:
     kw = {"batch_size": 3, "n_positions": 128, "kv_buckets": [32, 64, 128], "context_buckets": [16, 32],
           "backend": "eager", "progress": False, **kw}

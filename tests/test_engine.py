@@ -5,11 +5,10 @@ import pytest
 import torch
 
 from conftest import VOCAB, checkpoint, load, prompt_ids  # noqa: F401  (fixture)
-from test_eagle import random_eagle, tiny_target, write_eagle
+from test_eagle import saved_target_and_eagle
 from test_medusa import draft_for, oracle_heads, token_map_target
 
 from specdec import DraftModel, EagleDraft, Engine, Proposal, SpeculativeGenerator
-from specdec.eagle.checkpoint import copy_lm_head
 
 BUDGETS = [40, 14, 30, 20]
 
@@ -108,10 +107,7 @@ def test_rows_join_draft_model(checkpoint):
 
 
 def test_rows_join_eagle(tmp_path):
-    hf = tiny_target(0)
-    hf.save_pretrained(tmp_path / "target")
-    eagle = copy_lm_head(write_eagle(tmp_path / "eagle1", hf, random_eagle(hf, 1)), tmp_path / "target",
-                         tmp_path / "eagle")
+    _, eagle = saved_target_and_eagle(tmp_path)
     prompts = joining_prompts(64)
     target = load(tmp_path / "target", batch_size=3)
     gen = SpeculativeGenerator(EagleDraft.from_pretrained(eagle, target, progress=False), target, 3)

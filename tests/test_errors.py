@@ -18,11 +18,6 @@ N_POS = 64
 
 
 @pytest.fixture(scope="module")
-def ckpt(checkpoint):
-    return checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
 def good(ckpt):
     """(prompts, HF greedy continuations) of a valid two-row request."""
     prompts = [prompt_ids(6, seed=51), prompt_ids(9, seed=52)]

@@ -15,11 +15,6 @@ SPEC = 4
 
 
 @pytest.fixture(scope="module")
-def ckpt(checkpoint):
-    return checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
 def model(ckpt):
     return load(ckpt, batch_size=2, n_positions=32, context_buckets=[8, 16], kv_buckets=[32])
 

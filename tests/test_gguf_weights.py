@@ -11,7 +11,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 from test_speculative import lossless_pvalue, save_tiny  # noqa: E402
-from tiny_gguf import GGUF_PROJECTIONS, HEADS, HF_PROJECTIONS, LAYER_TYPES, VOCAB, llama_cpp_permute, write_tiny_gguf  # noqa: E402
+from tiny_gguf import HEADS, HF_PROJECTIONS, LAYER_TYPES, VOCAB, llama_cpp_permute, write_tiny_gguf  # noqa: E402
 
 from conftest import hf_logits, load, prompt_ids  # noqa: E402
 from specdec import DraftModel, PromptLookup, SpeculativeGenerator  # noqa: E402
@@ -91,14 +91,11 @@ def tiny(tmp_path_factory):
         yield write_tiny_gguf(root / "target.gguf", seed=0), write_tiny_gguf(root / "draft.gguf", seed=1)
 
 
-def kept(model, qtypes: tuple[str, ...]) -> dict[str, str]:
-    """HF projection name → "kept" / "requantized" / "float" for every layer of ``model``."""
-    out = {}
+def projections(model):
+    """(HF weight name, the file's GGML type name, the loaded layer) of every projection of the tiny model."""
     for i, types in enumerate(LAYER_TYPES):
         for name, qtype in zip(HF_PROJECTIONS, types):
-            layer = model.lm.get_submodule(f"model.layers.{i}.{name}")
-            out[f"{i}.{name}"] = qtype.name in qtypes and isinstance(layer, (Int4Linear, Q8Linear))
-    return out
+            yield f"model.layers.{i}.{name}.weight", qtype.name, model.lm.get_submodule(f"model.layers.{i}.{name}")
 
 
 def test_gguf_model_keeps_every_block_and_equals_transformers(tiny):
@@ -106,7 +103,7 @@ def test_gguf_model_keeps_every_block_and_equals_transformers(tiny):
 
     target, _ = tiny
     model = load(target, quantization="gguf")
-    assert all(kept(model, tuple(QTYPES)).values())
+    assert all(isinstance(layer, (Int4Linear, Q8Linear)) for _, _, layer in projections(model))
     assert isinstance(model.lm.lm_head, Q8Linear)                      # the tied Q8_0 embedding's blocks
     hf = AutoModelForCausalLM.from_pretrained(model.path).eval()        # transformers' dequantized conversion
     for seed in range(3):
@@ -121,15 +118,13 @@ def test_int4_and_int8_keep_the_blocks_of_their_own_width(tiny, scheme, keeps, r
     target, _ = tiny
     model = load(target, quantization=scheme)
     file_blocks_ = gguf_quantized_tensors(target, model.config, tuple(QTYPES))
-    for i, types in enumerate(LAYER_TYPES):
-        for name, qtype in zip(HF_PROJECTIONS, types):
-            layer = model.lm.get_submodule(f"model.layers.{i}.{name}")
-            if qtype.name in keeps:
-                exact = file_blocks_[f"model.layers.{i}.{name}.weight"].to_module(torch.float32)
-                x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(i))
-                assert torch.equal(layer(x), exact(x)), (i, name)
-            else:
-                assert isinstance(layer, requantized), (i, name)
+    for i, (name, qtype, layer) in enumerate(projections(model)):
+        if qtype in keeps:
+            exact = file_blocks_[name].to_module(torch.float32)
+            x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(i))
+            assert torch.equal(layer(x), exact(x)), name
+        else:
+            assert isinstance(layer, requantized), name
     assert isinstance(model.lm.lm_head, torch.nn.Linear)               # int4 / int8 leave the LM head alone
 
 

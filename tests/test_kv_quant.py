@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_eagle import random_eagle, tiny_target, write_eagle
+from test_eagle import saved_target_and_eagle
 from test_export import check_export
 from test_speculative import VOCAB, lossless_pvalue, save_tiny
 
@@ -18,7 +18,6 @@ from specdec.cli import build_parser, main
 from specdec.core.kv_quant import dequantize_kv, parse_kv_cache_dtype, quantize_kv, storage_dtype
 from specdec.core.model import Attention
 from specdec.core.parallel import launch
-from specdec.eagle.checkpoint import copy_lm_head
 from specdec.serving.server import load_engine
 
 DTYPES = ["int8", "fp8_e4m3"]
@@ -112,10 +111,7 @@ def test_greedy_speculation_equals_the_kv_quantized_target(checkpoint, kv, batch
 
 
 def test_eagle_draft_inherits_the_kv_cache_dtype(tmp_path):
-    hf = tiny_target(0)
-    hf.save_pretrained(tmp_path / "target")
-    eagle = copy_lm_head(write_eagle(tmp_path / "eagle1", hf, random_eagle(hf, 1)), tmp_path / "target",
-                         tmp_path / "eagle")
+    _, eagle = saved_target_and_eagle(tmp_path)
     target = load(tmp_path / "target", batch_size=3, kv_cache_dtype="int8")
     draft = EagleDraft.from_pretrained(eagle, target, progress=False)
     assert all(a.k_cache.dtype == torch.int8 and a.k_scale.dtype == torch.float32 for a in attentions(draft.model))

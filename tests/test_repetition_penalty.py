@@ -36,16 +36,6 @@ def hf_penalised(hf, ids: list[int], penalty: float) -> torch.Tensor:
     return RepetitionPenaltyLogitsProcessor(float(penalty))(torch.tensor([ids]), logits)[0]
 
 
-@pytest.fixture(scope="module")
-def ckpt(checkpoint):
-    return checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
-def model3(ckpt):
-    return load(ckpt, batch_size=3)
-
-
 # ---------------------------------------------------------------- target only
 @pytest.mark.parametrize("penalty", [1.3, 0.8])
 def test_greedy_equals_transformers(ckpt, model3, penalty):

@@ -189,11 +189,6 @@ N_NEW = 32
 
 
 @pytest.fixture(scope="module")
-def model3(checkpoint):
-    return load(checkpoint("llama"), batch_size=3)
-
-
-@pytest.fixture(scope="module")
 def prompt():
     return prompt_ids(7, seed=21)
 

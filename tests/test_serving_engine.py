@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from conftest import EOS, checkpoint, load, prompt_ids  # noqa: F401  (fixture)
-from test_eagle import random_eagle, tiny_target, write_eagle
+from test_eagle import saved_target_and_eagle
 from test_medusa import draft_for, oracle_heads, token_map_target
 
 from specdec import DraftModel, EagleDraft, Engine, PromptLookup, SpeculativeGenerator
-from specdec.eagle.checkpoint import copy_lm_head
 from specdec.serving import AsyncEngine, EngineBusy, RequestParams
 from specdec.serving.text import TextStream
 
@@ -88,10 +87,7 @@ def test_prompt_lookup_inside_continuous_batching(checkpoint):
 
 
 def test_eagle_inside_continuous_batching(tmp_path):
-    hf = tiny_target(0)
-    hf.save_pretrained(tmp_path / "target")
-    eagle = copy_lm_head(write_eagle(tmp_path / "eagle1", hf, random_eagle(hf, 1)), tmp_path / "target",
-                         tmp_path / "eagle")
+    _, eagle = saved_target_and_eagle(tmp_path)
     target = load(tmp_path / "target", batch_size=3)
     gen = SpeculativeGenerator(EagleDraft.from_pretrained(eagle, target, progress=False), target, 3)
     check(AsyncEngine(gen.engine), tmp_path / "target", requests(64), abort={1})
