@@ -26,9 +26,10 @@ from .checkpoint import load_weights
 from .config import ModelConfig, amp_dtype
 from .gguf_weights import load_gguf_blocks
 from .paths import gguf_source, resolve_model_path
-from .graphs import BACKENDS, GraphKey, StepGraph, build_graph, configure_compile_cache
+from .graphs import (BACKENDS, CacheCompaction, GraphKey, StepGraph, backend_device, build_graph,
+                     configure_compile_cache)
 from .kv_quant import parse_kv_cache_dtype
-from .model import Attention, DecoderLM
+from .model import DecoderLM
 from .parallel import TPGroup, barrier, shard_plan, tp_group
 from .quant import parse_quantization, quantize_linears
 from .sampling import (TEMPERATURE, RowGenerators, SamplingConfig, any_penalised, any_sampled, needs_filter,
@@ -78,17 +79,22 @@ class DecoderModel:
         # by the repetition penalty; None = not tracked (draft models), so no graph applies the penalty
         self.presence: torch.Tensor | None = None
         self._graphs: dict[GraphKey, object] = {}
+        self._compactions: dict[int, object] = {}     # KV compaction graphs by slots moved per row
+        self._neuron = None                           # backend 'neuron': the program holding every graph
         self._tokenizer = None
         self.compile_seconds: dict[str, float] = {}
         self.progress = True                   # progress output: lazy compiles of graphs on first use
         self._ran: set[GraphKey] = set()       # graphs run at least once (compiled: code generated)
+        if self.device.type == "xla":
+            from .xla import materialize
+            materialize()
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, batch_size: int = 1, n_positions: int = 2048,
                         amp: str = "f32", tp_degree: int = 1, gqa_strategy: str | None = None,
                         context_buckets: list[int] | None = None, kv_buckets: list[int] | None = None,
-                        sampling: SamplingConfig | None = None, backend: str = "compiled", device: str = "cpu",
+                        sampling: SamplingConfig | None = None, backend: str = "compiled", device: str | None = None,
                         quantization: str | None = None, kv_cache_dtype: str | None = None,
                         progress: bool = True) -> "DecoderModel":
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, or (``None``) the embedded
@@ -105,16 +111,19 @@ class DecoderModel:
         Q4_0 / Q4_1 (int4) or Q8_0 (int8) projections keep theirs too instead of being rounded again.
         ``kv_cache_dtype``: None / "auto" (the KV cache in the compute dtype), ``"int8"`` or ``"fp8_e4m3"``
         (alias ``"fp8"``; vLLM's names, NxD Inference's ``kv_cache_quant``): 8-bit K/V with an f32 scale
-        per (row, slot, KV head), dequantized when read (``kv_quant``). Drafts inherit both settings."""
+        per (row, slot, KV head), dequantized when read (``kv_quant``). Drafts inherit both settings.
+        ``backend``: one of ``BACKENDS`` (``graphs``); ``device``: default the XLA device for ``xla``,
+        the CPU otherwise."""
         gqa = parse_gqa(gqa_strategy)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")
+        device = backend_device(backend, device)
         quantization = parse_quantization(quantization)
         kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
         settings = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa and gqa.value, context_buckets,
                                    kv_buckets, sampling or SamplingConfig(), backend, device, quantization,
                                    kv_cache_dtype)
         dtype = amp_dtype(amp)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")
         tp = tp_group(tp_degree, device)   # validates tp_degree against the running processes
         if batch_size < 1 or n_positions < 2:
             raise ValueError(f"batch_size must be >= 1 and n_positions >= 2 (got {batch_size}, {n_positions})")
@@ -176,11 +185,20 @@ class DecoderModel:
         return self._tokenizer
 
     # ------------------------------------------------------------------ graphs
+    def graph_module(self, key: GraphKey) -> StepGraph:
+        """The graph module of ``key`` (over this model's decoder): what every backend runs or traces."""
+        return StepGraph(self.lm, key, self.settings.sampling.global_topk)
+
     def graph(self, key: GraphKey):
-        """The callable for ``key``, built (and for ``compiled``, traced on first call) once."""
+        """The callable for ``key``, built (and for ``compiled`` / ``xla``, traced on first call) once;
+        ``neuron`` graphs exist only as ``compile()`` / ``to_neuron()`` built them (ahead of time)."""
         if key not in self._graphs:
-            module = StepGraph(self.lm, key, self.settings.sampling.global_topk)
-            self._graphs[key] = build_graph(module, self.settings.backend, self.batch_size)
+            if self.settings.backend == "neuron":
+                raise ValueError(f"graph {key.describe()} was not compiled: backend='neuron' compiles ahead of "
+                                 "time, so call to_neuron() with the shapes the run needs (spec_tokens, "
+                                 "prompt_length, max_length, single_row, compaction_slots)")
+            self._graphs[key] = build_graph(self.graph_module(key), self.settings.backend, self.batch_size,
+                                            key.describe())
         return self._graphs[key]
 
     def graph_keys(self, do_sample: bool | None = None, spec_tokens: tuple[int, ...] = (),
@@ -206,13 +224,44 @@ class DecoderModel:
         return keys
 
     def compile(self, progress: bool = True, spec_tokens: tuple[int, ...] = (), prompt_length: int | None = None,
-                max_length: int | None = None, single_row: bool = False) -> "DecoderModel":
+                max_length: int | None = None, single_row: bool = False,
+                compaction_slots: tuple[int, ...] = ()) -> "DecoderModel":
         """Build and warm the graphs (Neuron's ahead-of-time model): all buckets, or only those
         ``prompt_length`` / ``max_length`` need; ``single_row`` also the context graphs of rows joining
-        a running batch (see ``graph_keys``). Clears the KV cache."""
+        a running batch (see ``graph_keys``); ``compaction_slots`` the KV-compaction graphs moving that
+        many slots per row (tree verification: the tree's depth). Clears the KV cache. On ``neuron``
+        every graph goes into one program (shared weights and KV caches) loaded onto the NeuronCores."""
         keys = self.graph_keys(spec_tokens=spec_tokens, prompt_length=prompt_length, max_length=max_length,
                                single_row=single_row)
-        return self._warm(keys, f"compiling ({self.settings.backend})", progress)
+        if self.settings.backend == "neuron":
+            return self._to_neuron(keys, compaction_slots, progress)
+        self._warm(keys, f"compiling ({self.settings.backend})", progress)
+        for m in compaction_slots:
+            with torch.no_grad():
+                self._compaction(m)(*CacheCompaction(self.lm, m).example_inputs(self.batch_size))
+        return self
+
+    def _to_neuron(self, keys: list[GraphKey], compaction_slots: tuple[int, ...] | list[int], progress: bool,
+                   program=None) -> "DecoderModel":
+        """Trace and compile ``keys`` and the compaction graphs into one Neuron program (or take
+        ``program``, loaded by ``load``), load it with this model's weights and route the graphs to it."""
+        from .neuron import NeuronGraph, NeuronProgram
+        modules = {key.describe(): self.graph_module(key) for key in keys}
+        modules |= {_compaction_name(m): CacheCompaction(self.lm, m) for m in compaction_slots}
+        if program is None:
+            program = NeuronProgram.create(self.tp.size)
+            for name, module in tqdm(modules.items(), desc="compiling (neuron)", unit="graph",
+                                     disable=not progress or self.tp.rank > 0):
+                start = time.perf_counter()
+                program.add(name, module, self.batch_size)
+                self.compile_seconds[name] = time.perf_counter() - start
+        program.start(NeuronGraph(next(iter(modules.values()))).weights())
+        self._graphs.update({key: program.runner(key.describe()) for key in keys})
+        self._compactions.update({m: program.runner(_compaction_name(m)) for m in compaction_slots})
+        self._ran.update(keys)
+        self._neuron = program
+        self.reset()
+        return self
 
     def _warm(self, keys: list[GraphKey], desc: str, progress: bool) -> "DecoderModel":
         """Build each graph and run it once on example inputs (timed); then clear the KV cache. The
@@ -252,7 +301,7 @@ class DecoderModel:
 
     def export(self, key: GraphKey) -> torch.export.ExportedProgram:
         """``torch.export`` (strict, static shapes) of one graph: the check that it is trace-clean."""
-        module = StepGraph(self.lm, key, self.settings.sampling.global_topk)
+        module = self.graph_module(key)
         return torch.export.export(module, module.example_inputs(self.batch_size), strict=True)
 
     # ------------------------------------------------------------------ state
@@ -289,14 +338,20 @@ class DecoderModel:
 
     def copy_cache_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """KV compaction, on device: in every layer, row b's cache slot src[b, i] (K, V and, quantized,
-        their scales) is copied to slot dst[b, i] (src, dst [B, m]; all slots are read before any is written)."""
-        rows = torch.arange(self.batch_size, device=self.device).unsqueeze(1)
-        src, dst = src.to(self.device), dst.to(self.device)
+        their scales) is copied to slot dst[b, i] (src, dst [B, m]; all slots are read before any is written).
+        One ``CacheCompaction`` graph per m, on the model's backend."""
         with torch.no_grad():
-            for module in self.lm.modules():
-                if isinstance(module, Attention):
-                    for cache in module.cache_buffers():
-                        cache.index_put_((rows, dst), cache[rows, src])
+            self._compaction(src.shape[1])(src.to(self.device).contiguous(), dst.to(self.device).contiguous())
+
+    def _compaction(self, m: int):
+        """The KV-compaction graph moving m slots per row, built once (``neuron``: by ``to_neuron``)."""
+        if m not in self._compactions:
+            if self.settings.backend == "neuron":
+                raise ValueError(f"the KV-compaction graph for {m} slots was not compiled: call "
+                                 f"to_neuron(compaction_slots=({m},), ...) (tree verification: the tree's depth)")
+            self._compactions[m] = build_graph(CacheCompaction(self.lm, m), self.settings.backend, self.batch_size,
+                                               _compaction_name(m))
+        return self._compactions[m]
 
     # ------------------------------------------------------------------ input checks
     def prepare_prompts(self, input_ids, attention_mask=None) -> list[torch.Tensor]:
@@ -490,14 +545,17 @@ class DecoderModel:
 
     def save(self, directory: str | Path) -> None:
         """Write the runtime settings and (``compiled``) the Inductor cache artifacts of every
-        graph built so far, so ``load`` in a fresh process skips code generation. At
+        graph built so far / (``neuron``) the compiled program, so ``load`` in a fresh process skips
+        code generation. At
         ``tp_degree > 1`` every rank calls it: rank 0 writes the settings, each rank its artifacts."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         if self.tp.rank == 0:
             meta = {"checkpoint": str(Path(self.source).resolve()), "settings": asdict(self.settings),
-                    "graphs": [asdict(k) for k in self._graphs]}
+                    "graphs": [asdict(k) for k in self._graphs], "compactions": list(self._compactions)}
             (directory / "specdec.json").write_text(json.dumps(meta, indent=2))
+            if self._neuron is not None:
+                self._neuron.save(directory / NEURON_FILE)
         if self.settings.backend == "compiled":
             artifacts = torch.compiler.save_cache_artifacts()
             if artifacts is not None:
@@ -518,16 +576,31 @@ class DecoderModel:
         s = meta["settings"]
         s["sampling"] = SamplingConfig(**s["sampling"])
         model = cls.from_pretrained(meta["checkpoint"], progress=progress, **s)
-        return model._load_compiled(directory, [GraphKey(**k) for k in meta["graphs"]], progress)
+        return model._load_compiled(directory, [GraphKey(**k) for k in meta["graphs"]], progress,
+                                    meta.get("compactions", []))
 
-    def _load_compiled(self, directory: Path, keys: list[GraphKey], progress: bool) -> "DecoderModel":
-        """Unpack the saved compile cache (if any) and warm ``keys`` from it."""
+    def _load_compiled(self, directory: Path, keys: list[GraphKey], progress: bool,
+                       compaction_slots: tuple[int, ...] | list[int] = ()) -> "DecoderModel":
+        """Unpack the saved compile cache (if any) and warm ``keys`` from it (``neuron``: load the saved
+        program with ``keys`` and the compaction graphs of ``compaction_slots``)."""
+        if self.settings.backend == "neuron":
+            from .neuron import NeuronProgram
+            names = [k.describe() for k in keys] + [_compaction_name(m) for m in compaction_slots]
+            return self._to_neuron(keys, compaction_slots, progress,
+                                   NeuronProgram.load(directory / NEURON_FILE, names))
         cache = self._compile_cache_file(directory)
         if cache.is_file():
             configure_compile_cache()  # unpack into the cache directory the graphs will read
             torch.compiler.load_cache_artifacts(cache.read_bytes())
         return self._warm(keys, "loading graphs", progress)
 
+
+
+NEURON_FILE = "neuron.pt"      # ``save``: the compiled Neuron program (NEFFs, no weights)
+
+
+def _compaction_name(m: int) -> str:
+    return f"kv-compaction m={m}"
 
 
 def _cache_hits() -> int:

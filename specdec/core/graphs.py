@@ -20,18 +20,23 @@ before it in chain verification, the path root..node in tree verification. Those
 penalised (``sampling.penalised``) before sampling / argmax, and the penalised logits are returned,
 so greedy and sampled verification see exactly the distribution target-only decoding samples from.
 
-Backends: ``eager`` runs the module; ``compiled`` wraps it in ``torch.compile(fullgraph=True,
-dynamic=False)`` with Inductor's on-disk cache; ``neuron`` is reserved (not implemented yet).
+Backends (``build_graph``): ``eager`` runs the module; ``compiled`` wraps it in
+``torch.compile(fullgraph=True, dynamic=False)`` with Inductor's on-disk cache; ``xla`` compiles it
+as one PyTorch/XLA graph (``xla``); ``neuron`` traces it for AWS Neuron (``neuron``). Every backend
+takes any graph module of the same contract as ``StepGraph``: a forward over fixed-shape tensors that
+may update its buffers (the KV caches) in place, and ``example_inputs(batch_size)`` for the backends
+that trace ahead of time.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .model import DecoderLM
+from .model import Attention, DecoderLM
 from .sampling import penalised, sample
 
 
@@ -111,6 +116,33 @@ class StepGraph(nn.Module):
         return inputs
 
 
+class CacheCompaction(nn.Module):
+    """KV compaction as a graph: in every layer of ``lm``, row b's cache slot src[b, i] (K, V and,
+    quantized, their scales) is copied to slot dst[b, i] — inputs src, dst [B, m] i64; every slot is
+    read before any is written; no outputs (the caches are updated in place). Tree verification moves
+    the accepted path's slots with it (``DecoderModel.copy_cache_slots``)."""
+
+    def __init__(self, lm: nn.Module, n_slots: int):
+        super().__init__()
+        self.lm, self.n_slots = lm, n_slots
+
+    def forward(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        rows = torch.arange(src.shape[0], device=src.device).unsqueeze(1)
+        for module in self.lm.modules():
+            if isinstance(module, Attention):
+                module.move_slots(rows, src, dst)
+
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """src = dst = slots 0..m-1 of every row (a no-op move)."""
+        slots = torch.arange(self.n_slots, device=graph_device(self)).expand(batch_size, self.n_slots).contiguous()
+        return slots, slots.clone()
+
+
+def graph_device(graph: nn.Module) -> torch.device:
+    """The device of a graph module's weights (its first parameter or buffer)."""
+    return next(itertools.chain(graph.parameters(), graph.buffers())).device
+
+
 def seen_tokens(presence: torch.Tensor, input_ids: torch.Tensor, token_mask: torch.Tensor,
                 logit_index: torch.Tensor) -> torch.Tensor:
     """[b, m, V] bool: the tokens logit position j of each row continues — the row's sequence so far
@@ -124,7 +156,22 @@ def seen_tokens(presence: torch.Tensor, input_ids: torch.Tensor, token_mask: tor
     return presence.unsqueeze(1) | (counts > 0)
 
 
-BACKENDS = ("eager", "compiled", "neuron")
+BACKENDS = ("eager", "compiled", "xla", "neuron")
+
+
+def backend_device(backend: str, device: str | None) -> str:
+    """The device a model on ``backend`` lives on: ``device``, or by default the process's XLA device
+    for ``xla`` and the CPU for the others (``neuron`` traces from weights on the host)."""
+    is_xla = device is not None and torch.device(device).type == "xla"
+    if backend == "xla":
+        if device is not None and not is_xla:
+            raise ValueError(f"backend='xla' runs on an XLA device, not device={device!r}: leave device out "
+                             "(the default XLA device) or give 'xla' / 'xla:N'")
+        from .xla import xla_device
+        return str(xla_device()) if device in (None, "xla") else device
+    if is_xla:
+        raise ValueError(f"device={device!r} needs backend='xla'")
+    return device or "cpu"
 
 
 def configure_compile_cache() -> None:
@@ -156,7 +203,7 @@ def configure_compile_cache() -> None:
         torch._dynamo.config.accumulated_cache_size_limit, 1024)
 
 
-def own_frame(graph: StepGraph):
+def own_frame(graph: nn.Module):
     """A function calling ``graph`` with a code object of its own.
 
     Dynamo keeps compiled code per code object and checks each entry's guards on every call: compiling
@@ -170,21 +217,25 @@ def own_frame(graph: StepGraph):
     return run
 
 
-def build_graph(graph: StepGraph, backend: str, batch_size: int):
-    """A callable running ``graph`` on ``backend``."""
+def build_graph(graph: nn.Module, backend: str, batch_size: int, name: str | None = None):
+    """A callable running the graph module ``graph`` on ``backend`` (``batch_size``: the rows of a
+    model compiled for that batch, for backends that trace ``graph.example_inputs(batch_size)``;
+    ``name``: the graph's label in the backend's logs and artifacts, default the module's class name)."""
     if backend == "eager":
         return graph
+    name = name or type(graph).__name__
     if backend == "compiled":
         configure_compile_cache()
-        mode = "reduce-overhead" if graph.lm.inv_freq.is_cuda else None
+        mode = "reduce-overhead" if graph_device(graph).type == "cuda" else None
         # size_asserts off: the generated code would check the size and stride of every input (each
         # weight, ~1,000 checks, ~0.5 ms a decode step); the runtime passes fixed shapes by construction
         return torch.compile(own_frame(graph), fullgraph=True, dynamic=False, mode=mode,
                              options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                                       "size_asserts": False})
+    if backend == "xla":
+        from .xla import build_xla_graph
+        return build_xla_graph(graph, name)
     if backend == "neuron":
-        raise NotImplementedError(
-            "backend='neuron' is not implemented yet: the graphs are export-clean "
-            "(torch.export strict, static shapes) but KV-cache aliasing for torch_neuronx.trace "
-            "is still to be written; use 'eager' or 'compiled'")
+        from .neuron import build_neuron_graph
+        return build_neuron_graph(graph, batch_size, name)
     raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")

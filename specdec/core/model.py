@@ -89,6 +89,8 @@ class Attention(nn.Module):
     dtype, or with ``kv_cache_dtype`` ("int8" / "fp8_e4m3") in 8 bits plus f32 scales ``k_scale`` /
     ``v_scale`` [B, S, Hkv per rank], one per (row, slot, head) (``kv_quant``: format, error bound)."""
 
+    functional_state = False     # True (per instance) while a graph is traced for Neuron: see ``store``
+
     def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype,
                  layout: HeadLayout, tp: TPGroup, kv_cache_dtype: str | None = None):
         super().__init__()
@@ -120,19 +122,34 @@ class Attention(nn.Module):
         for name, dtype, _ in self._cache_specs():
             setattr(self, name, getattr(self, name).to(dtype).zero_())
 
+    def store(self, name: str, index: tuple[torch.Tensor, torch.Tensor], values: torch.Tensor) -> torch.Tensor:
+        """Write ``values`` to per-slot buffer ``name`` at ``index`` (rows, slots) and return the buffer:
+        in place, or with ``functional_state`` as a new tensor bound to the buffer's name (the form of
+        state update neuronx-distributed's tracer turns into an aliased output; ``neuron``)."""
+        buffer = getattr(self, name)
+        if not self.functional_state:
+            return buffer.index_put_(index, values)
+        setattr(self, name, buffer.index_put(index, values))
+        return getattr(self, name)
+
+    def move_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slot src[b, i] of every per-slot buffer to slot dst[b, i] (rows [B, 1], src / dst [B, m];
+        every slot is read before any is written)."""
+        for name, _, _ in self._cache_specs():
+            self.store(name, (rows, dst), getattr(self, name)[rows, src])
+
     def _write_read(self, kv: str, x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, kv_len: int,
                     seq_ids: torch.Tensor | None) -> torch.Tensor:
         """Write x [b, n, Hkv, D] (``kv``: "k" keys, "v" values) to cache slots (rows [b, 1], slots [b, n]);
         return the first ``kv_len`` slots of the input rows' cache rows, [b, kv_len, Hkv, D] in x's dtype
         (dequantized when the cache is quantized)."""
-        cache = getattr(self, f"{kv}_cache")
+        name = f"{kv}_cache"
         if self.kv_cache_dtype is None:
-            cache.index_put_((rows, slots), x.to(cache.dtype))
+            cache = self.store(name, (rows, slots), x.to(getattr(self, name).dtype))
             return read_slots(cache, seq_ids, kv_len)
-        scale = getattr(self, f"{kv}_scale")
-        q, s = quantize_kv(x, cache.dtype)
-        cache.index_put_((rows, slots), q)
-        scale.index_put_((rows, slots), s)
+        q, s = quantize_kv(x, getattr(self, name).dtype)
+        cache = self.store(name, (rows, slots), q)
+        scale = self.store(f"{kv}_scale", (rows, slots), s)
         return dequantize_kv(read_slots(cache, seq_ids, kv_len), read_slots(scale, seq_ids, kv_len), x.dtype)
 
     def forward(self, x, cos, sin, slots, mask, kv_len: int, seq_ids=None):

@@ -189,15 +189,17 @@ class RowGenerators:
 
     ``seed(row, seed)`` (re)starts a row's stream; ``release(row)`` frees it; ``uniform(m)`` →
     [B, m] in [0, 1) with row r drawn from row r's generator (zeros for rows without one).
-    Draws happen outside the graphs (host loop over rows) and enter them as inputs.
+    Draws happen outside the graphs (host loop over rows) and enter them as inputs. On an XLA device,
+    which has no ``torch.Generator``, the streams are the CPU's and the draws are copied to the device.
     """
 
     def __init__(self, batch_size: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
+        self.draw_device = torch.device("cpu") if self.device.type == "xla" else self.device
         self.generators: list[torch.Generator | None] = [None] * batch_size
 
     def seed(self, row: int, seed: int) -> None:
-        self.generators[row] = torch.Generator(self.device).manual_seed(seed)
+        self.generators[row] = torch.Generator(self.draw_device).manual_seed(seed)
 
     def release(self, row: int) -> None:
         self.generators[row] = None
@@ -205,9 +207,10 @@ class RowGenerators:
     def uniform(self, m: int, rows: list[int] | None = None) -> torch.Tensor:
         """[len(rows), m] (default every row): each listed row draws m numbers from its own stream;
         rows not listed draw nothing."""
-        zeros = torch.zeros(m, device=self.device)
+        zeros = torch.zeros(m, device=self.draw_device)
         gens = self.generators if rows is None else [self.generators[r] for r in rows]
-        return torch.stack([zeros if g is None else torch.rand(m, generator=g, device=self.device) for g in gens])
+        draws = torch.stack([zeros if g is None else torch.rand(m, generator=g, device=self.draw_device) for g in gens])
+        return draws.to(self.device)
 
 
 def row_seed(seed: int, row: int) -> int:
