@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .core.graphs import BACKENDS
+
 STRATEGIES = ("none", "model", "eagle", "medusa", "lookup")
 SHIPPED_KIND = {"model": "draft", "eagle": "eagle", "medusa": "medusa"}   # --draft -> shipped() kind
 DEFAULT_K = {"model": 4, "eagle": 5, "lookup": 4}                           # medusa: the tree's depth
@@ -173,8 +175,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, type=model_path, metavar="PATH",
                    help=f"checkpoint directory or .gguf file (default: the embedded model, {EMBEDDED_NAME})")
     p.add_argument("--amp", default="bf16", choices=["f32", "bf16", "f16"], help="weights/KV dtype")
-    p.add_argument("--backend", default="compiled", choices=["eager", "compiled"],
-                   help="compiled = torch.compile graphs (cached on disk after the first run)")
+    p.add_argument("--backend", default="compiled", choices=list(BACKENDS),
+                   help="compiled = torch.compile graphs (cached on disk after the first run); xla = PyTorch/XLA "
+                        "graphs (needs torch-xla: pip install 'specdec[xla]'); neuron = AWS Neuron (needs the "
+                        "Neuron SDK; compiles every graph the request needs first)")
     p.add_argument("--n-positions", type=n_positions_value, metavar="N", default=1024,
                    help="KV-cache length: prompt + new tokens (default: 1024)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
@@ -335,15 +339,17 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
         return [replace(k, return_probs=sampled) if k.n_logits == k.n_tokens and (k.n_tokens > 1 or step_probs)
                 else k for k in out]
 
-    todo = [(target, [replace(k, penalty=penalty) for k in keys(target, (width,) if gen is not None else (), False)])]
+    todo = [(target, [replace(k, penalty=penalty) for k in keys(target, (width,) if gen is not None else (), False)],
+             (proposer.tree.depth,) if getattr(proposer, "tree", None) is not None else ())]
     draft = getattr(proposer, "model", None)
     if isinstance(proposer, EagleDraft):   # its own graph_keys: the k + 1 position re-read step
         todo.append((draft, draft.graph_keys(spec_tokens=(gen.k,), prompt_length=prompt_length,
-                                             max_length=max_length, single_row=single_row)))
+                                             max_length=max_length, single_row=single_row), ()))
     elif isinstance(draft, DecoderModel):  # a draft model re-reads the last two tokens, then drafts one at a time
-        todo.append((draft, keys(draft, (2,), True)))
-    for model, graph_keys in todo:
-        model._warm(list(dict.fromkeys(graph_keys)), f"compiling ({model.settings.backend})", progress)
+        todo.append((draft, keys(draft, (2,), True), ()))
+    for model, graph_keys, compaction_slots in todo:
+        model._warm(list(dict.fromkeys(graph_keys)), f"compiling ({model.settings.backend})", progress,
+                    compaction_slots)
 
 
 def generate_on_rank(args: argparse.Namespace) -> int:
@@ -370,9 +376,10 @@ def generate_on_rank(args: argparse.Namespace) -> int:
     if proposer is not None:
         k = DEFAULT_K.get(args.draft) if args.k is None else args.k
         gen = SpeculativeGenerator(proposer, target, k)
-    if args.backend == "compiled":
+    if args.backend in ("compiled", "neuron"):
         if rank0:
-            print("compiling the graphs this request needs (cached on disk after the first run) ...", file=sys.stderr)
+            print("compiling the graphs this request needs"
+                  f"{' (cached on disk after the first run)' if args.backend == 'compiled' else ''} ...", file=sys.stderr)
         precompile(target, proposer, gen, len(ids), max_new, penalty=args.repetition_penalty != 1)
     text = args.prompt_ids is None
     streamer = TextStreamer(target.tokenizer, skip_prompt=True, skip_special_tokens=True) if rank0 and text else None

@@ -233,13 +233,7 @@ class DecoderModel:
         every graph goes into one program (shared weights and KV caches) loaded onto the NeuronCores."""
         keys = self.graph_keys(spec_tokens=spec_tokens, prompt_length=prompt_length, max_length=max_length,
                                single_row=single_row)
-        if self.settings.backend == "neuron":
-            return self._to_neuron(keys, compaction_slots, progress)
-        self._warm(keys, f"compiling ({self.settings.backend})", progress)
-        for m in compaction_slots:
-            with torch.no_grad():
-                self._compaction(m)(*CacheCompaction(self.lm, m).example_inputs(self.batch_size))
-        return self
+        return self._warm(keys, f"compiling ({self.settings.backend})", progress, compaction_slots)
 
     def _to_neuron(self, keys: list[GraphKey], compaction_slots: tuple[int, ...] | list[int], progress: bool,
                    program=None) -> "DecoderModel":
@@ -263,9 +257,13 @@ class DecoderModel:
         self.reset()
         return self
 
-    def _warm(self, keys: list[GraphKey], desc: str, progress: bool) -> "DecoderModel":
-        """Build each graph and run it once on example inputs (timed); then clear the KV cache. The
-        bar counts the graphs whose compiled code came from the on-disk cache."""
+    def _warm(self, keys: list[GraphKey], desc: str, progress: bool,
+              compaction_slots: tuple[int, ...] | list[int] = ()) -> "DecoderModel":
+        """Build each graph (and the compaction graphs of ``compaction_slots``) and run it once on
+        example inputs (timed); then clear the KV cache. The bar counts the graphs whose compiled code
+        came from the on-disk cache. ``neuron``: one program of all of them (``_to_neuron``)."""
+        if self.settings.backend == "neuron":
+            return self._to_neuron(keys, compaction_slots, progress)
         cached = 0
         bar = tqdm(keys, desc=desc, unit="graph", disable=not progress or not keys or self.tp.rank > 0)
         for key in bar:
@@ -277,6 +275,9 @@ class DecoderModel:
             if self.settings.backend == "compiled":
                 cached += _cache_hits() > hits
                 bar.set_postfix_str(f"{cached} from cache")
+        for m in compaction_slots:
+            with torch.no_grad():
+                self._compaction(m)(*CacheCompaction(self.lm, m).example_inputs(self.batch_size))
         self.reset()
         return self
 
