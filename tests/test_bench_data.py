@@ -82,7 +82,7 @@ def test_bench_cli_help():
 
 
 # --- the optional llama.cpp system (llamacpp-gguf) ---------------------------------------------
-def test_bench_systems_default_excludes_the_optional_llamacpp():
+def test_bench_systems_default_excludes_the_optional_systems():
     import argparse
 
     from specdec.bench import runtime
@@ -90,14 +90,17 @@ def test_bench_systems_default_excludes_the_optional_llamacpp():
     parser = argparse.ArgumentParser()
     runtime.add_arguments(parser)
     default = parser.parse_args([]).systems
-    assert "llamacpp-gguf" in runtime.SYSTEMS and "llamacpp-gguf" not in default
-    assert default == [s for s in runtime.SYSTEMS if s != "llamacpp-gguf"]
+    assert runtime.OPTIONAL == ("specdec-xla-f32", "llamacpp-gguf")
+    assert all(s in runtime.SYSTEMS and s not in default for s in runtime.OPTIONAL)
+    assert default == [s for s in runtime.SYSTEMS if s not in runtime.OPTIONAL]
     assert parser.parse_args(["--systems", "all"]).systems == list(runtime.SYSTEMS)
     assert parser.parse_args(["--systems", "llamacpp-gguf,specdec-compiled-bf16"]).systems == \
         ["llamacpp-gguf", "specdec-compiled-bf16"]
     with pytest.raises(SystemExit):
         parser.parse_args(["--systems", "llamacpp"])
     assert runtime.system_info("llamacpp-gguf")["impl"] == "llamacpp"
+    assert runtime.system_info("specdec-xla-f32") == {"impl": "specdec", "backend": "xla", "compiled": True,
+                                                      "dtype": "f32", "quantization": None}
 
 
 def test_llamacpp_skipped_with_a_note_when_not_importable_or_not_gguf(monkeypatch):
@@ -118,6 +121,16 @@ def test_llamacpp_skipped_with_a_note_when_not_importable_or_not_gguf(monkeypatc
     assert all("llamacpp-gguf" not in r for r in runtime._ratios(systems).values())
 
 
+def test_xla_skipped_with_a_note_without_torch_xla(monkeypatch):
+    from specdec.bench import runtime
+
+    monkeypatch.setitem(sys.modules, "torch_xla", None)
+    res = runtime.run_worker("specdec-xla-f32", {"gguf": None, "model": "m"}, progress=False)
+    assert res == {"system": "specdec-xla-f32", "skipped": runtime.XLA_MISSING}
+    systems = runtime._summarize({"specdec-xla-f32": {"cold": {**res, "wall_s": 0.5}}}, 4, {})
+    assert systems["specdec-xla-f32"]["skipped"] == runtime.XLA_MISSING and "tokens_per_s" not in systems["specdec-xla-f32"]
+
+
 def _bench_json(capsys, *args: str) -> tuple[int, dict, str]:
     from specdec.bench import runtime
 
@@ -136,7 +149,7 @@ def test_bench_run_reports_llamacpp_skipped_and_does_not_fail(embedded_model, si
     rc, result, table = _bench_json(capsys, "--systems", "llamacpp-gguf")
     assert rc == 0
     assert result["systems"]["llamacpp-gguf"] == {
-        "impl": "llamacpp", "compiled": False, "dtype": "gguf", "quantization": "gguf",
+        "impl": "llamacpp", "backend": None, "compiled": False, "dtype": "gguf", "quantization": "gguf",
         "skipped": "llama-cpp-python is not installed: pip install llama-cpp-python",
         "worker_wall_s": result["systems"]["llamacpp-gguf"]["worker_wall_s"]}
     assert "| llamacpp-gguf | skipped: llama-cpp-python is not installed" in table

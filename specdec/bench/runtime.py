@@ -15,6 +15,10 @@ Systems:
   specdec-compiled-int8/int4 the same, bf16 activations, weight-only int8 / int4 projections
   specdec-compiled-gguf  the same, ``quantization="gguf"``: the GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks,
                          LM head included (skipped with a note when ``--model`` is no .gguf file)
+  specdec-xla-f32        specdec, ``xla`` backend on the process's PJRT device (XLA:CPU unless PJRT_DEVICE says
+                         otherwise): needs torch-xla (``pip install "specdec[xla]"``, the ``.venv-xla`` of
+                         ``.ci/run``), run only when named or ``all``; skipped with a note without torch_xla.
+                         Its compile time is XLA's first compilation of each graph (no on-disk cache)
   llamacpp-gguf          llama.cpp (``llama-cpp-python``, optional: not installed with specdec, not run unless
                          named or ``all``) on the ``--model``'s GGUF file, its quantized weights as they are;
                          skipped with a note when ``llama_cpp`` is missing or ``--model`` is no .gguf file
@@ -44,12 +48,14 @@ from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_
 
 SYSTEMS = ("hf-eager-f32", "hf-compile-f32", "specdec-eager-f32", "specdec-eager-bf16",
            "specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8", "specdec-compiled-int4",
-           "specdec-compiled-gguf", "llamacpp-gguf")
+           "specdec-compiled-gguf", "specdec-xla-f32", "llamacpp-gguf")
 GGUF_SYSTEMS = ("specdec-compiled-gguf", "llamacpp-gguf")          # they read the --model's GGUF file
 # run only when named (or with ``all``): they need packages specdec does not install
-OPTIONAL = ("llamacpp-gguf",)
+OPTIONAL = ("specdec-xla-f32", "llamacpp-gguf")
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in OPTIONAL)
 LLAMACPP_MISSING = "llama-cpp-python is not installed: pip install llama-cpp-python"
+XLA_MISSING = ("torch_xla is not installed: pip install 'specdec[xla]' (torch==2.9.0, torch-xla==2.9.0), "
+               "then run the benchmark with that environment's python")
 BASELINE = "hf-eager-f32"
 # systems timed twice, in fresh processes: empty Inductor cache (cold), then reusing it (cached)
 COLD_CACHED = ("specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8", "specdec-compiled-int4",
@@ -62,14 +68,16 @@ def package_parent() -> Path:
 
 
 def system_info(name: str) -> dict:
-    """{"impl": "hf"|"specdec"|"llamacpp", "compiled": bool, "dtype": "f32"|"bf16"|"gguf",
-    "quantization": None|"int8"|"int4"|"gguf"} (``int8`` / ``int4``: bf16 activations, weight-only quantized
-    projections; ``gguf``: the GGUF file's own tensor types, in specdec or llama.cpp)."""
+    """{"impl": "hf"|"specdec"|"llamacpp", "backend": "eager"|"compiled"|"xla"|None, "compiled": bool,
+    "dtype": "f32"|"bf16"|"gguf", "quantization": None|"int8"|"int4"|"gguf"} (``backend``: specdec's;
+    ``int8`` / ``int4``: bf16 activations, weight-only quantized projections; ``gguf``: the GGUF file's own
+    tensor types, in specdec or llama.cpp)."""
     if name == "llamacpp-gguf":
-        return {"impl": "llamacpp", "compiled": False, "dtype": "gguf", "quantization": "gguf"}
+        return {"impl": "llamacpp", "backend": None, "compiled": False, "dtype": "gguf", "quantization": "gguf"}
     impl, mode, dtype = name.split("-")
     quantization = dtype if dtype in ("int8", "int4", "gguf") else None
-    return {"impl": impl, "compiled": mode in ("compile", "compiled"), "dtype": "bf16" if quantization else dtype,
+    return {"impl": impl, "backend": mode if impl == "specdec" else None,
+            "compiled": mode in ("compile", "compiled", "xla"), "dtype": "bf16" if quantization else dtype,
             "quantization": quantization}
 
 
@@ -249,14 +257,14 @@ class _HFRunner:
 
 
 class _SpecdecRunner:
-    def __init__(self, job: dict, amp: str, compiled: bool, quantization: str | None = None):
+    def __init__(self, job: dict, amp: str, backend: str, quantization: str | None = None):
         from ..core.decoder import DecoderModel
 
-        self.compiled = compiled
+        self.compiled = backend != "eager"
         source = job["gguf"] if quantization == "gguf" else job["model"]      # "gguf" reads the file itself
         self.model = DecoderModel.from_pretrained(
             source, n_positions=job["n_positions"], amp=amp, context_buckets=job["context_buckets"],
-            kv_buckets=job["kv_buckets"], backend="compiled" if compiled else "eager", progress=False,
+            kv_buckets=job["kv_buckets"], backend=backend, progress=False,
             quantization=quantization, kv_cache_dtype=job.get("kv_cache_dtype"))
         self.describe = {"context_buckets": self.model.context_buckets, "kv_buckets": self.model.kv_buckets,
                          "n_positions": self.model.n_positions, "backend": self.model.settings.backend}
@@ -289,8 +297,6 @@ class _SpecdecRunner:
             return None, {}
         import torch
 
-        from ..core.graphs import StepGraph
-
         m = self.model
         t0 = time.perf_counter()
         if compile_all:
@@ -301,7 +307,7 @@ class _SpecdecRunner:
             for key in self.needed_keys(prompt_ids, n):
                 t = time.perf_counter()
                 with torch.no_grad():
-                    m.graph(key)(*StepGraph(m.lm, key, None).example_inputs(m.batch_size))
+                    m.graph(key)(*m.graph_module(key).example_inputs(m.batch_size))
                 per_graph[key.describe()] = time.perf_counter() - t
             m.reset()
         return time.perf_counter() - t0, per_graph
@@ -342,7 +348,13 @@ class _LlamaCppRunner:
 
 def skip_reason(system: str, job: dict) -> str | None:
     """Why ``system`` cannot run here (a one-line note), or None: the ``GGUF_SYSTEMS`` need a GGUF
-    ``--model``, llamacpp-gguf also ``llama_cpp`` importable."""
+    ``--model``, llamacpp-gguf also ``llama_cpp`` importable; specdec-xla-f32 needs ``torch_xla``."""
+    if system == "specdec-xla-f32":
+        try:
+            import torch_xla  # noqa: F401
+        except ImportError:
+            return XLA_MISSING
+        return None
     if system not in GGUF_SYSTEMS:
         return None
     if not job.get("gguf"):
@@ -357,12 +369,18 @@ def skip_reason(system: str, job: dict) -> str | None:
 
 
 def _counters() -> dict:
+    """torch.compile's counters and, where torch_xla is loaded, XLA's compile count (group "xla")."""
     try:
         from torch._dynamo.utils import counters
     except Exception:  # pragma: no cover
         return {}
-    return {group: {k: int(v) for k, v in c.items()} for group, c in counters.items()
-            if group in ("stats", "inductor", "aot_autograd") and c}
+    out = {group: {k: int(v) for k, v in c.items()} for group, c in counters.items()
+           if group in ("stats", "inductor", "aot_autograd") and c}
+    if "torch_xla" in sys.modules:
+        import torch_xla.debug.metrics as met
+        compiled = met.metric_data("CompileTime")
+        out["xla"] = {"compiles": 0 if compiled is None else int(compiled[0])}
+    return out
 
 
 def run_worker(system: str, job: dict, compile_only: bool = False, progress: bool = True) -> dict:
@@ -391,7 +409,7 @@ def run_worker(system: str, job: dict, compile_only: bool = False, progress: boo
     elif info["impl"] == "llamacpp":
         runner = _LlamaCppRunner(job, torch.get_num_threads())
     else:
-        runner = _SpecdecRunner(job, info["dtype"], info["compiled"], info["quantization"])
+        runner = _SpecdecRunner(job, info["dtype"], info["backend"], info["quantization"])
     res["load_s"] = time.perf_counter() - t
     res["rss_after_load_mb"] = _rss_mb()
     res["peak_rss_load_mb"] = _peak_rss_mb()
@@ -434,7 +452,8 @@ def run_worker(system: str, job: dict, compile_only: bool = False, progress: boo
         bar.set_postfix_str(f"{n / e2e[-1]:.1f} tok/s")
     bar.close()
     res["counters_measure"] = _diff_counters(c1, _counters())
-    res["recompiles_during_measurement"] = res["counters_measure"].get("stats", {}).get("unique_graphs", 0)
+    res["recompiles_during_measurement"] = (res["counters_measure"].get("stats", {}).get("unique_graphs", 0)
+                                            + res["counters_measure"].get("xla", {}).get("compiles", 0))
     res["ttft_s"] = ttft
     res["e2e_s"] = e2e
     res["decode_s"] = decode
@@ -754,7 +773,7 @@ def _summarize(raw: dict, n_new: int, bound: dict) -> dict:
             comp = {}
             for p in ("cold", "cached"):
                 r = phases.get(p)
-                if r and "error" not in r:
+                if r and "error" not in r and "skipped" not in r:
                     comp[f"{p}_s"] = r["compile_s"]
                     comp[f"{p}_graphs"] = r["compile_graphs"]
                     comp[f"{p}_counters"] = r["counters_compile"]
