@@ -42,9 +42,16 @@ def xla_device() -> torch.device:
 def build_xla_graph(module: nn.Module, name: str) -> Callable[..., object]:
     """``module`` compiled as one XLA graph: call it with tensors on the XLA device (same shapes every
     call); it returns the forward's outputs as materialised device tensors. ``name`` labels the graph
-    in PyTorch/XLA's debug output (``PT_XLA_DEBUG_LEVEL``)."""
-    torch_xla = import_torch_xla()
-    return torch_xla.compile(module, full_graph=True, name=name, max_different_graphs=1)
+    in PyTorch/XLA's debug output (``PT_XLA_DEBUG_LEVEL``).
+
+    Each input is passed as a fresh tensor (a clone, materialised by the flush before the trace): a
+    view such as ``arange(n).expand(b, n)`` would otherwise be traced as the ops that make it, a
+    different graph from the one a plain tensor of the same shape gives."""
+    compiled = import_torch_xla().compile(module, full_graph=True, name=name, max_different_graphs=1)
+
+    def run(*inputs: torch.Tensor):
+        return compiled(*(t.clone() for t in inputs))
+    return run
 
 
 def materialize() -> None:
