@@ -102,6 +102,16 @@ def test_greedy_equals_eager_compiles_once_no_fallback(checkpoints, kind, batch_
     assert fallback_ops() == []
 
 
+@pytest.mark.parametrize("kind", ["target", "draft"])
+def test_seeded_sampling_equals_eager(checkpoints, kind):
+    """The rows' random streams are drawn on the host for XLA (no torch.Generator there), so a seeded
+    sampled run draws the same noise as on the CPU and, with logits equal to ~1e-6, the same tokens."""
+    path, kw = checkpoints["target"], dict(max_new_tokens=NEW, eos_token_id=[], do_sample=True, temperature=0.8,
+                                           top_k=20, top_p=0.9, seed=7)
+    reference = generator(kind, load(path, "eager", 3), checkpoints)(PROMPTS, **kw)
+    assert torch.equal(generator(kind, load(path, "xla", 3), checkpoints)(PROMPTS, **kw).cpu(), reference)
+
+
 def test_each_graph_key_compiles_once(checkpoints):
     """compile() builds every bucket's graph; repeating a workload (each graph on views and on plain
     tensors) compiles nothing the second time; a second, different trace of a graph is an error, never a
