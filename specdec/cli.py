@@ -319,7 +319,7 @@ def prompt_ids_of(args: argparse.Namespace, target) -> list[int]:
 def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, progress: bool = True,
                single_row: bool = False, penalty: bool = False) -> None:
     """Build the graphs a request needs before it runs (and is timed): the target's context, decode
-    and verify graphs and a draft network's. For the compiled backend (graphs cached on disk).
+    and verify graphs and a draft network's. For the compiling backends (compiled: graphs cached on disk).
     ``single_row``: also the context graphs of requests joining a running batch (serving).
     ``penalty``: the target's graphs apply a repetition penalty (drafts never do)."""
     from . import DecoderModel, EagleDraft
@@ -376,7 +376,7 @@ def generate_on_rank(args: argparse.Namespace) -> int:
     if proposer is not None:
         k = DEFAULT_K.get(args.draft) if args.k is None else args.k
         gen = SpeculativeGenerator(proposer, target, k)
-    if args.backend in ("compiled", "neuron"):
+    if args.backend != "eager":
         if rank0:
             print("compiling the graphs this request needs"
                   f"{' (cached on disk after the first run)' if args.backend == 'compiled' else ''} ...", file=sys.stderr)
