@@ -74,7 +74,8 @@ class StepGraph(nn.Module):
         self.lm, self.key, self.global_topk = lm, key, global_topk
 
     def forward(self, input_ids, position_ids, cache_lengths, token_mask, logit_index, params, uniform, *extra):
-        penalty, single_row = self.key.penalty, self.key.single_row
+        # ints, not bools: torch 2.9's Dynamo refuses a bool as a tuple index
+        penalty, single_row = int(self.key.penalty), int(self.key.single_row)
         presence = extra[0] if penalty else None
         seq_ids = extra[penalty] if single_row else None
         features = extra[penalty + single_row:]
