@@ -545,10 +545,10 @@ class DecoderModel:
         return Engine(self).generate(input_ids, attention_mask, **kwargs)
 
     def save(self, directory: str | Path) -> None:
-        """Write the runtime settings and (``compiled``) the Inductor cache artifacts of every
-        graph built so far / (``neuron``) the compiled program, so ``load`` in a fresh process skips
-        code generation. At
-        ``tp_degree > 1`` every rank calls it: rank 0 writes the settings, each rank its artifacts."""
+        """Write the runtime settings and (``compiled``) the Inductor cache artifacts of every graph
+        built so far, or (``neuron``) the compiled program, so ``load`` in a fresh process skips code
+        generation. At ``tp_degree > 1`` every rank calls it: rank 0 writes the settings, each rank its
+        artifacts."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         if self.tp.rank == 0:
