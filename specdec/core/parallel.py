@@ -18,8 +18,9 @@ size) or replicated on each rank (``tp_degree=1``, no collectives) — e.g. a sm
 sharded target. The collectives are ``torch.distributed._functional_collectives``, which run
 eagerly and trace under ``torch.compile(fullgraph=True)`` and ``torch.export``.
 
-Neuron (``backend='neuron'`` traces ``tp_degree=1`` only; this port is not written): the same sharding maps onto
-neuronx-distributed's layers — ``ColumnParallelLinear(gather_output=False)`` for q/k/v/gate/up,
+Neuron (``backend='neuron'`` traces ``tp_degree=1`` only; this port is not written): the same
+sharding maps onto neuronx-distributed's layers — ``ColumnParallelLinear(gather_output=False)`` for
+q/k/v/gate/up,
 ``RowParallelLinear(input_is_parallel=True)`` for o/down (its reduce is our ``all_reduce``),
 ``ParallelEmbedding`` for the embedding and ``ColumnParallelLinear(gather_output=True)`` for the LM
 head, with NxD Inference's ``GQA`` sharding choosing the same head slots as ``HeadLayout``, and the
