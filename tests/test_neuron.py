@@ -11,6 +11,7 @@ keys, calls routed by key name, save / load of the compiled program.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 
@@ -35,6 +36,8 @@ class Recorder:
 
     def trace(self, model, args):
         assert isinstance(model, NeuronGraph)
+        params = inspect.signature(model.forward).parameters.values()     # explicit, named (the docs' rule)
+        assert [p.kind for p in params] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * len(args)
         before = {name: id(b) for name, b in model.named_buffers()}
         with torch.no_grad():
             model(*args)            # eager, under the backend's tracing context
@@ -139,7 +142,7 @@ def test_to_neuron_call_contract_on_a_recording_stand_in(ckpt, recorder):
     assert isinstance(compaction["module"].graph, CacheCompaction) and compaction["rebound"] == caches
     assert compaction["shapes"] == [(2, 2), (2, 2)]
     (weights,), = recorder.weights                                    # one rank, one copy for every key
-    assert sorted(weights) == sorted(f"graph.lm.{name}" for name in model.lm.state_dict())
+    assert sorted(weights) == sorted(f"graph.lm.{name}" for name in [*model.lm.state_dict(), "inv_freq"])
     assert recorder.started == 1
     assert all(not a.functional_state for a in model.lm.modules() if hasattr(a, "store"))   # restored
 

@@ -239,7 +239,7 @@ class DecoderModel:
                    program=None) -> "DecoderModel":
         """Trace and compile ``keys`` and the compaction graphs into one Neuron program (or take
         ``program``, loaded by ``load``), load it with this model's weights and route the graphs to it."""
-        from .neuron import NeuronGraph, NeuronProgram
+        from .neuron import NeuronProgram, neuron_weights
         modules = {key.describe(): self.graph_module(key) for key in keys}
         modules |= {_compaction_name(m): CacheCompaction(self.lm, m) for m in compaction_slots}
         if program is None:
@@ -249,7 +249,7 @@ class DecoderModel:
                 start = time.perf_counter()
                 program.add(name, module, self.batch_size)
                 self.compile_seconds[name] = time.perf_counter() - start
-        program.start(NeuronGraph(next(iter(modules.values()))).weights())
+        program.start(neuron_weights(next(iter(modules.values()))))
         self._graphs.update({key: program.runner(key.describe()) for key in keys})
         self._compactions.update({m: program.runner(_compaction_name(m)) for m in compaction_slots})
         self._ran.update(keys)

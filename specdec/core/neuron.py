@@ -2,7 +2,7 @@
 (Inferentia2 / Trainium) with neuronx-distributed's ModelBuilder units, in the shape NxD Inference
 builds a model:
 
-    trace(NeuronGraph(graph), args=graph.example_inputs(B))   one HLO per graph key (bucket)
+    trace(NeuronGraph(graph, n), args=graph.example_inputs(B)) one HLO per graph key (bucket)
     compile(hlo, metaneff, key=...)                            neuronx-cc → one NEFF per key
     NxDModel(world_size).add(key, traced, compiled)            one executable holding every key
     set_weights([state dict]); to_neuron()                     weights and state loaded once, shared
@@ -28,6 +28,7 @@ them with a recording stand-in only.
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -57,16 +58,24 @@ def import_sdk():
 
 
 class NeuronGraph(nn.Module):
-    """What is traced for one graph key: ``graph`` (e.g. a ``StepGraph``), whose KV caches are updated
-    out of place while it is traced (``tracing``). Its parameter and buffer names are ``graph.<name>``
-    for every key, so keys built on one decoder share weights and state by name."""
+    """What is traced for one graph key: ``graph`` (e.g. a ``StepGraph``) called with ``n_inputs``
+    tensors, whose KV caches are updated out of place while it is traced (``tracing``). Its parameter
+    and buffer names are ``graph.<name>`` for every key, so keys built on one decoder share weights and
+    state by name.
 
-    def __init__(self, graph: nn.Module):
+    The tracer takes a forward with explicitly named parameters (no ``*args``): the forward is an
+    instance attribute whose signature names the inputs ``input0 .. input{n-1}``."""
+
+    def __init__(self, graph: nn.Module, n_inputs: int):
         super().__init__()
         self.graph = graph
+        names = [f"input{i}" for i in range(n_inputs)]
 
-    def forward(self, *inputs: torch.Tensor):
-        return self.graph(*inputs)
+        def forward(*args: torch.Tensor, **kwargs: torch.Tensor):
+            return graph(*args, *(kwargs[name] for name in names[len(args):]))
+        forward.__signature__ = inspect.Signature(
+            [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names])
+        self.forward = forward
 
     @contextmanager
     def tracing(self) -> Iterator[None]:
@@ -79,10 +88,16 @@ class NeuronGraph(nn.Module):
             for a in attentions:
                 del a.functional_state     # back to the class default (in place)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The state dict ``set_weights`` loads: every parameter and persistent buffer (the KV caches are
-        non-persistent state, zero-initialised on the device)."""
-        return {name: t.detach().contiguous() for name, t in self.state_dict().items()}
+
+
+def neuron_weights(graph: nn.Module) -> dict[str, torch.Tensor]:
+    """What ``set_weights`` loads for programs of ``graph`` (named as in ``NeuronGraph(graph, n)``): the
+    state dict (parameters, persistent buffers) and the non-persistent buffers that are not state (RoPE
+    frequencies); the KV caches are state, which the program zero-initialises on the device."""
+    state = {id(b) for a in graph.modules() if isinstance(a, Attention) for b in a.cache_buffers()}
+    weights = dict(graph.state_dict())
+    weights |= {name: b for name, b in graph.named_buffers() if id(b) not in state and name not in weights}
+    return {f"graph.{name}": t.detach().contiguous() for name, t in weights.items()}
 
 
 class NeuronProgram:
@@ -115,16 +130,17 @@ class NeuronProgram:
     def add(self, key: str, graph: nn.Module, batch_size: int) -> None:
         """Trace ``graph`` on its example inputs and compile it as ``key``."""
         nxd_trace, nxd_compile, _ = import_sdk()
-        wrapped = NeuronGraph(graph)
+        inputs = graph.example_inputs(batch_size)
+        wrapped = NeuronGraph(graph, len(inputs))
         with wrapped.tracing():
-            traced = nxd_trace(wrapped, args=graph.example_inputs(batch_size))
+            traced = nxd_trace(wrapped, args=inputs)
         compiled = nxd_compile(traced.hlo_module, traced.metaneff, compiler_workdir=self.workdir,
                                compiler_args=self.compiler_args, key=key)
         self.nxd.add(key, traced, compiled)
         self.keys.append(key)
 
     def start(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load ``weights`` (``NeuronGraph.weights`` of any key: one copy for all) and the zeroed state
+        """Load ``weights`` (``neuron_weights`` of any key's graph: one copy for all) and the zeroed state
         onto the NeuronCores."""
         self.nxd.set_weights([weights])
         self.nxd.to_neuron()
@@ -146,5 +162,5 @@ def build_neuron_graph(graph: nn.Module, batch_size: int, name: str) -> Callable
     one program instead)."""
     program = NeuronProgram.create()
     program.add(name, graph, batch_size)
-    program.start(NeuronGraph(graph).weights())
+    program.start(neuron_weights(graph))
     return program.runner(name)
