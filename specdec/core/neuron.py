@@ -89,7 +89,6 @@ class NeuronGraph(nn.Module):
                 del a.functional_state     # back to the class default (in place)
 
 
-
 def neuron_weights(graph: nn.Module) -> dict[str, torch.Tensor]:
     """What ``set_weights`` loads for programs of ``graph`` (named as in ``NeuronGraph(graph, n)``): the
     state dict (parameters, persistent buffers) and the non-persistent buffers that are not state (RoPE
