@@ -9,7 +9,9 @@ XLA caches the compiled program by the graph's hash, so a graph compiles on its 
 ``max_different_graphs=1`` makes a second, different trace of the same module (a shape or a Python
 value that changed) an error instead of a silent recompilation. Buffers updated in place are graph
 outputs aliased to their inputs (``input_output_alias`` in the HLO): the KV cache is updated where it
-lies, not copied.
+lies, not copied. Compiled programs live in the process only: PyTorch/XLA's persistent cache
+(``torch_xla.runtime.initialize_cache``) cannot reload programs on XLA:CPU (2.9: "Deserializing
+serialized executable not supported"), so every process compiles its graphs once.
 
 Installing: ``pip install "specdec[xla]"`` (``torch==2.9.0``, ``torch-xla==2.9.0``, the newest pair on
 PyPI; the ``.ci/run`` script builds this environment as ``.venv-xla``).
