@@ -48,7 +48,8 @@ def build_xla_graph(module: nn.Module, name: str) -> Callable[..., object]:
 
     Each input is passed as a fresh tensor (a clone, materialised by the flush before the trace): a
     view such as ``arange(n).expand(b, n)`` would otherwise be traced as the ops that make it, a
-    different graph from the one a plain tensor of the same shape gives."""
+    different graph from the one a plain tensor of the same shape gives. So a graph updates its buffers
+    (the state), never its inputs: an in-place update of an input would land on the copy."""
     compiled = import_torch_xla().compile(module, full_graph=True, name=name, max_different_graphs=1)
 
     def run(*inputs: torch.Tensor):
