@@ -174,7 +174,8 @@ def test_kv_compaction_moves_the_scales_with_the_slots(checkpoint):
     rows = torch.arange(2).unsqueeze(1)
     for a, old in zip(attentions(model), before):
         for new, previous in zip(a.cache_buffers(), old):
-            assert torch.equal(new[rows, dst].float(), previous[rows, src].float())
+            # compared as bytes: torch 2.9's CPU indexing has no float8 kernel
+            assert torch.equal(new.view(torch.uint8)[rows, dst], previous.view(torch.uint8)[rows, src])
 
 
 def tp_kv_quantized(path: str, prompts: list[list[int]]) -> dict:

@@ -136,7 +136,7 @@ class Attention(nn.Module):
         """Copy slot src[b, i] of every per-slot buffer to slot dst[b, i] (rows [B, 1], src / dst [B, m];
         every slot is read before any is written)."""
         for name, _, _ in self._cache_specs():
-            self.store(name, (rows, dst), getattr(self, name)[rows, src])
+            self.store(name, (rows, dst), index_slots(getattr(self, name), (rows, src)))
 
     def _write_read(self, kv: str, x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, kv_len: int,
                     seq_ids: torch.Tensor | None) -> torch.Tensor:
@@ -176,7 +176,15 @@ class Attention(nn.Module):
 def read_slots(buffer: torch.Tensor, seq_ids: torch.Tensor | None, kv_len: int) -> torch.Tensor:
     """The first ``kv_len`` slots of a per-slot buffer [B, S, ...]: every row (seq_ids None) or rows
     ``seq_ids`` [b] → [b, kv_len, ...]."""
-    return buffer[:, :kv_len] if seq_ids is None else buffer[seq_ids, :kv_len]
+    return buffer[:, :kv_len] if seq_ids is None else index_slots(buffer, (seq_ids,))[:, :kv_len]
+
+
+def index_slots(buffer: torch.Tensor, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``buffer[index]`` (advanced indexing over the leading dims); an fp8 buffer is indexed as bytes
+    (torch 2.9's CPU indexing has no float8 kernel)."""
+    if buffer.dtype.is_floating_point and buffer.element_size() == 1:
+        return buffer.view(torch.uint8)[index].view(buffer.dtype)
+    return buffer[index]
 
 
 def one_token_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

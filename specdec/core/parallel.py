@@ -110,7 +110,11 @@ def all_reduce_max(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 def all_gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """[..., d] on each rank → [..., tp * d], ranks in order."""
-    return funcol.all_gather_single(x, x.dim() - 1, tp.group)
+    return _all_gather(x, x.dim() - 1, tp.group)
+
+
+# one gather op (torch >= 2.10); torch 2.9 has only all_gather_tensor (the same result, along any dim)
+_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 
 
 def broadcast(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
