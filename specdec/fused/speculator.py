@@ -17,15 +17,20 @@ row semantics; ``Engine`` owns emission, EOS, budgets and statistics) but a step
 
 Graphs are built per ``FusedKey`` (k, KV buckets, greedy / sampling, top filter, penalty, re-read
 width) on the target's backend (``eager``, ``compiled``: ``torch.compile`` fullgraph, static shapes)
-and kept for the speculator's lifetime. Chain proposers qualify by providing ``fused_drafter(key)``
+and kept as long as the proposer lives (``_GRAPHS``), so every speculator over the same proposer and
+target reuses them, as a ``DecoderModel`` keeps its own graphs. Chain proposers qualify by providing ``fused_drafter(key)``
 (``DraftModel``, ``EagleDraft``); tree proposers (Medusa) and prompt lookup run unfused.
 """
 from __future__ import annotations
 
 import sys
 import time
+import weakref
+
+from dataclasses import replace
 
 import torch
+from tqdm.auto import tqdm
 
 from ..core.buckets import pick_bucket
 from ..core.decoder import DecoderModel
@@ -36,6 +41,9 @@ from ..core.stats import SpecStats
 from ..proposer import Proposer
 from ..speculative import Speculator
 from .step import FusedKey, FusedStep
+
+# proposer -> {FusedKey: (FusedStep, callable)}: the fused graphs built for that proposer (and its target)
+_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class FusedSpeculator(Speculator):
@@ -48,9 +56,8 @@ class FusedSpeculator(Speculator):
                              f"(DraftModel, EagleDraft); {type(proposer).__name__} has none: use fused=False")
         if target.tp.size > 1:
             raise ValueError(f"fused speculation runs at tp_degree=1 (got {target.tp.size}): use fused=False")
-        self.graphs: dict[FusedKey, tuple[FusedStep, object]] = {}
+        self.graphs: dict[FusedKey, tuple[FusedStep, object]] = _GRAPHS.setdefault(proposer, {})
         self.compile_seconds: dict[str, float] = {}
-        self._ran: set[FusedKey] = set()
         self._chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def start(self, rows, prompts, params, rng, target_out) -> None:
@@ -67,9 +74,26 @@ class FusedSpeculator(Speculator):
                         sampled and needs_filter(params, target.settings.sampling.global_topk),
                         target.presence is not None and any_penalised(params), width)
 
+    def compile(self, max_length: int, penalty: bool = False, progress: bool = True) -> "FusedSpeculator":
+        """Build and warm the fused graphs of full-k steps for sequences up to ``max_length`` tokens
+        (every KV bucket up to the one ``max_length + k`` needs; the target's sampling config decides
+        greedy or sampling), as ``DecoderModel.compile`` does for its own graphs. Steps near
+        ``n_positions`` with a smaller k build theirs on first use. Overwrites KV cache slots."""
+        target = self.target
+        needed = min(max_length + self.k, target.n_positions)
+        params = target.sampling_params()
+        keys = [self.key(self.k, length - self.k, params) for length in target.kv_buckets
+                if self.k + 2 <= length <= pick_bucket(target.kv_buckets, needed, "max_length")]
+        keys = [replace(key, penalty=penalty) for key in dict.fromkeys(keys)]
+        for key in tqdm(keys, desc=f"compiling fused ({target.settings.backend})", unit="graph",
+                        disable=not progress or not keys):
+            module, run = self.graph(key)
+            self._call(key, run, list(module.example_inputs(target.batch_size)))
+        return self
+
     def graph(self, key: FusedKey) -> tuple[FusedStep, object]:
-        """(module, callable on the target's backend) for ``key``, built once."""
-        if key not in self.graphs:
+        """(module, callable on the target's backend) for ``key``, built once per proposer and target."""
+        if key not in self.graphs or self.graphs[key][0].lm is not self.target.lm:
             module = FusedStep(self.target.lm, self.proposer.fused_drafter(key), key,
                                self.target.settings.sampling.global_topk)
             self.graphs[key] = module, build_graph(module, self.target.settings.backend, self.target.batch_size)
@@ -114,16 +138,17 @@ class FusedSpeculator(Speculator):
 
     def _call(self, key: FusedKey, run, inputs: list[torch.Tensor]):
         """Run a graph; a compiled graph's first call generates its code (say so on stderr, time it)."""
-        first = key not in self._ran and self.target.settings.backend != "eager"
+        module = self.graphs[key][0]
+        first = not module.ran and self.target.settings.backend != "eager"
         say = first and self.target.progress
         if say:
-            print(f"specdec: compiling graph {key.describe()} on first use ...", end="", file=sys.stderr, flush=True)
+            print(f"specdec: compiling graph {key.describe()} ...", end="", file=sys.stderr, flush=True)
         start = time.perf_counter()
         with torch.no_grad():
             out = run(*inputs)
         if first:
             self.compile_seconds[key.describe()] = seconds = time.perf_counter() - start
-            self._ran.add(key)
+            module.ran = True
             if say:
                 print(f" {seconds:.1f} s", file=sys.stderr, flush=True)
         return out

@@ -97,6 +97,7 @@ class FusedStep(nn.Module):
     def __init__(self, target_lm: nn.Module, drafter: nn.Module, key: FusedKey, global_topk: int | None):
         super().__init__()
         self.lm, self.drafter, self.key = target_lm, drafter, key      # ``lm``: what the backends place
+        self.ran = False                     # run at least once (a compiled graph: its code generated)
         self.verify = StepGraph(target_lm, key.step_key(key.k + 1, key.k + 1, key.kv_len, key.penalty), global_topk)
 
     @property
