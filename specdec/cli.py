@@ -201,6 +201,9 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--k", type=positive_int, default=None,
                    help="draft tokens per step (default: model 4, eagle 5, lookup 4; medusa: the tree's depth, "
                         "and a given --k must equal it)")
+    s.add_argument("--fused", action="store_true",
+                   help="model / eagle: one graph per speculation step (draft loop, verification and "
+                        "acceptance fused; NxD Inference's enable_fused_speculation); same output")
     s.add_argument("--tree", default=None,
                    help="medusa: a built-in tree name (e.g. mc_sim_7b_63) or a JSON file of paths "
                         "(default: the heads' own tree)")
@@ -323,6 +326,7 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
     ``single_row``: also the context graphs of requests joining a running batch (serving).
     ``penalty``: the target's graphs apply a repetition penalty (drafts never do)."""
     from . import DecoderModel, EagleDraft
+    from .fused import FusedSpeculator
     width = 1
     if gen is not None:
         tree = getattr(proposer, "tree", None)
@@ -339,10 +343,15 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
         return [replace(k, return_probs=sampled) if k.n_logits == k.n_tokens and (k.n_tokens > 1 or step_probs)
                 else k for k in out]
 
-    todo = [(target, [replace(k, penalty=penalty) for k in keys(target, (width,) if gen is not None else (), False)],
+    fused = gen is not None and isinstance(gen.speculator, FusedSpeculator)
+    verify = (width,) if gen is not None and not fused else ()
+    todo = [(target, [replace(k, penalty=penalty) for k in keys(target, verify, False)],
              (proposer.tree.depth,) if getattr(proposer, "tree", None) is not None else ())]
     draft = getattr(proposer, "model", None)
-    if isinstance(proposer, EagleDraft):   # its own graph_keys: the k + 1 position re-read step
+    if fused:   # the draft's context graphs; its steps run inside the fused graphs, built below
+        todo.append((draft, [k for k in draft.graph_keys(prompt_length=prompt_length, single_row=single_row)
+                             if k.n_tokens > 1], ()))
+    elif isinstance(proposer, EagleDraft):   # its own graph_keys: the k + 1 position re-read step
         todo.append((draft, draft.graph_keys(spec_tokens=(gen.k,), prompt_length=prompt_length,
                                              max_length=max_length, single_row=single_row), ()))
     elif isinstance(draft, DecoderModel):  # a draft model re-reads the last two tokens, then drafts one at a time
@@ -350,6 +359,8 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
     for model, graph_keys, compaction_slots in todo:
         model._warm(list(dict.fromkeys(graph_keys)), f"compiling ({model.settings.backend})", progress,
                     compaction_slots)
+    if fused:
+        gen.speculator.compile(prompt_length + max_new_tokens, penalty=penalty, progress=progress)
 
 
 def generate_on_rank(args: argparse.Namespace) -> int:
@@ -375,7 +386,7 @@ def generate_on_rank(args: argparse.Namespace) -> int:
     gen = None
     if proposer is not None:
         k = DEFAULT_K.get(args.draft) if args.k is None else args.k
-        gen = SpeculativeGenerator(proposer, target, k)
+        gen = SpeculativeGenerator(proposer, target, k, fused=args.fused)
     if args.backend != "eager":
         if rank0:
             print("compiling the graphs this request needs"

@@ -16,6 +16,7 @@ from .core.decoder import DecoderModel
 from .core.engine import Engine
 from .core.stats import SpecStats
 from .draft.proposer import DraftModel
+from .fused.speculator import FusedSpeculator
 from .proposer import Proposer
 from .speculative import Speculator
 
@@ -26,9 +27,14 @@ class SpeculativeGenerator:
     ``engine`` (``specdec.core.engine.Engine``) runs the requests: ``generate`` / ``sample`` for a
     batch, or ``engine.add`` / ``engine.step`` / ``engine.release`` for rows joining and leaving a
     running batch. ``stats`` accumulates over calls; ``last_stats`` holds the latest call's numbers.
+
+    ``fused=True`` (chain drafts: ``DraftModel``, ``EagleDraft``): each step is one graph — draft loop,
+    verification and acceptance (``specdec.fused``; NxD Inference's ``enable_fused_speculation``) —
+    with the same outputs as unfused speculation.
     """
 
-    def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int | None = None):
+    def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int | None = None, *,
+                 fused: bool = False):
         if draft is target or getattr(draft, "model", None) is target:
             raise ValueError("the draft is the target object itself: a draft keeps its own KV cache, so load the "
                              "draft checkpoint as a separate DecoderModel (DraftModel.from_pretrained(path, target))")
@@ -42,7 +48,7 @@ class SpeculativeGenerator:
             k = depth
         elif k is None:
             raise ValueError("k (draft tokens per step) is required for a chain draft")
-        self.speculator = Speculator(proposer, target, k)
+        self.speculator = (FusedSpeculator if fused else Speculator)(proposer, target, k)
         check = getattr(proposer, "check_target", None)
         if check is not None:
             check(target)

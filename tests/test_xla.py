@@ -199,3 +199,51 @@ def test_hlo_of_decode_and_verify_lists_the_caches_as_aliased_outputs(checkpoint
     big = [a for a in aliased if len(a) == 4]          # 2 layers × (K, V)
     assert len(big) >= 2, aliased                      # the decode and the verify program
     assert all(shape == cache for a in big for shape in a), big
+
+
+# ---------------------------------------------------------------- fused speculation on XLA
+def fused_generator(kind: str, target: DecoderModel, paths: dict) -> SpeculativeGenerator:
+    if kind == "draft":
+        proposer = DraftModel.from_pretrained(paths["draft"], target, progress=False)
+    else:
+        proposer = EagleDraft.from_pretrained(paths["eagle"], target, progress=False)
+    return SpeculativeGenerator(proposer, target, 3, fused=True)
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_fused_step_is_one_graph_equal_to_eager(checkpoints, kind, batch_size):
+    """A fused step (draft loop + verify + acceptance) runs as one full_graph XLA program: greedy
+    output equals eager, nothing compiles after warm-up, nothing falls back to the CPU."""
+    prompts = PROMPTS[:batch_size] if batch_size == 3 else [PROMPTS[2]]
+    kw = dict(max_new_tokens=NEW, eos_token_id=[])
+    reference = fused_generator(kind, load(checkpoints["target"], "eager", batch_size), checkpoints).generate(prompts, **kw)
+    gen = fused_generator(kind, load(checkpoints["target"], "xla", batch_size), checkpoints)
+    met.clear_counters()
+    outputs, compiled = [], []
+    for _ in range(3):
+        before = compiles()
+        outputs.append(gen.generate(prompts, **kw).cpu())
+        compiled.append(compiles() - before)
+    for out in outputs:
+        assert torch.equal(out, reference)
+    assert compiled[0] > 0 and compiled[2] == 0, compiled
+    assert fallback_ops() == []
+    assert gen.speculator.graphs and gen.last_stats.steps > 0
+
+
+def test_fused_graph_aliases_both_caches_and_eagle_buffers(checkpoints):
+    target = load(checkpoints["target"], "xla", 2)
+    gen = fused_generator("eagle", target, checkpoints)
+    key = gen.speculator.key(3, 20, target.sampling_params(do_sample=True, temperature=0.8))
+    module, run = gen.speculator.graph(key)
+    inputs = module.example_inputs(2)
+    state = cache_count(target) + cache_count(gen.proposer.model) + 2     # + EAGLE's features and tokens
+    assert state in aliases_compiled(lambda: run(*inputs))
+
+
+def test_fused_seeded_sampling_equals_eager(checkpoints):
+    kw = dict(max_new_tokens=NEW, eos_token_id=[], do_sample=True, temperature=0.8, top_k=20, seed=3)
+    reference = fused_generator("draft", load(checkpoints["target"], "eager", 3), checkpoints).generate(PROMPTS, **kw)
+    out = fused_generator("draft", load(checkpoints["target"], "xla", 3), checkpoints).generate(PROMPTS, **kw)
+    assert torch.equal(out.cpu(), reference)

@@ -4,6 +4,7 @@ In one process run, for each temperature (greedy and 0.7) and each k:
   specdec-target      ``DecoderModel.generate`` (target only)
   specdec-{s}-k{k}    ``SpeculativeGenerator(shipped(s, target), target, k).generate`` with the shipped
                       ``--strategy`` s: ``draft`` (the vanilla draft model) or ``eagle`` (the EAGLE head)
+  specdec-{s}-fused-k{k}  the same with ``fused=True`` (one graph per step; ``--fused on`` or ``both``)
   specdec-medusa-{t}  ``--strategy medusa``: the shipped Medusa heads (or ``--heads DIR``) with tree t of
                       ``--trees`` (a built-in name, a JSON file, or ``shipped``: the tree built from the
                       heads' measured accuracy, stored with them); k = the tree's depth
@@ -13,7 +14,9 @@ In one process run, for each temperature (greedy and 0.7) and each k:
 ``--batch-size`` prompts per call (tokens/s counts every row), ``--max-new-tokens`` (128) per prompt
 with EOS disabled, on the MT-Bench questions shipped with the package (or ``--prompts FILE``).
 Reports tokens/s (median over calls), τ, acceptance rate, per-position acceptance and speedups as
-JSON (stdout) and a markdown table (stderr).
+JSON (stdout) and a markdown table (stderr), and per system the time per step spent inside graph calls
+and outside them (host work: bucket choice, random draws, input preparation, acceptance bookkeeping,
+emission), summed over all calls; the target-only run's graph time per step is one decode step.
 
     python bench/bench_speculative.py [--strategy draft|eagle] [--num-prompts 10] [--ks 2,4,6] [--batch-size 1]
     python bench/bench_speculative.py --strategy medusa [--trees chain_4,mc_sim_7b_63,shipped]
@@ -51,12 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per call (HF assisted needs 1)")
     parser.add_argument("--ks", type=int_list, default=[2, 4, 6], help="draft tokens per step")
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
-    parser.add_argument("--backend", default="compiled", choices=["eager", "compiled"])
+    parser.add_argument("--backend", default="compiled", choices=["eager", "compiled", "xla"])
     parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
     parser.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
                         help="the target's weights (DecoderModel.from_pretrained(quantization=...)); drafts inherit it")
     parser.add_argument("--n-positions", type=int, default=384,
                         help="cache slots; must hold the longest prompt + max-new-tokens + max(ks) + 1")
+    parser.add_argument("--fused", default="off", choices=["off", "on", "both"],
+                        help="draft / eagle: unfused systems (off), fused ones (on) or both side by side")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -72,7 +77,7 @@ def _timed(fn) -> tuple[object, float]:
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from .. import DecoderModel, SpecStats
+    from .. import DecoderModel, Engine, SpecStats
     from ..core.hf_adapter import HFAdapter
     from ..draft.smollm2 import embedded_draft_path
 
@@ -115,16 +120,21 @@ def run(args: argparse.Namespace) -> dict:
     if hf is not None:
         jobs += [(t, k, f"hf-assisted-k{k}") for t in temps for k in args.ks]
     for t, k, name in tqdm(jobs, desc="benchmark", unit="config", file=sys.stderr):
-        rates, stats = [], SpecStats()
+        rates, stats, clock = [], SpecStats(), GraphClock()
         for i, batch in enumerate(calls):
             seed = args.seed + i
             if name == "specdec-target":
-                _, dt = _timed(lambda: target.generate(batch, max_new_tokens=n_new, eos_token_id=[],
+                engine = Engine(target)
+                clock.watch(engine, [target])
+                _, dt = _timed(lambda: engine.generate(batch, max_new_tokens=n_new, eos_token_id=[],
                                                        seed=seed, **sampling(t)))
+                clock.add_wall(dt)
             elif name.startswith(spec):
                 gen = systems[name].make()
+                clock.watch(gen.engine, [target, getattr(gen.proposer, "model", None), gen.speculator])
                 _, dt = _timed(lambda: gen.generate(batch, max_new_tokens=n_new, eos_token_id=[], seed=seed,
                                                     **sampling(t)))
+                clock.add_wall(dt)
                 stats = stats + gen.last_stats
             else:
                 torch.manual_seed(seed)
@@ -137,20 +147,25 @@ def run(args: argparse.Namespace) -> dict:
                     raise RuntimeError(f"{name}: generated {out.shape[1] - x.shape[1]} tokens, not {n_new}")
             rates.append(len(batch) * n_new / dt)
         entry = {"temperature": t, "k": k, "tokens_per_s": statistics.median(rates),
-                 "tokens_per_s_all": rates}
+                 "tokens_per_s_all": rates, **clock.per_step()}
         if name.startswith(spec):
             d = stats.to_dict()
             entry.update(tau=d["mean_acceptance_length"], acceptance_rate=d["acceptance_rate"],
                          per_position_acceptance=d["per_position_acceptance"], stats=d)
         runs[f"{name}@T{t}"] = entry
     for key, e in runs.items():
-        base = runs[f"specdec-target@T{e['temperature']}"]["tokens_per_s"]
-        e["speedup_vs_specdec_target"] = e["tokens_per_s"] / base
+        reference = runs[f"specdec-target@T{e['temperature']}"]
+        e["speedup_vs_specdec_target"] = e["tokens_per_s"] / reference["tokens_per_s"]
+        if "outside_graphs_ms_per_step" in e:
+            e["outside_graphs_vs_decode_step"] = e["outside_graphs_ms_per_step"] / reference["graph_ms_per_step"]
+        unfused = key.replace("-fused-", "-")
+        if unfused != key and unfused in runs:
+            e["speedup_vs_unfused"] = e["tokens_per_s"] / runs[unfused]["tokens_per_s"]
         hf_key = f"hf-assisted-k{e['k']}@T{e['temperature']}"
         if key.startswith(spec) and hf_key in runs:
             e["speedup_vs_hf_assisted"] = e["tokens_per_s"] / runs[hf_key]["tokens_per_s"]
     return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
-                       "quantization": args.quantization,
+                       "quantization": args.quantization, "fused": args.fused,
                        "num_prompts": len(prompts), "max_new_tokens": n_new, "systems": list(systems),
                        "temperatures": temps, "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "draft_cost_ratio": 0.0 if draft_module is None else
@@ -187,8 +202,79 @@ def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, Sys
         return {f"{spec}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(PromptLookup(target), target, k))
                 for k in args.ks}, None
     draft = shipped(args.strategy, target)   # "draft" or "eagle"
-    return {f"{spec}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(draft, target, k))
-            for k in args.ks}, draft.module
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.fused]
+    return {f"{spec}{'-fused' if fused else ''}-k{k}":
+            System(k, k + 1, lambda k=k, fused=fused: SpeculativeGenerator(draft, target, k, fused=fused))
+            for k in args.ks for fused in modes}, draft.module
+
+
+class GraphClock:
+    """Wall time inside graph calls vs outside them, over the runs it watches.
+
+    ``watch(engine, owners)`` wraps every graph callable the owners hold (a ``DecoderModel``'s graph
+    table, a fused speculator's) — now and when built later — and counts the engine's steps. On the CPU
+    a graph call returns when its work is done, so the wrapped time is the graph's time; the rest of a
+    run's wall time (``add_wall``) is host work."""
+
+    def __init__(self):
+        self.graph_s = self.wall_s = 0.0
+        self.steps = 0
+
+    def _timed(self, fn):
+        if getattr(fn, "clock", None) is self:
+            return fn
+        fn = getattr(fn, "inner", fn)         # a wrapper of an earlier clock
+
+        def timed(*inputs):
+            start = time.perf_counter()
+            try:
+                return fn(*inputs)
+            finally:
+                self.graph_s += time.perf_counter() - start
+        timed.clock, timed.inner = self, fn
+        return timed
+
+    def watch(self, engine, owners) -> None:
+        clock = self
+        for owner in owners:
+            for name in ("_graphs", "graphs"):           # DecoderModel's table, a fused speculator's
+                if isinstance(getattr(owner, name, None), dict):
+                    table = _TimedTable()
+                    table.clock = clock
+                    table.update_timed(getattr(owner, name))
+                    setattr(owner, name, table)
+        step = engine.step
+
+        def counted():
+            clock.steps += 1
+            return step()
+        engine.step = counted
+
+    def add_wall(self, seconds: float) -> None:
+        self.wall_s += seconds
+
+    def per_step(self) -> dict:
+        if not self.steps:
+            return {}
+        return {"steps": self.steps, "graph_ms_per_step": 1e3 * self.graph_s / self.steps,
+                "outside_graphs_ms_per_step": 1e3 * (self.wall_s - self.graph_s) / self.steps}
+
+
+class _TimedTable(dict):
+    """A graph table whose callables are timed by ``clock`` (tuples: (module, callable))."""
+
+    clock: GraphClock
+
+    def update_timed(self, items: dict) -> None:
+        for key, value in items.items():
+            self[key] = value
+
+    def __setitem__(self, key, value):
+        if isinstance(value, tuple):
+            value = (value[0], self.clock._timed(value[1]))
+        else:
+            value = self.clock._timed(value)
+        super().__setitem__(key, value)
 
 
 def bytes_read_per_step(module: torch.nn.Module) -> int:

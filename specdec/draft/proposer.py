@@ -17,7 +17,9 @@ import torch
 from ..core.decoder import DecoderModel
 from ..core.paths import gguf_source
 from ..core.sampling import any_sampled
+from ..fused.step import FusedKey
 from ..proposer import Proposal
+from .fused import DraftLoop
 
 
 class DraftModel:
@@ -79,6 +81,10 @@ class DraftModel:
 
     def accepted(self, lengths, verified) -> None:
         """Nothing to do: the next ``propose`` resets the draft's lengths from the sequence."""
+
+    def fused_drafter(self, key: FusedKey) -> DraftLoop:
+        """``propose``'s k steps as one module for fused speculation (``specdec.fused``)."""
+        return DraftLoop(self.module, key, self.model.settings.sampling.global_topk)
 
 
 def _tokenizer_or_none(model: DecoderModel):

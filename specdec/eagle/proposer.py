@@ -30,8 +30,10 @@ import torch
 
 from ..core.decoder import DecoderModel
 from ..core.sampling import any_sampled
+from ..fused.step import FusedKey
 from ..proposer import Proposal
 from .draft import EagleModel
+from .fused import EagleLoop
 
 
 class EagleDraft:
@@ -85,7 +87,7 @@ class EagleDraft:
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
         d, dev = self.model, self.features.device
         sampled = any_sampled(params)
-        self.width = W = max(self.width, k + 1)
+        W = self.reread_width(k)
         n = lengths.to(dev)
         start = (n - 1 - W).clamp(min=0)
         pos = (start.unsqueeze(1) + torch.arange(W, device=dev)).clamp(max=d.n_positions - 1)
@@ -103,6 +105,17 @@ class EagleDraft:
             if sampled:
                 probs.append(out.probs)
         return Proposal(torch.cat(tokens, 1), torch.cat(probs, 1) if sampled else None)
+
+    def reread_width(self, k: int) -> int:
+        """Positions the first draft step of a k-token proposal re-reads: the largest k + 1 seen, so the
+        pairs every earlier verification made true are re-read even when k shrinks."""
+        self.width = max(self.width, k + 1)
+        return self.width
+
+    def fused_drafter(self, key: FusedKey) -> EagleLoop:
+        """``propose``'s k steps and ``accepted``'s update as one module for fused speculation
+        (``specdec.fused``; ``key.width`` from ``reread_width``)."""
+        return EagleLoop(self.module, self.features, self.next_tokens, key, self.model.settings.sampling.global_topk)
 
     def accepted(self, lengths, verified) -> None:
         dev = self.features.device
