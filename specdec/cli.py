@@ -286,7 +286,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     warning = oversubscribed(args.threads)
     if warning:
         print(warning, file=sys.stderr)
-    if args.tp_degree > 1:   # one process per rank; rank 0 prints
+    if args.tp_degree > 1 and args.backend != "neuron":   # one process per rank; rank 0 prints (neuron: one for all)
         from .core.parallel import launch
         return launch(generate_on_rank, args.tp_degree, args, timeout_s=24 * 3600.0)
     return generate_on_rank(args)

@@ -70,6 +70,8 @@ from typing import Any, Mapping
 
 import torch
 
+from .core.neuron import TP_DEGREES
+
 GB = 10**9
 DEFAULT_MEMORY_FRACTION = 0.9
 DEFAULT_GPU_COUNT = 8           # one node, when --cores is not given for a GPU platform
@@ -116,16 +118,17 @@ class _NeuronFamily:
     instances: dict[str, int]          # instance -> NeuronCores
 
 
-# Per-core memory and supported degrees: the Neuron docs (transformers-neuronx developer guide,
-# "Tensor-parallelism support"; NxD Inference; Trn2 LNC pages). Core counts: the EC2 instance pages.
+# Per-core memory (the Neuron docs: transformers-neuronx developer guide, NxD Inference, Trn2 LNC
+# pages) and supported degrees (``core.neuron.TP_DEGREES``, which the neuron backend checks). Core
+# counts: the EC2 instance pages.
 _NEURON: dict[tuple[str, int], _NeuronFamily] = {
-    ("inf2", 1): _NeuronFamily(16 * GB, (1, 2, 4, 8, 24), 24,
+    ("inf2", 1): _NeuronFamily(16 * GB, TP_DEGREES[("inf2", 1)], 24,
                                {"inf2.xlarge": 2, "inf2.8xlarge": 2, "inf2.24xlarge": 12, "inf2.48xlarge": 24}),
-    ("trn1", 1): _NeuronFamily(16 * GB, (1, 2, 8, 16, 32), 32,
+    ("trn1", 1): _NeuronFamily(16 * GB, TP_DEGREES[("trn1", 1)], 32,
                                {"trn1.2xlarge": 2, "trn1.32xlarge": 32, "trn1n.32xlarge": 32}),
-    ("trn2", 2): _NeuronFamily(24 * GB, (1, 2, 4, 8, 16, 32, 64), 64,
+    ("trn2", 2): _NeuronFamily(24 * GB, TP_DEGREES[("trn2", 2)], 64,
                                {"trn2.3xlarge": 4, "trn2.48xlarge": 64}),
-    ("trn2", 1): _NeuronFamily(12 * GB, (1, 2, 4, 8, 16, 32, 64, 128), 128,
+    ("trn2", 1): _NeuronFamily(12 * GB, TP_DEGREES[("trn2", 1)], 128,
                                {"trn2.3xlarge": 8, "trn2.48xlarge": 128}),
 }
 _DEFAULT_LNC = {"inf2": 1, "trn1": 1, "trn2": 2}

@@ -30,7 +30,7 @@ from .graphs import (BACKENDS, CacheCompaction, GraphKey, StepGraph, backend_dev
                      configure_compile_cache)
 from .kv_quant import parse_kv_cache_dtype
 from .model import DecoderLM
-from .parallel import TPGroup, barrier, shard_plan, tp_group
+from .parallel import TPGroup, barrier, shard_plan, spmd_group, tp_group
 from .quant import parse_quantization, quantize_linears
 from .sampling import (TEMPERATURE, RowGenerators, SamplingConfig, any_penalised, any_sampled, needs_filter,
                        sampling_params)
@@ -101,7 +101,8 @@ class DecoderModel:
         SmolLM2-135M-Instruct. Graphs are built lazily on first use, or all at once by ``compile()``.
 
         ``tp_degree > 1`` shards the model over the ranks of the running process group (its world
-        size; see ``specdec.core.parallel.launch``), each rank loading only its shards;
+        size; see ``specdec.core.parallel.launch``), each rank loading only its shards (``neuron``: one
+        process for every NeuronCore, one SPMD trace, every rank's shards handed to the program);
         ``gqa_strategy`` ('replicate-to-tp-degree' / 'convert-to-mha', None = automatic) sets how
         query/KV heads are laid out over the ranks (``tp_layout``). ``quantization``: None, or ``"int8"``
         weight-only per-channel int8 of the attention and MLP projections (NxD Inference's names
@@ -124,7 +125,16 @@ class DecoderModel:
                                    kv_buckets, sampling or SamplingConfig(), backend, device, quantization,
                                    kv_cache_dtype)
         dtype = amp_dtype(amp)
-        tp = tp_group(tp_degree, device)   # validates tp_degree against the running processes
+        if backend == "neuron":   # one process traces for every NeuronCore (SPMD)
+            from .neuron import check_tp_degree
+            tp = spmd_group(tp_degree)
+            check_tp_degree(tp_degree)
+            if tp.size > 1 and quantization is not None:
+                raise ValueError(f"quantization={quantization!r} with backend='neuron' runs at tp_degree=1 only "
+                                 f"(got {tp_degree}): the row-parallel scales of int8 / int4 are not built per "
+                                 "rank for the Neuron program yet")
+        else:
+            tp = tp_group(tp_degree, device)   # validates tp_degree against the running processes
         if batch_size < 1 or n_positions < 2:
             raise ValueError(f"batch_size must be >= 1 and n_positions >= 2 (got {batch_size}, {n_positions})")
         gguf = gguf_source(path)
@@ -239,7 +249,7 @@ class DecoderModel:
                    program=None) -> "DecoderModel":
         """Trace and compile ``keys`` and the compaction graphs into one Neuron program (or take
         ``program``, loaded by ``load``), load it with this model's weights and route the graphs to it."""
-        from .neuron import NeuronProgram, neuron_weights
+        from .neuron import NeuronProgram
         modules = {key.describe(): self.graph_module(key) for key in keys}
         modules |= {_compaction_name(m): CacheCompaction(self.lm, m) for m in compaction_slots}
         if program is None:
@@ -249,13 +259,28 @@ class DecoderModel:
                 start = time.perf_counter()
                 program.add(name, module, self.batch_size)
                 self.compile_seconds[name] = time.perf_counter() - start
-        program.start(neuron_weights(next(iter(modules.values()))))
+        program.start(self.rank_weights(next(iter(modules.values()))))
         self._graphs.update({key: program.runner(key.describe()) for key in keys})
         self._compactions.update({m: program.runner(_compaction_name(m)) for m in compaction_slots})
         self._ran.update(keys)
         self._neuron = program
         self.reset()
         return self
+
+    def rank_weights(self, graph: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+        """What the Neuron program of ``graph`` (a graph module over this model's decoder) loads: one
+        ``neuron_weights`` state dict per rank. Rank r's holds the shards ``shard_plan`` gives rank r (the
+        tensors a torch.distributed rank r loads) and ``tp_rank = [r]``; each rank is read from the
+        checkpoint into this process's module in turn, which ends holding rank 0's again."""
+        from .neuron import neuron_weights
+        if self.tp.size == 1:
+            return [neuron_weights(graph)]
+        weights = []
+        for rank in [*range(1, self.tp.size), 0]:
+            load_weights(self.lm, self.path, progress=False, shards=shard_plan(self.config, self.lm.layout, rank))
+            self.lm.tp_rank.fill_(rank)
+            weights.append({name: t.clone() for name, t in neuron_weights(graph).items()})
+        return weights[-1:] + weights[:-1]
 
     def _warm(self, keys: list[GraphKey], desc: str, progress: bool,
               compaction_slots: tuple[int, ...] | list[int] = ()) -> "DecoderModel":
@@ -588,7 +613,7 @@ class DecoderModel:
             from .neuron import NeuronProgram
             names = [k.describe() for k in keys] + [_compaction_name(m) for m in compaction_slots]
             return self._to_neuron(keys, compaction_slots, progress,
-                                   NeuronProgram.load(directory / NEURON_FILE, names))
+                                   NeuronProgram.load(directory / NEURON_FILE, names, self.tp.size))
         cache = self._compile_cache_file(directory)
         if cache.is_file():
             configure_compile_cache()  # unpack into the cache directory the graphs will read

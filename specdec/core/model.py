@@ -25,7 +25,10 @@ Tensor parallelism (``tp.size > 1``, see ``parallel``): every module holds its r
 slots from the ``HeadLayout``, ``ceil(intermediate / tp)`` MLP rows, ``ceil(vocab / tp)`` embedding
 and LM-head rows; the KV cache holds the rank's KV slots. Collectives: all-reduce after the
 embedding, o_proj and down_proj, all-gather of the logits; every rank returns the same full logits
-and hidden states. At ``tp.size == 1`` no collective is traced.
+and hidden states. At ``tp.size == 1`` no collective is traced. The rank is data, not a Python
+constant: the vocab-parallel embedding reads it from the ``[1]`` int32 buffer ``tp_rank`` (NxD's
+``SPMDRank`` convention), so one traced program serves every rank given that rank's weights and rank
+value (``backend='neuron'``); the collectives are ``tp.collectives``' (``parallel``).
 """
 from __future__ import annotations
 
@@ -281,6 +284,8 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         inv_freq, self.rope_scaling = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if tp.size > 1:   # the rank as data (a weight of the graph, not a constant in it)
+            self.register_buffer("tp_rank", rank_value(tp.rank), persistent=False)
 
     def init_buffers(self) -> None:
         """Restore what ``to_empty``/dtype casts lose: weight tying, f32 RoPE frequencies, zero caches
@@ -288,6 +293,8 @@ class DecoderLM(nn.Module):
         if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):   # not a quantized head
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq = rope_inv_freq(self.config)[0].to(self.model.norm.weight.device)
+        if self.tp.size > 1:
+            self.tp_rank = rank_value(self.tp.rank, self.inv_freq.device)
         for layer in self.model.layers:
             layer.self_attn.init_cache()
 
@@ -296,7 +303,7 @@ class DecoderLM(nn.Module):
         table = self.model.embed_tokens
         if self.tp.size == 1:
             return table(input_ids)
-        local = input_ids - self.tp.rank * table.num_embeddings
+        local = input_ids - self.tp_rank * table.num_embeddings
         inside = (local >= 0) & (local < table.num_embeddings)
         x = table(local.clamp(0, table.num_embeddings - 1)).masked_fill(~inside.unsqueeze(-1), 0)
         return all_reduce(x, self.tp)
@@ -313,6 +320,11 @@ class DecoderLM(nn.Module):
         if self.tp.size > 1:
             logits = all_gather_last(logits, self.tp)[..., :self.out_vocab]   # drop the vocab padding
         return full_vocab_logits(logits, self.config, getattr(self, "output_token_ids", None)), hidden
+
+
+def rank_value(rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The ``tp_rank`` buffer's value for ``rank``: [1] int32 (NxD's ``SPMDRank.rank``)."""
+    return torch.tensor([rank], dtype=torch.int32, device=device)
 
 
 def rope_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float,

@@ -18,14 +18,18 @@ size) or replicated on each rank (``tp_degree=1``, no collectives) — e.g. a sm
 sharded target. The collectives are ``torch.distributed._functional_collectives``, which run
 eagerly and trace under ``torch.compile(fullgraph=True)`` and ``torch.export``.
 
-Neuron (``backend='neuron'`` traces ``tp_degree=1`` only; this port is not written): the same
-sharding maps onto neuronx-distributed's layers — ``ColumnParallelLinear(gather_output=False)`` for
-q/k/v/gate/up,
-``RowParallelLinear(input_is_parallel=True)`` for o/down (its reduce is our ``all_reduce``),
-``ParallelEmbedding`` for the embedding and ``ColumnParallelLinear(gather_output=True)`` for the LM
-head, with NxD Inference's ``GQA`` sharding choosing the same head slots as ``HeadLayout``, and the
-rank as device data (``SPMDRank``), not the Python int ``TPGroup.rank`` the vocab-parallel embedding
-reads here (one SPMD trace serves every rank).
+Neuron (``backend='neuron'``, ``spmd_group``): one process drives every NeuronCore and ONE traced
+program serves every rank (SPMD, as NxD Inference builds it). The model is the same ``DecoderLM``;
+what changes is the group's ``collectives``: ``NXD`` routes ``all_reduce`` / ``all_gather_last`` to
+neuronx-distributed's ``reduce_from_tensor_model_parallel_region`` /
+``gather_from_tensor_model_parallel_region`` (lowered to collectives while traced under
+``NxDParallelState``), and the rank is never a Python constant in the graph: the model reads it from
+a ``[1]`` int32 buffer (``DecoderLM.tp_rank``, NxD's ``SPMDRank`` convention: rank r is handed the
+value ``r`` with its weights). The weights are the same per-rank shards ``shard_plan`` gives
+torch.distributed ranks, built on the host for every rank and handed to ``NxDModel.set_weights`` as
+one state dict per rank (``DecoderModel.rank_weights``), in place of NxD's ``shard_checkpoint`` over
+``ColumnParallelLinear`` / ``RowParallelLinear`` / ``ParallelEmbedding`` attributes (same layout:
+column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel embedding and LM head).
 """
 from __future__ import annotations
 
@@ -49,13 +53,24 @@ from .config import ModelConfig
 from .tp_layout import HeadLayout
 
 
+TORCH = "torch.distributed"     # one process per rank, collectives of torch.distributed (gloo / NCCL)
+NXD = "neuronx-distributed"     # one process for every rank (SPMD trace), collectives of neuronx-distributed
+
+
 @dataclass(frozen=True)
 class TPGroup:
-    """The ranks a model is sharded over: ``size`` = tp_degree, ``rank`` = this process's index."""
+    """The ranks a model is sharded over: ``size`` = tp_degree, ``rank`` = the rank whose shards this
+    process holds; ``collectives``: ``TORCH`` or ``NXD`` (``spmd_group``)."""
 
     rank: int = 0
     size: int = 1
-    group: dist.ProcessGroup | None = None   # None when size == 1
+    group: dist.ProcessGroup | None = None   # None when size == 1 or with NXD collectives
+    collectives: str = TORCH
+
+    @property
+    def processes(self) -> int:
+        """Host processes sharing the work: one per rank (torch.distributed), or one for all (NXD)."""
+        return 1 if self.collectives == NXD else self.size
 
 
 def check_tp_degree(tp_degree) -> None:
@@ -93,9 +108,24 @@ def tp_group(tp_degree: int, device: str | torch.device = "cpu") -> TPGroup:
     return TPGroup(dist.get_rank(), world, dist.group.WORLD)
 
 
+def spmd_group(tp_degree: int) -> TPGroup:
+    """The group of a model traced once for ``tp_degree`` NeuronCores (``backend='neuron'``): this one
+    process holds rank 0's module (every rank's module has the same shapes), no process group."""
+    check_tp_degree(tp_degree)
+    return TPGroup(0, tp_degree, None, NXD) if tp_degree > 1 else TPGroup()
+
+
 # ----------------------------------------------------------------------------- collectives
+def _nxd_mappings():
+    """neuronx-distributed's tensor-parallel collectives (imported only when an NXD model runs)."""
+    from neuronx_distributed.parallel_layers import mappings
+    return mappings
+
+
 def all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Sum of ``x`` over the group's ranks (same shape)."""
+    if tp.collectives == NXD:
+        return _nxd_mappings().reduce_from_tensor_model_parallel_region(x)
     return funcol.all_reduce(x, "sum", tp.group)
 
 
@@ -110,6 +140,8 @@ def all_reduce_max(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 def all_gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """[..., d] on each rank → [..., tp * d], ranks in order."""
+    if tp.collectives == NXD:
+        return _nxd_mappings().gather_from_tensor_model_parallel_region(x)
     return _all_gather(x, x.dim() - 1, tp.group)
 
 
@@ -118,12 +150,12 @@ _all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 
 
 def broadcast(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Rank 0's ``x`` on every rank (``x`` itself when not sharded)."""
-    return x if tp.size == 1 else funcol.broadcast(x.contiguous(), 0, tp.group).wait()
+    """Rank 0's ``x`` on every rank (``x`` itself when one process holds every rank)."""
+    return x if tp.processes == 1 else funcol.broadcast(x.contiguous(), 0, tp.group).wait()
 
 
 def barrier(tp: TPGroup) -> None:
-    if tp.size > 1:
+    if tp.processes > 1:
         dist.barrier(group=tp.group)
 
 

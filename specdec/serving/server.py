@@ -118,7 +118,7 @@ def serving_engine(engine: Engine, args: argparse.Namespace):
     """Rank 0's ``AsyncEngine`` over ``engine`` (mirrored to the other ranks at ``--tp-degree`` > 1)."""
     from .engine import AsyncEngine
     from .mirror import MirroredEngine
-    core = MirroredEngine(engine) if engine.target.tp.size > 1 else engine
+    core = MirroredEngine(engine) if engine.target.tp.processes > 1 else engine
     return AsyncEngine(core, tokenizer=engine.target.tokenizer, max_waiting=args.max_waiting)
 
 
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     args.threads = args.threads or default_threads()
-    if args.tp_degree > 1:
+    if args.tp_degree > 1 and args.backend != "neuron":   # neuron: one process drives every NeuronCore
         from ..core.parallel import launch
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return launch(serve_on_rank, args.tp_degree, args, timeout_s=TP_SERVE_TIMEOUT_S)
