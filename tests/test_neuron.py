@@ -308,7 +308,7 @@ def neuron_tp_worker(path: str) -> list[dict]:
     for name, m in (("reference", reference), ("neuron", model)):
         params = m.sampling_params(do_sample=False)
         prefill = m.prefill([torch.tensor(p) for p in TP_PROMPTS], params)
-        verify = m.step(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), params)
+        verify = m.step(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), params, return_probs=True)   # verify graph
         out[name] = {"logits": [prefill.logits, verify.logits], "hidden": verify.hidden,
                      "greedy": m.generate(TP_PROMPTS, max_new_tokens=8, eos_token_id=[])}
     gathered = [None] * dist.get_world_size()
