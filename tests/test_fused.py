@@ -2,6 +2,8 @@
 for the draft model and EAGLE chains. Greedy output equals unfused and target-only output, sampling is
 lossless (chi-square, 20,480 samples; a broken rule fails), a seed gives the same tokens fused and
 unfused, the graph exports with torch.export (strict), rows join a running batch, on tiny models."""
+import time
+
 import pytest
 import torch
 
@@ -225,3 +227,21 @@ def test_unfusable_proposers_and_penalty(dirs):
     gen = SpeculativeGenerator(draft, target, 3, fused=True)
     assert torch.equal(gen.sample(PROMPTS, **kw), reference)
     assert all(key.penalty for key in gen.speculator.graphs)
+
+
+def test_bench_graph_clock_times_graph_calls_without_touching_the_graph_tables(dirs):
+    """bench-spec's GraphClock: steps counted, graph time inside the wall time, and the speculator's and
+    models' graph tables untouched (a later generator must find the graphs built under the clock)."""
+    from specdec.bench.speculative import GraphClock
+    target, draft = pair(dirs, "eagle")
+    gen = SpeculativeGenerator(draft, target, 3, fused=True)
+    tables = (target._graphs, gen.speculator.graphs)
+    clock = GraphClock()
+    clock.watch(gen.engine, [target, gen.proposer.model, gen.speculator])
+    start = time.perf_counter()
+    gen.generate(PROMPTS, max_new_tokens=12, eos_token_id=[])
+    clock.add_wall(time.perf_counter() - start)
+    timing = clock.per_step()
+    assert 0 < timing["steps"] <= 11 and timing["graph_ms_per_step"] > 0 and timing["outside_graphs_ms_per_step"] > 0
+    assert target._graphs is tables[0] and gen.speculator.graphs is tables[1] and tables[1]
+    assert SpeculativeGenerator(draft, target, 3, fused=True).speculator.graphs is gen.speculator.graphs

@@ -211,38 +211,37 @@ def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, Sys
 class GraphClock:
     """Wall time inside graph calls vs outside them, over the runs it watches.
 
-    ``watch(engine, owners)`` wraps every graph callable the owners hold (a ``DecoderModel``'s graph
-    table, a fused speculator's) — now and when built later — and counts the engine's steps. On the CPU
-    a graph call returns when its work is done, so the wrapped time is the graph's time; the rest of a
-    run's wall time (``add_wall``) is host work."""
+    ``watch(engine, owners)`` times every graph callable the owners hand out through their ``graph(key)``
+    method (a ``DecoderModel``'s, a fused speculator's; their graph tables stay as they are) and counts
+    the engine's steps. On the CPU a graph call returns when its work is done, so the wrapped time is the
+    graph's time; the rest of a run's wall time (``add_wall``) is host work."""
 
     def __init__(self):
         self.graph_s = self.wall_s = 0.0
         self.steps = 0
 
     def _timed(self, fn):
-        if getattr(fn, "clock", None) is self:
-            return fn
-        fn = getattr(fn, "inner", fn)         # a wrapper of an earlier clock
-
         def timed(*inputs):
             start = time.perf_counter()
             try:
                 return fn(*inputs)
             finally:
                 self.graph_s += time.perf_counter() - start
-        timed.clock, timed.inner = self, fn
         return timed
 
     def watch(self, engine, owners) -> None:
         clock = self
         for owner in owners:
-            for name in ("_graphs", "graphs"):           # DecoderModel's table, a fused speculator's
-                if isinstance(getattr(owner, name, None), dict):
-                    table = _TimedTable()
-                    table.clock = clock
-                    table.update_timed(getattr(owner, name))
-                    setattr(owner, name, table)
+            graph = getattr(type(owner), "graph", None)      # the class's method (not an earlier clock's)
+            if graph is None:
+                continue
+
+            def timed_graph(key, owner=owner, graph=graph):
+                found = graph(owner, key)
+                if isinstance(found, tuple):                 # a fused speculator's (module, callable)
+                    return found[0], clock._timed(found[1])
+                return clock._timed(found)
+            owner.graph = timed_graph
         step = engine.step
 
         def counted():
@@ -258,23 +257,6 @@ class GraphClock:
             return {}
         return {"steps": self.steps, "graph_ms_per_step": 1e3 * self.graph_s / self.steps,
                 "outside_graphs_ms_per_step": 1e3 * (self.wall_s - self.graph_s) / self.steps}
-
-
-class _TimedTable(dict):
-    """A graph table whose callables are timed by ``clock`` (tuples: (module, callable))."""
-
-    clock: GraphClock
-
-    def update_timed(self, items: dict) -> None:
-        for key, value in items.items():
-            self[key] = value
-
-    def __setitem__(self, key, value):
-        if isinstance(value, tuple):
-            value = (value[0], self.clock._timed(value[1]))
-        else:
-            value = self.clock._timed(value)
-        super().__setitem__(key, value)
 
 
 def bytes_read_per_step(module: torch.nn.Module) -> int:

@@ -70,6 +70,8 @@ class EagleDraft:
         return self.model.n_positions - length + 1
 
     def start(self, rows, prompts, params, rng, target_out) -> None:
+        if rows is None:     # every row restarts: no earlier verification's pairs are left to re-read
+            self.width = 1
         first = target_out.tokens[:, -1].to(self.next_tokens.device)
         longest = max(len(p) for p in prompts)
         slots = list(range(len(prompts))) if rows is None else rows
@@ -107,8 +109,9 @@ class EagleDraft:
         return Proposal(torch.cat(tokens, 1), torch.cat(probs, 1) if sampled else None)
 
     def reread_width(self, k: int) -> int:
-        """Positions the first draft step of a k-token proposal re-reads: the largest k + 1 seen, so the
-        pairs every earlier verification made true are re-read even when k shrinks."""
+        """Positions the first draft step of a k-token proposal re-reads: the largest k + 1 seen since every
+        row last restarted, so the pairs every earlier verification made true are re-read even when k
+        shrinks (near ``n_positions``) or rows join with another k."""
         self.width = max(self.width, k + 1)
         return self.width
 
