@@ -237,7 +237,8 @@ def add_generate_arguments(g: argparse.ArgumentParser) -> None:
                         "collapse when other processes use the cores, slower than spinning threads on an idle "
                         "machine (README: Threads)")
     r.add_argument("--tp-degree", type=positive_int, metavar="N", default=1,
-                   help="tensor parallelism: shard the model over this many processes (launched for you)")
+                   help="tensor parallelism: shard the model over this many processes (launched for you; "
+                        "--backend neuron: over this many NeuronCores from this one process)")
     r.add_argument("--gqa-strategy", default=None, choices=["replicate-to-tp-degree", "convert-to-mha"],
                    help="how KV heads are sharded when they do not divide --tp-degree (default: automatic)")
 
@@ -368,7 +369,7 @@ def generate_on_rank(args: argparse.Namespace) -> int:
 
     from . import DecoderModel, SamplingConfig, SpeculativeGenerator
 
-    torch.set_num_threads(max(1, args.threads // args.tp_degree))
+    torch.set_num_threads(max(1, args.threads // (1 if args.backend == "neuron" else args.tp_degree)))
     sampling = SamplingConfig(do_sample=args.temperature > 0, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p)
     target = DecoderModel.from_pretrained(args.model, n_positions=args.n_positions, amp=args.amp,

@@ -126,13 +126,14 @@ class Recorder:
                     return recorder.traced[model_name]["module"](*inputs)
 
             def save(self, path, save_weights=False):
+                recorder.saved_world_size = self.world_size     # NxDModel.save keeps what it was built for
                 with open(path, "w") as f:
                     f.write("\n".join(self.keys))
 
             @classmethod
             def load(cls, path):
                 recorder.loaded_from.append(path)
-                return cls()
+                return cls(recorder.saved_world_size)
 
         return NxDModel
 
@@ -288,6 +289,19 @@ def test_the_traced_rank_is_data_not_a_python_int(checkpoint, recorder):
     mine = (ids >= 82).unsqueeze(-1)
     with torch.no_grad():
         torch.testing.assert_close(lm.embed(ids), table[ids] * mine, rtol=0, atol=0)
+
+
+def test_tp_save_load_hands_every_rank_its_weights_again(checkpoint, recorder, tmp_path):
+    model = load(checkpoint("llama-tp-padded"), backend="neuron", tp_degree=2, **TP_SHAPES).to_neuron(progress=False)
+    model.save(tmp_path)
+    from specdec import DecoderModel
+    loaded = DecoderModel.load(tmp_path, progress=False)
+    assert len(recorder.traced) == len(model._graphs) and recorder.world_sizes == [2, 2]   # nothing traced again
+    first, again = recorder.weights
+    assert loaded.tp.size == 2 and loaded._neuron.tp_degree == 2 and len(again) == 2
+    assert all(sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a) for a, b in zip(first, again))
+    prompts = [p[:5] for p in TP_PROMPTS]
+    assert loaded.generate(prompts, max_new_tokens=3, eos_token_id=[]).shape == (2, 8)
 
 
 def neuron_tp_worker(path: str) -> list[dict]:

@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="intra-op threads, split over the --tp-degree processes (default: $OMP_NUM_THREADS if set, "
                         "else the cores this process may use)")
     s.add_argument("--tp-degree", type=positive_int, metavar="N", default=1,
-                   help="tensor parallelism: shard the model over this many processes (rank 0 serves HTTP)")
+                   help="tensor parallelism: shard the model over this many processes (rank 0 serves HTTP; "
+                        "--backend neuron: over this many NeuronCores from this one process)")
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -148,7 +149,7 @@ def serve_on_rank(args: argparse.Namespace) -> int:
     from .app import create_app
     from .mirror import follow
 
-    torch.set_num_threads(max(1, args.threads // args.tp_degree))
+    torch.set_num_threads(max(1, args.threads // (1 if args.backend == "neuron" else args.tp_degree)))
     torch.set_grad_enabled(False)
     configure_logging()
     if int(os.environ.get("RANK", 0)) > 0:
