@@ -155,7 +155,7 @@ class DecoderModel:
         lm = lm.to_empty(device=device).to(dtype)
         lm.init_buffers()
         shards = shard_plan(config, layout, tp.rank)
-        load_weights(lm, path, progress=progress and tp.rank == 0, shards=shards)
+        load_weights(lm, path, progress=progress and tp.rank == 0, shards=shards, optional=RANK)
         if quantization is not None and gguf is not None:
             load_gguf_blocks(lm, gguf, quantization, shards)
         quantize_linears(lm, quantization, tp)
@@ -277,8 +277,10 @@ class DecoderModel:
             return [neuron_weights(graph)]
         weights = []
         for rank in [*range(1, self.tp.size), 0]:
-            load_weights(self.lm, self.path, progress=False, shards=shard_plan(self.config, self.lm.layout, rank))
-            self.lm.tp_rank.fill_(rank)
+            load_weights(self.lm, self.path, progress=False, shards=shard_plan(self.config, self.lm.layout, rank),
+                         optional=RANK)
+            with torch.no_grad():
+                self.lm.tp_rank.fill_(rank)
             weights.append({name: t.clone() for name, t in neuron_weights(graph).items()})
         return weights[-1:] + weights[:-1]
 
@@ -622,6 +624,7 @@ class DecoderModel:
 
 
 
+RANK = frozenset({"tp_rank"})   # the rank as a parameter (neuron, tp > 1): not in checkpoints
 NEURON_FILE = "neuron.pt"      # ``save``: the compiled Neuron program (NEFFs, no weights)
 
 

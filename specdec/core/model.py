@@ -26,9 +26,11 @@ slots from the ``HeadLayout``, ``ceil(intermediate / tp)`` MLP rows, ``ceil(voca
 and LM-head rows; the KV cache holds the rank's KV slots. Collectives: all-reduce after the
 embedding, o_proj and down_proj, all-gather of the logits; every rank returns the same full logits
 and hidden states. At ``tp.size == 1`` no collective is traced. The rank is data, not a Python
-constant: the vocab-parallel embedding reads it from the ``[1]`` int32 buffer ``tp_rank`` (NxD's
-``SPMDRank`` convention), so one traced program serves every rank given that rank's weights and rank
-value (``backend='neuron'``); the collectives are ``tp.collectives``' (``parallel``).
+constant: the vocab-parallel embedding reads it from the ``[1]`` int32 tensor ``tp_rank``, so one
+traced program serves every rank given that rank's weights and rank value (``backend='neuron'``:
+an ``nn.Parameter``, as NxD's ``SPMDRank`` holds it, so the tracer keeps it a per-rank weight input;
+otherwise a non-persistent buffer, outside the checkpoint's names and the parameter count); the
+collectives are ``tp.collectives``' (``parallel``).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .config import ModelConfig
 from .kv_quant import dequantize_kv, quantize_kv, storage_dtype
-from .parallel import TPGroup, all_gather_last, all_reduce, per_rank
+from .parallel import NXD, TPGroup, all_gather_last, all_reduce, per_rank
 from .tp_layout import HeadLayout, head_layout
 
 
@@ -285,7 +287,10 @@ class DecoderLM(nn.Module):
         inv_freq, self.rope_scaling = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         if tp.size > 1:   # the rank as data (a weight of the graph, not a constant in it)
-            self.register_buffer("tp_rank", rank_value(tp.rank), persistent=False)
+            if tp.collectives == NXD:
+                self.tp_rank = nn.Parameter(rank_value(tp.rank), requires_grad=False)
+            else:
+                self.register_buffer("tp_rank", rank_value(tp.rank), persistent=False)
 
     def init_buffers(self) -> None:
         """Restore what ``to_empty``/dtype casts lose: weight tying, f32 RoPE frequencies, zero caches
@@ -294,7 +299,8 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq = rope_inv_freq(self.config)[0].to(self.model.norm.weight.device)
         if self.tp.size > 1:
-            self.tp_rank = rank_value(self.tp.rank, self.inv_freq.device)
+            with torch.no_grad():
+                self.tp_rank.fill_(self.tp.rank)
         for layer in self.model.layers:
             layer.self_attn.init_cache()
 
@@ -322,9 +328,9 @@ class DecoderLM(nn.Module):
         return full_vocab_logits(logits, self.config, getattr(self, "output_token_ids", None)), hidden
 
 
-def rank_value(rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The ``tp_rank`` buffer's value for ``rank``: [1] int32 (NxD's ``SPMDRank.rank``)."""
-    return torch.tensor([rank], dtype=torch.int32, device=device)
+def rank_value(rank: int) -> torch.Tensor:
+    """``tp_rank``'s value for ``rank``: [1] int32 (NxD's ``SPMDRank.rank``)."""
+    return torch.tensor([rank], dtype=torch.int32, device="cpu")
 
 
 def rope_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float,

@@ -24,9 +24,9 @@ Tensor parallelism (``tp_degree > 1``), SPMD as NxD Inference runs it: one host 
 key for every rank. The decoder is built with ``parallel.spmd_group`` (rank 0's shapes, which every
 rank shares), so its collectives are neuronx-distributed's (``reduce_from_tensor_model_parallel_region``
 after the embedding, o_proj and down_proj; ``gather_from_tensor_model_parallel_region`` of the logits)
-and its rank is the ``tp_rank`` buffer, a weight like any other. Tracing runs inside
-``NxDParallelState(world_size=tp, tensor_model_parallel_size=tp)``; the program is
-``NxDModel(world_size=tp)``; ``set_weights`` gets one state dict per rank, rank r's holding the shards
+and its rank is the ``tp_rank`` parameter ([1] int32, as NxD's ``SPMDRank`` holds it), a weight like any
+other. Tracing runs inside ``(world_size=tp, tensor_model_parallel_size=tp)``; the program is ``NxDModel(world_size=tp)``;
+``set_weights`` gets one state dict per rank, rank r's holding the shards
 ``parallel.shard_plan`` gives rank r and ``tp_rank = [r]`` (``DecoderModel.rank_weights``).
 
 Nothing here has run on Neuron hardware or with the Neuron SDK installed: it is written against the
@@ -118,8 +118,9 @@ class NeuronGraph(nn.Module):
 
 def neuron_weights(graph: nn.Module) -> dict[str, torch.Tensor]:
     """What ``set_weights`` loads for programs of ``graph`` (named as in ``NeuronGraph(graph, n)``): the
-    state dict (parameters, persistent buffers) and the non-persistent buffers that are not state (RoPE
-    frequencies, at tp_degree > 1 the rank ``tp_rank``); the KV caches are state, which the program zero-initialises on the device."""
+    state dict (parameters — at tp_degree > 1 the rank ``tp_rank`` too —, persistent buffers) and the
+    non-persistent buffers that are not state (RoPE frequencies); the KV caches are state, which the
+    program zero-initialises on the device."""
     state = {id(b) for a in graph.modules() if isinstance(a, Attention) for b in a.cache_buffers()}
     weights = dict(graph.state_dict())
     weights |= {name: b for name, b in graph.named_buffers() if id(b) not in state and name not in weights}
