@@ -8,11 +8,10 @@ x_1 takes the second, x_{j+1} the (j+2)-th.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..core.graphs import StepGraph
-from ..fused.step import FusedKey, causal_inputs
+from ..fused.step import FusedKey, causal_inputs, draft_chain
 
 
 class DraftLoop(nn.Module):
@@ -29,15 +28,8 @@ class DraftLoop(nn.Module):
         start = lengths - 2
         positions, mask, logit_index = causal_inputs(lengths, start, 2)
         out = self.catch_up(tail, positions, start, mask, logit_index, params, uniform[:, :2])
-        tokens, probs = [out[0][:, -1:]], [out[1][:, -1:]] if self.sampled else []
-        for j in range(1, self.k):
-            at = lengths - 1 + j
-            positions, mask, logit_index = causal_inputs(lengths, at, 1)
-            out = self.one(tokens[-1], positions, at, mask, logit_index, params, uniform[:, j + 1:j + 2])
-            tokens.append(out[0])
-            if self.sampled:
-                probs.append(out[1])
-        return torch.cat(tokens, 1), torch.cat(probs, 1) if self.sampled else None
+        return draft_chain(self.one, self.k, out[0][:, -1:], out[1][:, -1:] if self.sampled else None, lengths - 1,
+                           lengths, params, uniform[:, 1:])
 
     def update(self, lengths, hidden, emitted) -> None:
         """Nothing to keep: the next step re-reads [S[-2], S[-1]] (rejected drafts' slots are overwritten)."""

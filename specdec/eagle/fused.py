@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..core.graphs import StepGraph
-from ..fused.step import FusedKey, causal_inputs
+from ..fused.step import FusedKey, causal_inputs, draft_chain
 
 
 class EagleLoop(nn.Module):
@@ -41,16 +41,8 @@ class EagleLoop(nn.Module):
                           self.features[rows, pos])
         hidden = out[-1]
         feature = hidden.gather(1, last.unsqueeze(-1).expand(-1, 1, hidden.shape[-1]))    # f^_{n-1}: [B, 1, H]
-        tokens, probs = [out[0]], [out[1]] if self.sampled else []
-        for j in range(1, self.k):
-            at = lengths - 2 + j
-            positions, mask, logit_index = causal_inputs(lengths, at, 1)
-            out = self.one(tokens[-1], positions, at, mask, logit_index, params, uniform[:, j:j + 1], feature)
-            feature = out[-1]
-            tokens.append(out[0])
-            if self.sampled:
-                probs.append(out[1])
-        return torch.cat(tokens, 1), torch.cat(probs, 1) if self.sampled else None
+        return draft_chain(self.one, self.k, out[0], out[1] if self.sampled else None, lengths - 2, lengths, params,
+                           uniform, feature)
 
     def update(self, lengths, hidden, emitted) -> None:
         """The verified positions n-1 .. n-1+k get the target's features and the emitted tokens

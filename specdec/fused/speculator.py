@@ -19,15 +19,15 @@ Graphs are built per ``FusedKey`` (k, KV buckets, greedy / sampling, top filter,
 width) on the target's backend (``eager``; ``compiled``: ``torch.compile`` fullgraph, static shapes;
 ``xla``: one ``torch_xla.compile`` full-graph program; not ``neuron`` yet)
 and kept as long as the proposer lives (``_GRAPHS``), so every speculator over the same proposer and
-target reuses them, as a ``DecoderModel`` keeps its own graphs. Chain proposers qualify by providing ``fused_drafter(key)``
-(``DraftModel``, ``EagleDraft``); tree proposers (Medusa) and prompt lookup run unfused.
+target reuses them, as a ``DecoderModel`` keeps its own graphs. Chain proposers qualify by providing
+``fused_drafter(key)`` (``DraftModel``, ``EagleDraft``); tree proposers (Medusa) and prompt lookup run
+unfused.
 """
 from __future__ import annotations
 
 import sys
 import time
 import weakref
-
 from dataclasses import replace
 
 import torch

@@ -91,6 +91,25 @@ def causal_inputs(lengths: torch.Tensor, start: torch.Tensor, n: int) -> tuple[t
     return start.unsqueeze(1) + offsets, mask, offsets.expand(B, n)
 
 
+def draft_chain(one: nn.Module, k: int, token: torch.Tensor, probs: torch.Tensor | None, first_slot: torch.Tensor,
+                lengths: torch.Tensor, params: torch.Tensor, uniform: torch.Tensor,
+                feature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's one-token steps after its first draft token: step j (1 <= j < k) feeds x_j at slot
+    ``first_slot + j`` with ``uniform[:, j]`` (and, EAGLE, ``feature``: the draft feature the previous
+    step made) → x_{j+1}. ``token`` [B, 1] / ``probs`` [B, 1, V] (None: greedy) are x_1 and its
+    distribution; ``one`` is the drafter's one-token ``StepGraph``. → (tokens [B, k], probs [B, k, V] or None)."""
+    tokens, dists = [token], [probs]
+    for j in range(1, k):
+        at = first_slot + j
+        positions, mask, logit_index = causal_inputs(lengths, at, 1)
+        out = one(tokens[-1], positions, at, mask, logit_index, params, uniform[:, j:j + 1],
+                  *(() if feature is None else (feature,)))
+        tokens.append(out[0])
+        dists.append(out[1] if probs is not None else None)
+        feature = out[-1] if feature is not None else None
+    return torch.cat(tokens, 1), None if probs is None else torch.cat(dists, 1)
+
+
 class FusedStep(nn.Module):
     """Draft loop + target verification + acceptance (+ the drafter's update) for ``key``."""
 
