@@ -28,7 +28,7 @@ import torch
 
 from .core.decoder import StepOutput
 from .core.sampling import RowGenerators
-from .tree import TreeBuffers
+from .tree import RowTrees
 
 
 @dataclass
@@ -40,13 +40,13 @@ class Proposal:
     probs [B, N, V] f32 or None: the distribution each token was *sampled* from (lossless rejection
     sampling needs it); None means deterministic proposals (argmax, lookup, top-k trees), for which the
     one-hot rule is used.
-    tree: None for a chain, else the per-row tree buffers (``TreeBuffers.per_row``: mask [B, N+1, N+1],
+    tree: None for a chain, else the per-row trees (``specdec.tree.RowTrees``: mask [B, N+1, N+1],
     depth, parent [B, N+1], ancestors [B, N+1, D+1], child_nodes [B, N+1, C]); rows may differ.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
-    tree: TreeBuffers | None = None
+    tree: RowTrees | None = None
 
 
 @dataclass

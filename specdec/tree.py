@@ -12,8 +12,9 @@ Hence parents come before their children, depth never decreases with the index, 
 a node appear in rank order.
 
 ``tree_buffers`` turns a tree into the constant tensors of a verify step (built once, on the host);
-``TreeBuffers.per_row`` gives them a batch dimension (views), which is the form a ``Proposal``
-carries, so rows may verify different trees. The per-step code (``specdec.acceptance.accept_tree_*``,
+``TreeBuffers.per_row`` gives them a batch dimension (views, a ``RowTrees``), which is the form a
+``Proposal`` carries, so rows may verify different trees; ``row_trees`` builds a ``RowTrees`` from
+each row's parent array on the device (dynamic trees, EAGLE-2). The per-step code (``specdec.acceptance.accept_tree_*``,
 ``specdec.verify.TreeVerifier``) only indexes them.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["PAD_NODE", "TokenTree", "TreeBuffers", "tree_buffers"]
+__all__ = ["PAD_NODE", "RowTrees", "TokenTree", "TreeBuffers", "row_trees", "tree_buffers"]
 
 PAD_NODE = -1
 """Padding of the node-index buffers (``ancestors``, ``retrieve``, ``child_nodes``)."""
@@ -136,20 +137,78 @@ class TokenTree:
 
 
 @dataclass(frozen=True)
-class TreeBuffers:
-    """Constant tensors of a tree in node order (N nodes + root, max depth D, at most C children).
+class RowTrees:
+    """The trees of one verify step, one per row, in node order (B rows, N nodes + root, depth <= D,
+    at most C children per node): what the verifier and the tree acceptance rules index.
 
-    mask            [N+1, N+1] bool  node i attends to node j iff j is i or an ancestor of i (the root
-                                     is an ancestor of every node); the tree block of the verify mask.
-    depth           [N+1] long       depth of each node (root 0): verify position = row length + depth.
-    parent          [N+1] long       parent node index; the root's parent is itself (0), so gathers
-                                     through ``parent`` stay in range (tell the root by ``depth == 0``).
+    mask        [B, N+1, N+1] bool  node i attends to node j iff j is i or an ancestor of i (the root is
+                                    an ancestor of every node); the tree block of the verify mask.
+    depth       [B, N+1] long       depth of each node (root 0): verify position = row length + depth.
+    parent      [B, N+1] long       parent node index; the root's parent is itself (0), so gathers
+                                    through ``parent`` stay in range (tell the root by ``depth == 0``).
+    ancestors   [B, N+1, D+1] long  ancestors[b, i, d] = the node at depth d on the path root..i for
+                                    d <= depth[i], PAD_NODE (-1) after; ancestors[b, i, depth[i]] = i.
+    child_nodes [B, N+1, C] long    the children of each node in node order, PAD_NODE after.
+
+    A static tree gives every row the same tree (``TreeBuffers.per_row``: expanded views); a dynamic
+    tree (EAGLE-2) builds each row's from its parent array every step (``row_trees``).
+    """
+
+    mask: torch.Tensor
+    depth: torch.Tensor
+    parent: torch.Tensor
+    ancestors: torch.Tensor
+    child_nodes: torch.Tensor
+
+    @property
+    def max_depth(self) -> int:
+        """D, the static number of depth steps of the tree acceptance loops."""
+        return self.ancestors.shape[-1] - 1
+
+    @property
+    def max_children(self) -> int:
+        """C, the static number of sibling tries per depth."""
+        return self.child_nodes.shape[-1]
+
+
+def row_trees(parent: torch.Tensor, max_depth: int, max_children: int) -> RowTrees:
+    """Each row's tree buffers from its parent array, with tensor ops only (no host loop per node).
+
+    parent [B, N+1] long: parent[:, 0] = 0 (the root) and 0 <= parent[:, i] < i for i >= 1 (parents
+    come before their children). Invariants the caller keeps (not checked): no node deeper than
+    ``max_depth`` (D), no node with more than ``max_children`` (C) children. Children are listed in node
+    order. See ``RowTrees`` for the outputs.
+    """
+    B, n1 = parent.shape
+    dev = parent.device
+    node = torch.arange(n1, device=dev).expand(B, n1)
+    walk = [node]                                  # the node, its parent, grandparent, ... (root repeats)
+    for _ in range(max_depth):
+        walk.append(parent.gather(1, walk[-1]))
+    chain = torch.stack(walk, -1)                                                     # [B, N+1, D+1]
+    depth = (chain != 0).sum(-1)
+    up = depth.unsqueeze(-1) - torch.arange(max_depth + 1, device=dev)                # steps up to depth d
+    ancestors = torch.where(up >= 0, chain.gather(2, up.clamp(min=0)), PAD_NODE)
+    mask = torch.zeros(B, n1, n1, dtype=torch.bool, device=dev).scatter_(2, ancestors.clamp(min=0), True)
+    siblings = (parent.unsqueeze(2) == parent.unsqueeze(1)) & torch.ones(n1, n1, dtype=torch.bool,
+                                                                          device=dev).tril(-1)
+    siblings[:, :, 0] = False                      # the root is nobody's sibling
+    rank = siblings.sum(-1)[:, 1:]                                                    # [B, N]
+    slot = parent[:, 1:] * max_children + rank
+    child_nodes = torch.full((B, n1 * max_children), PAD_NODE, dtype=torch.long, device=dev)
+    child_nodes.scatter_(1, slot, node[:, 1:])
+    return RowTrees(mask, depth, parent, ancestors, child_nodes.view(B, n1, max_children))
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """Constant tensors of a static tree in node order (N nodes + root, max depth D, at most C children):
+    ``RowTrees``' fields without the batch dimension (mask [N+1, N+1], depth / parent [N+1], ancestors
+    [N+1, D+1], child_nodes [N+1, C]; children in rank order), plus what a static tree strategy gathers with:
+
     candidate_index [N] long         for node i+1 (path [r1..rd]): (d-1) * top_k + rd, its token's index in
                                      the flat per-head candidates [num_heads * top_k] (head h's rank r at
                                      h * top_k + r).
-    ancestors       [N+1, D+1] long  ancestors[i, d] = the node at depth d on the path root..i for
-                                     d <= depth[i], PAD_NODE (-1) after; ancestors[i, depth[i]] = i.
-    child_nodes     [N+1, C] long    the children of each node in rank order, PAD_NODE after.
     leaves          [L] long         the nodes without children, in node order.
     retrieve        [L, D+1] long    ancestors[leaves]: each root-to-leaf path, PAD_NODE-padded.
     """
@@ -177,38 +236,28 @@ class TreeBuffers:
         """The same buffers on ``device``."""
         return replace(self, **{f: getattr(self, f).to(device) for f in self.__dataclass_fields__})
 
-    def per_row(self, batch_size: int) -> TreeBuffers:
-        """The node buffers with a leading batch dimension (expanded views: every row the same tree):
-        mask [B, N+1, N+1], depth / parent [B, N+1], ancestors [B, N+1, D+1], child_nodes [B, N+1, C]."""
-        return replace(self, **{f: getattr(self, f).expand(batch_size, *getattr(self, f).shape)
-                                for f in ("mask", "depth", "parent", "ancestors", "child_nodes")})
+    def per_row(self, batch_size: int) -> RowTrees:
+        """Every row the same tree: the node buffers with a leading batch dimension (expanded views)."""
+        return RowTrees(*(getattr(self, f).expand(batch_size, *getattr(self, f).shape)
+                          for f in RowTrees.__dataclass_fields__))
 
 
 def tree_buffers(tree: TokenTree, device: torch.device | str | None = None) -> TreeBuffers:
     """Build the static buffers of ``tree`` (host code, once per tree). See ``TreeBuffers``."""
     nodes: list[TreePath] = [(), *tree.paths]
     index = {p: i for i, p in enumerate(nodes)}
-    D = tree.depth
-    ancestors = [[index[p[:d]] for d in range(len(p) + 1)] + [PAD_NODE] * (D - len(p)) for p in nodes]
-    kids: list[list[int]] = [[] for _ in nodes]
-    for i, p in enumerate(nodes[1:], start=1):
-        kids[index[p[:-1]]].append(i)
-    C = max(len(k) for k in kids)
-    leaves = [i for i, k in enumerate(kids) if not k]
-    mask = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
-    for i, row in enumerate(ancestors):
-        mask[i, row[:len(nodes[i]) + 1]] = True
+    parent = torch.tensor([[0] + [index[p[:-1]] for p in tree.paths]], dtype=torch.long)
+    kids = [[i for i, p in enumerate(nodes) if p and p[:-1] == q] for q in nodes]
+    rows = row_trees(parent, tree.depth, max(len(k) for k in kids))
+    leaves = torch.tensor([i for i, k in enumerate(kids) if not k], dtype=torch.long)
 
-    def long(x):
-        return torch.tensor(x, dtype=torch.long, device=device)
+    def one(x: torch.Tensor) -> torch.Tensor:
+        return x[0].to(device)
 
     return TreeBuffers(
-        mask=mask.to(device),
-        depth=long([len(p) for p in nodes]),
-        parent=long([0] + [index[p[:-1]] for p in tree.paths]),
-        candidate_index=long([(len(p) - 1) * tree.top_k + p[-1] for p in tree.paths]),
-        ancestors=long(ancestors),
-        child_nodes=long([k + [PAD_NODE] * (C - len(k)) for k in kids]),
-        leaves=long(leaves),
-        retrieve=long([ancestors[i] for i in leaves]),
+        mask=one(rows.mask), depth=one(rows.depth), parent=one(rows.parent),
+        candidate_index=torch.tensor([(len(p) - 1) * tree.top_k + p[-1] for p in tree.paths], dtype=torch.long,
+                                     device=device),
+        ancestors=one(rows.ancestors), child_nodes=one(rows.child_nodes),
+        leaves=leaves.to(device), retrieve=one(rows.ancestors)[leaves].to(device),
     )
