@@ -10,12 +10,13 @@ from .core.sampling import SamplingConfig
 from .core.stats import SpecStats
 from .draft.proposer import DraftModel
 from .eagle.proposer import EagleDraft
+from .eagle.tree import DynamicTree, EagleTreeDraft
 from .generator import SpeculativeGenerator
 from .lookup.proposer import PromptLookup
 from .medusa.draft import MedusaDraft
 from .proposer import Proposal, Proposer
 from .shipped import shipped
 
-__all__ = ["DecoderModel", "DraftModel", "EagleDraft", "Engine", "MedusaDraft", "PromptLookup", "Proposal", "Proposer",
+__all__ = ["DecoderModel", "DraftModel", "DynamicTree", "EagleDraft", "EagleTreeDraft", "Engine", "MedusaDraft", "PromptLookup", "Proposal", "Proposer",
            "SamplingConfig", "SpecStats", "SpeculativeGenerator", "shipped"]
 __version__ = "0.1.0"

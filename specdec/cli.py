@@ -16,8 +16,8 @@ import torch
 
 from .core.graphs import BACKENDS
 
-STRATEGIES = ("none", "model", "eagle", "medusa", "lookup")
-SHIPPED_KIND = {"model": "draft", "eagle": "eagle", "medusa": "medusa"}   # --draft -> shipped() kind
+STRATEGIES = ("none", "model", "eagle", "eagle-tree", "medusa", "lookup")
+SHIPPED_KIND = {"model": "draft", "eagle": "eagle", "eagle-tree": "eagle-tree", "medusa": "medusa"}   # --draft -> shipped() kind
 DEFAULT_K = {"model": 4, "eagle": 5, "lookup": 4}                           # medusa: the tree's depth
 EMBEDDED_NAME = "smollm2-135m-instruct"
 # OpenMP wait policy for `generate` when the user sets none. libgomp's default lets idle threads spin at
@@ -193,20 +193,20 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--draft", default="none", choices=STRATEGIES,
-                   help="none = target only (default); model = a draft model, eagle = an EAGLE head, "
-                        "medusa = Medusa heads: the shipped weights for the embedded model, or --draft-path "
+                   help="none = target only (default); model = a draft model, eagle = an EAGLE head "
+                        "(chains), eagle-tree = an EAGLE head drafting EAGLE-2 dynamic trees, medusa = Medusa heads: the shipped weights for the embedded model, or --draft-path "
                         "for another target; lookup = prompt lookup (n-grams of the prompt, no weights)")
     s.add_argument("--draft-path", type=existing_dir, default=None, metavar="DIR",
                    help="checkpoint directory of the draft model / EAGLE head / Medusa heads trained for --model")
     s.add_argument("--k", type=positive_int, default=None,
-                   help="draft tokens per step (default: model 4, eagle 5, lookup 4; medusa: the tree's depth, "
+                   help="draft tokens per step (default: model 4, eagle 5, lookup 4; medusa and eagle-tree: the tree's depth, "
                         "and a given --k must equal it)")
     s.add_argument("--fused", action="store_true",
                    help="model / eagle: one graph per speculation step (draft loop, verification and "
                         "acceptance fused; NxD Inference's enable_fused_speculation); same output")
     s.add_argument("--tree", default=None,
                    help="medusa: a built-in tree name (e.g. mc_sim_7b_63) or a JSON file of paths "
-                        "(default: the heads' own tree)")
+                        "(default: the heads' own tree); eagle-tree: DEPTHxTOPKxNODES (default 5x8x24)")
 
 
 def add_generate_arguments(g: argparse.ArgumentParser) -> None:
@@ -272,8 +272,14 @@ def check_speculation_arguments(args: argparse.Namespace) -> None:
         raise CLIError("--k needs --draft (model, eagle, medusa or lookup)")
     if args.draft_path is not None and d not in SHIPPED_KIND:
         raise CLIError(f"--draft-path needs --draft model, eagle or medusa (not {d})")
-    if args.tree is not None and d != "medusa":
-        raise CLIError("--tree is for --draft medusa")
+    if args.tree is not None and d not in ("medusa", "eagle-tree"):
+        raise CLIError("--tree is for --draft medusa or eagle-tree")
+    if args.tree is not None and d == "eagle-tree":
+        from .eagle.tree import DynamicTree
+        try:
+            DynamicTree.parse(args.tree)
+        except ValueError as e:
+            raise CLIError(f"--tree: {e}") from None
     if d in SHIPPED_KIND and args.draft_path is None and not is_embedded(args.model):
         raise CLIError(f"--draft {d} without --draft-path uses the shipped weights, trained for the embedded "
                        f"model ({EMBEDDED_NAME}); for --model {args.model} give --draft-path DIR (a checkpoint "
@@ -295,16 +301,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def make_proposer(args: argparse.Namespace, target):
     """The proposer --draft / --draft-path / --tree ask for (None for --draft none)."""
-    from . import DraftModel, EagleDraft, MedusaDraft, PromptLookup, shipped
+    from . import DraftModel, DynamicTree, EagleDraft, EagleTreeDraft, MedusaDraft, PromptLookup, shipped
     d = args.draft
     if d == "none":
         return None
     if d == "lookup":
         return PromptLookup(target)
     kw = {"tree": args.tree} if d == "medusa" else {}
+    if d == "eagle-tree" and args.tree is not None:
+        kw = {"tree": DynamicTree.parse(args.tree)}
     if args.draft_path is None:
         return shipped(SHIPPED_KIND[d], target, **kw)
-    cls = {"model": DraftModel, "eagle": EagleDraft, "medusa": MedusaDraft}[d]
+    cls = {"model": DraftModel, "eagle": EagleDraft, "eagle-tree": EagleTreeDraft, "medusa": MedusaDraft}[d]
     return cls.from_pretrained(args.draft_path, target, **kw)
 
 

@@ -7,6 +7,7 @@
 - ``"draft"``: the vanilla draft model (``specdec/draft/weights``: 2 layers, reduced output vocabulary;
   its embedding and LM-head rows come from the target, assembled once into ``$SPECDEC_CACHE``);
 - ``"eagle"``: the EAGLE-1 head (``specdec/eagle/weights``; the LM head is copied from the target once);
+- ``"eagle-tree"``: the same head drafting EAGLE-2 dynamic trees (``tree=DynamicTree(...)``);
 - ``"medusa"``: the Medusa heads with the tree built from their measured accuracy
   (``specdec/medusa/weights``; ``tree=`` picks another).
 Keyword arguments go to the strategy's ``from_pretrained``.
@@ -18,18 +19,22 @@ from .draft.proposer import DraftModel
 from .draft.smollm2 import embedded_draft_path
 from .eagle.proposer import EagleDraft
 from .eagle.smollm2 import embedded_eagle_path
+from .eagle.tree import EagleTreeDraft
 from .medusa.draft import MedusaDraft
 from .medusa.smollm2 import SHIPPED_MEDUSA
 
-SHIPPED = ("draft", "eagle", "medusa")
+SHIPPED = ("draft", "eagle", "eagle-tree", "medusa")
 
 
-def shipped(kind: str, target: DecoderModel, **kwargs) -> DraftModel | EagleDraft | MedusaDraft:
-    """The shipped ``kind`` strategy ('draft', 'eagle' or 'medusa') for ``target`` (the embedded model)."""
+def shipped(kind: str, target: DecoderModel, **kwargs) -> DraftModel | EagleDraft | EagleTreeDraft | MedusaDraft:
+    """The shipped ``kind`` strategy ('draft', 'eagle', 'eagle-tree' or 'medusa') for ``target`` (the
+    embedded model)."""
     if kind == "draft":
         return DraftModel.from_pretrained(embedded_draft_path(), target, **kwargs)
     if kind == "eagle":
         return EagleDraft.from_pretrained(embedded_eagle_path(), target, **kwargs)
+    if kind == "eagle-tree":
+        return EagleTreeDraft.from_pretrained(embedded_eagle_path(), target, **kwargs)
     if kind == "medusa":
         return MedusaDraft.from_pretrained(SHIPPED_MEDUSA, target, **kwargs)
     raise ValueError(f"no shipped strategy {kind!r}; choose one of {', '.join(SHIPPED)}")

@@ -5,6 +5,8 @@ In one process run, for each temperature (greedy and 0.7) and each k:
   specdec-{s}-k{k}    ``SpeculativeGenerator(shipped(s, target), target, k).generate`` with the shipped
                       ``--strategy`` s: ``draft`` (the vanilla draft model) or ``eagle`` (the EAGLE head)
   specdec-{s}-fused-k{k}  the same with ``fused=True`` (one graph per step; ``--fused on`` or ``both``)
+  specdec-eagle-tree-{DxKxN}  ``--strategy eagle-tree``: the shipped EAGLE head drafting EAGLE-2 dynamic
+                      trees of each ``--dynamic-trees`` shape (depth x top-k x nodes); k = the depth
   specdec-medusa-{t}  ``--strategy medusa``: the shipped Medusa heads (or ``--heads DIR``) with tree t of
                       ``--trees`` (a built-in name, a JSON file, or ``shipped``: the tree built from the
                       heads' measured accuracy, stored with them); k = the tree's depth
@@ -20,6 +22,7 @@ emission), summed over all calls; the target-only run's graph time per step is o
 
     python bench/bench_speculative.py [--strategy draft|eagle] [--num-prompts 10] [--ks 2,4,6] [--batch-size 1]
     python bench/bench_speculative.py --strategy medusa [--trees chain_4,mc_sim_7b_63,shipped]
+    python bench/bench_speculative.py --strategy eagle-tree [--dynamic-trees 5x8x24,6x10x48]
 
 Both specdec systems use the same runtime settings (``--backend``, ``--amp``, one KV bucket of
 ``--n-positions`` slots so the compiled backend builds fewer graphs).
@@ -46,8 +49,11 @@ from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prompt_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--strategy", default="draft", choices=["draft", "eagle", "medusa", "lookup"],
-                        help="the shipped vanilla draft model, EAGLE head or Medusa heads, or prompt lookup (no weights)")
+    parser.add_argument("--strategy", default="draft", choices=["draft", "eagle", "eagle-tree", "medusa", "lookup"],
+                        help="the shipped vanilla draft model, EAGLE head (chains, or EAGLE-2 dynamic trees) or "
+                             "Medusa heads, or prompt lookup (no weights)")
+    parser.add_argument("--dynamic-trees", default="5x8x24",
+                        help="eagle-tree: comma list of DEPTHxTOPKxNODES dynamic tree shapes")
     parser.add_argument("--trees", default="chain_4,mc_sim_7b_63,shipped",
                         help="medusa: comma list of trees (built-in names, JSON files, 'shipped')")
     parser.add_argument("--heads", default=None, help="medusa: heads directory (default: the shipped heads)")
@@ -99,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--n-positions {args.n_positions} is too small: the longest prompt + {n_new} new tokens "
                          f"+ a verify step of {width} tokens needs {needed}")
     temps = [float(t) for t in args.temperatures.split(",")]
-    hf = None if args.no_hf or B > 1 or args.strategy == "medusa" else AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
+    hf = None if args.no_hf or B > 1 or args.strategy in ("medusa", "eagle-tree") else AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
     if hf is not None:
         hf.generation_config.eos_token_id = None
     assistant = None if hf is None else HFAdapter(
@@ -185,7 +191,7 @@ class System(NamedTuple):
 def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, System], torch.nn.Module]:
     """``{name: System}`` for ``--strategy`` and the drafting module (for its weight-read cost). The
     shipped proposers take the target's runtime settings (batch size, buckets, amp, backend)."""
-    from .. import MedusaDraft, PromptLookup, SpeculativeGenerator, shipped
+    from .. import DynamicTree, MedusaDraft, PromptLookup, SpeculativeGenerator, shipped
     spec = f"specdec-{args.strategy}"
     if args.strategy == "medusa":
         def medusa(t):
@@ -198,6 +204,10 @@ def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, Sys
                                                     lambda d=d: SpeculativeGenerator(d, target, None))
                    for t, d in drafts.items()}
         return systems, next(iter(drafts.values())).module
+    if args.strategy == "eagle-tree":
+        drafts = {shape: shipped("eagle-tree", target, tree=DynamicTree.parse(shape)) for shape in args.dynamic_trees.split(",")}
+        return {f"{spec}-{shape}": System(d.depth, d.tree.num_nodes + 1, lambda d=d: SpeculativeGenerator(d, target))
+                for shape, d in drafts.items()}, next(iter(drafts.values())).module
     if args.strategy == "lookup":   # prompt lookup: no drafting module, nothing to read
         return {f"{spec}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(PromptLookup(target), target, k))
                 for k in args.ks}, None

@@ -61,6 +61,15 @@ class DynamicTree:
             raise ValueError(f"DynamicTree.num_nodes={self.num_nodes} exceeds the {pool} candidates a tree of "
                              f"depth {self.depth} and top_k {self.top_k} scores (K + (D-1)K^2)")
 
+    @classmethod
+    def parse(cls, text: str) -> "DynamicTree":
+        """``"5x8x24"`` → ``DynamicTree(depth=5, top_k=8, num_nodes=24)`` (ValueError naming the format)."""
+        try:
+            depth, top_k, num_nodes = (int(x) for x in text.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"dynamic tree {text!r}: expected DEPTHxTOPKxNODES, e.g. 5x8x24") from None
+        return cls(depth, top_k, num_nodes)
+
     @property
     def draft_slots(self) -> int:
         """Draft cache slots the deepest expansion writes past S[:-1]: (D-1)K (at least 1)."""
@@ -124,7 +133,7 @@ class EagleTreeDraft(EagleDraft):
                                   logit_index=torch.arange(width - K, width, device=dev).expand(len(n), K),
                                   features=exp_features)
             child_scores, child_tokens = torch.log_softmax(out.logits, -1).topk(K, dim=-1)  # [B, K, K]
-            child_scores = scores.unsqueeze(-1) + child_scores
+            child_scores = scores.unsqueeze(-1) + child_scores.clamp(max=0)      # scores never rise
             offset = sum(t.shape[1] for t in pool_tokens)
             pool_tokens.append(child_tokens.flatten(1))
             pool_scores.append(child_scores.flatten(1))
@@ -187,14 +196,14 @@ def _rerank(tokens: torch.Tensor, scores: torch.Tensor, parent: torch.Tensor, K:
     tokens / scores / parent [B, P]: the candidate pool (parent = pool index, -1 = the root), depth-1
     candidates first, then blocks of K² per depth. Returns (node tokens [B, N], parent [B, N+1] over
     [root, nodes] for ``row_trees``). A child's score is its parent's plus a log-probability <= 0; the
-    key subtracts 1e-4 per depth, so a parent always outranks its children and the selection is
-    prefix-closed. Nodes are ordered by depth, then by score (best first)."""
+    key (in f64) subtracts 1e-9 per depth, so a parent always outranks its children, even on an exact
+    tie, and the selection is prefix-closed. Nodes are ordered by depth, then by score (best first)."""
     P = tokens.shape[1]
     depth = torch.ones(P, dtype=torch.long, device=tokens.device)
     depth[K:] = 2 + torch.arange(P - K, device=tokens.device) // (K * K)
-    key = scores.clamp(min=-1e4) - 1e-4 * depth
+    key = scores.double().clamp(min=-1e4) - 1e-9 * depth                    # f64: the tie-break is exact
     top = key.topk(N, dim=-1).indices                                                   # [B, N]
-    order = torch.argsort(depth[top].double() * 1e6 - key.gather(1, top).double(), dim=-1)
+    order = torch.argsort(depth[top] * 1e6 - key.gather(1, top), dim=-1)
     chosen = top.gather(1, order)
     node_of = torch.zeros(tokens.shape[0], P + 1, dtype=torch.long, device=tokens.device)    # pool+1 → node
     node_of.scatter_(1, chosen + 1, torch.arange(1, N + 1, device=tokens.device).expand_as(chosen))
