@@ -21,6 +21,8 @@ def test_lookup_finds_the_latest_longest_match():
     assert lookup.lookup([5, 6, 7, 5, 6], 3) == [7, 5, 6]
     assert lookup.lookup([4, 9, 9, 4], 4) == [9, 9, 4, 4]                    # 1-gram match, padded with S[-1]
     assert lookup.lookup([1, 2, 3], 2) == [3, 3]                              # no match: S[-1]
+    # a repeating stretch: the latest occurrence of [8, 24, 8] has 2 tokens after it, an earlier one 3
+    assert lookup.lookup([7, 24, 8, 24, 8, 24, 8], 3) == [24, 8, 24]
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])

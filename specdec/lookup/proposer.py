@@ -1,8 +1,9 @@
 """``PromptLookup``: draft tokens copied from earlier in the row's own sequence (no draft model).
 
 Per row, S = prompt + emitted tokens. For n = ``max_ngram`` down to ``min_ngram``: find the latest
-earlier occurrence of S's last n tokens in S; the k tokens that followed it are the proposal (HF's
-``prompt_lookup_num_tokens``, vLLM's ``ngram`` speculator). Rows without a match (or with fewer than k
+earlier occurrence of S's last n tokens in S that k tokens follow (the latest one if none does); the
+k tokens that followed it are the proposal (HF's ``prompt_lookup_num_tokens``, vLLM's ``ngram``
+speculator, which take the latest occurrence however few tokens follow it). Rows without a match (or with fewer than k
 tokens after the match) fill the rest with S[-1]: any token is safe, the verifier decides. Proposals
 are deterministic, so acceptance uses the one-hot rule (accept x with probability p(x), resample from
 p without x on rejection): lossless. It pays where the output repeats its input: summaries, RAG
@@ -44,13 +45,17 @@ class PromptLookup:
         return Proposal(torch.tensor(drafts, dtype=torch.long))
 
     def lookup(self, seq: list[int], k: int) -> list[int]:
-        """The k tokens after the latest earlier occurrence of ``seq``'s longest matching suffix n-gram."""
+        """The k tokens after the latest earlier occurrence of ``seq``'s longest matching suffix n-gram that
+        has k tokens after it (else after the latest occurrence, padded with S[-1]): in a repeating
+        stretch the latest occurrence is too close to the end to give k tokens, an earlier one is not."""
         s = np.asarray(seq, dtype=np.int64)
         for n in range(min(self.max_ngram, len(s) - 1), self.min_ngram - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(s[:-1], n)   # every n-gram but the suffix
             hits = np.flatnonzero((windows == s[-n:]).all(axis=1))
             if hits.size:
-                follow = s[hits[-1] + n:hits[-1] + n + k].tolist()
+                full = hits[hits + n + k <= len(s)]          # occurrences with k tokens after them
+                start = (full[-1] if full.size else hits[-1]) + n
+                follow = s[start:start + k].tolist()
                 return follow + [seq[-1]] * (k - len(follow))
         return [seq[-1]] * k
 

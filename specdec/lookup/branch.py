@@ -1,0 +1,100 @@
+"""``LookupBranch``: a tree proposer's tree plus the prompt-lookup continuation as one more branch.
+
+Per row and step, the tree proposer (e.g. ``EagleTreeDraft``) proposes its tree of N nodes and
+``PromptLookup`` the L tokens that followed the latest earlier occurrence of the row's suffix n-gram.
+The lookup chain is grafted onto the tree: starting at the root, each lookup token that is already a
+child of the current node moves there; from the first one that is not, the rest hang below it as new
+nodes. The verify step sees N + L nodes (the L slots of a chain that was fully grafted become spare
+children of the root repeating the chain's first token: a repeated sibling is never accepted twice,
+so they are inert). One target forward verifies both sources, so a row whose output copies its
+prompt (summaries, RAG answers, code edits) accepts the lookup run while other rows keep the model's
+tree.
+
+Proposals stay deterministic functions of the row's sequence, so acceptance is the tree rules'
+(greedy: the deepest path matching the target argmax = target-only greedy output; sampled: recursive
+multi-draft rejection with one-hot proposals): lossless. The wrapped proposer's per-step tree is
+replaced by the grafted one (its ``pending`` attribute), so its ``accepted`` reads the path the
+verifier took, whichever source proposed it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..proposer import Proposal, Proposer, Verified
+from ..tree import row_trees
+from .proposer import PromptLookup
+
+
+class LookupBranch:
+    """``tree`` (a tree proposer keeping its step's trees in ``pending``, as ``EagleTreeDraft``) with a
+    ``length``-token prompt-lookup branch (``lookup``: a ``PromptLookup`` for the same target)."""
+
+    def __init__(self, tree: Proposer, lookup: PromptLookup, length: int = 4):
+        if getattr(tree, "depth", None) is None or not hasattr(tree, "pending"):
+            raise ValueError(f"LookupBranch grafts onto a dynamic tree proposer (EagleTreeDraft); "
+                             f"{type(tree).__name__} proposes no per-step tree")
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= tree.depth:
+            raise ValueError(f"length must be an int in [1, {tree.depth}] (the tree's depth), got {length!r}")
+        if lookup.batch_size != tree.batch_size:
+            raise ValueError(f"lookup batch_size={lookup.batch_size} != tree proposer batch_size={tree.batch_size}")
+        self.tree, self.lookup, self.length = tree, lookup, length
+        self.depth, self.verifier = tree.depth, tree.verifier
+        self.vocab_size, self.batch_size = tree.vocab_size, tree.batch_size
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes verified per step (root excluded): the tree's and the lookup branch's."""
+        return self.tree.tree.num_nodes + self.length
+
+    def check_target(self, target) -> None:
+        self.tree.check_target(target)
+        largest = min(target.kv_buckets[-1], target.n_positions - 1)
+        if self.num_nodes + 1 > largest:
+            raise ValueError(f"tree + lookup branch need {self.num_nodes + 1} verify slots but the target allows "
+                             f"{largest}: use a smaller tree or lookup length")
+
+    def max_draft_tokens(self, length: int) -> int:
+        k = self.tree.max_draft_tokens(length)
+        return k if length + self.num_nodes <= self.lookup.target.n_positions else 0
+
+    def start(self, rows, prompts, params, rng, target_out) -> None:
+        self.tree.start(rows, prompts, params, rng, target_out)
+        self.lookup.start(rows, prompts, params, rng, target_out)
+
+    def propose(self, tail, lengths, k, params, rng) -> Proposal:
+        proposal = self.tree.propose(tail, lengths, k, params, rng)
+        chain = self.lookup.propose(tail, lengths, self.length, params, rng).tokens.to(proposal.tokens.device)
+        tokens, parent = graft(proposal.tokens, proposal.tree.parent, chain)
+        merged = row_trees(parent, proposal.tree.max_depth, proposal.tree.max_children + self.length)
+        self.tree.pending = merged
+        return Proposal(tokens, None, merged)
+
+    def accepted(self, lengths, verified: Verified) -> None:
+        self.tree.accepted(lengths, verified)
+        self.lookup.accepted(lengths, verified)
+
+
+def graft(tokens: torch.Tensor, parent: torch.Tensor, chain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Graft ``chain`` [B, L] below the root of each row's tree → (tokens [B, N+L], parent [B, N+L+1]).
+
+    tokens [B, N] are the tree's nodes 1..N, parent [B, N+1] over [root, nodes] (parents first). Lookup
+    token j follows the path while it matches a child of the current node (the lowest-index one); from
+    its first miss on, it becomes new node N+1+j below the previous one. New-node slots of a fully
+    grafted prefix repeat chain[:, 0] below the root. Tensor ops only (a loop over L)."""
+    B, N = tokens.shape
+    L = chain.shape[1]
+    node_tokens = torch.cat([torch.full_like(tokens[:, :1], -1), tokens], 1)                   # [B, N+1]
+    new_tokens, new_parent = [], []
+    current = torch.zeros(B, dtype=torch.long, device=tokens.device)       # where the chain stands
+    grafting = torch.ones(B, dtype=torch.bool, device=tokens.device)       # still inside the tree
+    for j in range(L):
+        hit = (parent == current.unsqueeze(1)) & (node_tokens == chain[:, j:j + 1])
+        hit[:, 0] = False
+        found = grafting & hit.any(1)
+        slot = N + 1 + j
+        new_tokens.append(torch.where(found, chain[:, 0], chain[:, j]))
+        new_parent.append(torch.where(found, torch.zeros_like(current), current))
+        current = torch.where(found, hit.long().argmax(1), torch.full_like(current, slot))
+        grafting = found
+    return (torch.cat([tokens, torch.stack(new_tokens, 1)], 1),
+            torch.cat([parent, torch.stack(new_parent, 1)], 1))
