@@ -19,9 +19,9 @@ def test_lookup_finds_the_latest_longest_match():
     lookup.max_ngram, lookup.min_ngram = 3, 1
     assert lookup.lookup([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2) == [8, 1]     # latest occurrence of [1, 2, 3]
     assert lookup.lookup([5, 6, 7, 5, 6], 3) == [7, 5, 6]
-    assert lookup.lookup([4, 9, 9, 4], 4) == [9, 9, 4, 4]                    # 1-gram match, padded with S[-1]
+    assert lookup.lookup([4, 9, 9, 4], 4) == [9, 9, 4, 9]      # 1-gram match; then continued from S + [9, 9, 4]
     assert lookup.lookup([1, 2, 3], 2) == [3, 3]                              # no match: S[-1]
-    # a repeating stretch: the latest occurrence of [8, 24, 8] has 2 tokens after it, an earlier one 3
+    # a repeating stretch: 2 tokens follow the latest [8, 24, 8]; the third continues from S + [24, 8]
     assert lookup.lookup([7, 24, 8, 24, 8, 24, 8], 3) == [24, 8, 24]
 
 

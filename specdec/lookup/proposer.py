@@ -1,10 +1,11 @@
 """``PromptLookup``: draft tokens copied from earlier in the row's own sequence (no draft model).
 
 Per row, S = prompt + emitted tokens. For n = ``max_ngram`` down to ``min_ngram``: find the latest
-earlier occurrence of S's last n tokens in S that k tokens follow (the latest one if none does); the
-k tokens that followed it are the proposal (HF's ``prompt_lookup_num_tokens``, vLLM's ``ngram``
-speculator, which take the latest occurrence however few tokens follow it). Rows without a match (or with fewer than k
-tokens after the match) fill the rest with S[-1]: any token is safe, the verifier decides. Proposals
+earlier occurrence of S's last n tokens in S; the k tokens that followed it are the proposal (HF's
+``prompt_lookup_num_tokens``, vLLM's ``ngram`` speculator). When fewer than k tokens follow it (the
+match is near the end, as in a repeating stretch), the lookup continues from S + those tokens. A row
+whose lookup finds no (further) match fills the rest with S[-1]: any token is safe, the verifier
+decides. Proposals
 are deterministic, so acceptance uses the one-hot rule (accept x with probability p(x), resample from
 p without x on rejection): lossless. It pays where the output repeats its input: summaries, RAG
 answers, code edits.
@@ -45,19 +46,25 @@ class PromptLookup:
         return Proposal(torch.tensor(drafts, dtype=torch.long))
 
     def lookup(self, seq: list[int], k: int) -> list[int]:
-        """The k tokens after the latest earlier occurrence of ``seq``'s longest matching suffix n-gram that
-        has k tokens after it (else after the latest occurrence, padded with S[-1]): in a repeating
-        stretch the latest occurrence is too close to the end to give k tokens, an earlier one is not."""
-        s = np.asarray(seq, dtype=np.int64)
+        """k tokens continuing ``seq``: the tokens after the latest earlier occurrence of its longest
+        matching suffix n-gram; when fewer than k follow it (a match near the end, as in a repeating
+        stretch) the lookup continues from ``seq`` + those tokens; without a match the rest is S[-1]."""
+        out: list[int] = []
+        while len(out) < k:
+            follow = self._follow(np.asarray(seq + out, dtype=np.int64), k - len(out))
+            if not follow:
+                break
+            out += follow
+        return out + [seq[-1]] * (k - len(out))
+
+    def _follow(self, s: np.ndarray, k: int) -> list[int]:
+        """Up to k tokens after the latest earlier occurrence of ``s``'s longest matching suffix n-gram."""
         for n in range(min(self.max_ngram, len(s) - 1), self.min_ngram - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(s[:-1], n)   # every n-gram but the suffix
             hits = np.flatnonzero((windows == s[-n:]).all(axis=1))
             if hits.size:
-                full = hits[hits + n + k <= len(s)]          # occurrences with k tokens after them
-                start = (full[-1] if full.size else hits[-1]) + n
-                follow = s[start:start + k].tolist()
-                return follow + [seq[-1]] * (k - len(follow))
-        return [seq[-1]] * k
+                return s[hits[-1] + n:hits[-1] + n + k].tolist()
+        return []
 
     def accepted(self, lengths, verified) -> None:
         n = verified.num_accepted.tolist()
