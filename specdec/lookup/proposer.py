@@ -39,20 +39,29 @@ class PromptLookup:
         return self.target.n_positions
 
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
-        drafts = [self.lookup(self.seqs[r][:int(n)] if len(self.seqs[r]) >= int(n) else [int(tail[r, 1])], k)
-                  for r, n in enumerate(lengths.tolist())]
-        return Proposal(torch.tensor(drafts, dtype=torch.long))
+        return Proposal(self.matches(tail, lengths, k)[0])
+
+    def matches(self, tail: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's k drafts [B, k] and the length of the n-gram they continue [B] (0: no match)."""
+        found = [self.match(self.seqs[r][:int(n)] if len(self.seqs[r]) >= int(n) else [int(tail[r, 1])], k)
+                 for r, n in enumerate(lengths.tolist())]
+        return (torch.tensor([drafts for drafts, _ in found], dtype=torch.long),
+                torch.tensor([n for _, n in found], dtype=torch.long))
 
     def lookup(self, seq: list[int], k: int) -> list[int]:
         """The k tokens after the latest earlier occurrence of ``seq``'s longest matching suffix n-gram."""
+        return self.match(seq, k)[0]
+
+    def match(self, seq: list[int], k: int) -> tuple[list[int], int]:
+        """``lookup``'s k tokens and the length n of the suffix n-gram they continue (0: no match, S[-1] k times)."""
         s = np.asarray(seq, dtype=np.int64)
         for n in range(min(self.max_ngram, len(s) - 1), self.min_ngram - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(s[:-1], n)   # every n-gram but the suffix
             hits = np.flatnonzero((windows == s[-n:]).all(axis=1))
             if hits.size:
                 follow = s[hits[-1] + n:hits[-1] + n + k].tolist()
-                return follow + [seq[-1]] * (k - len(follow))
-        return [seq[-1]] * k
+                return follow + [seq[-1]] * (k - len(follow)), n
+        return [seq[-1]] * k, 0
 
     def accepted(self, lengths, verified) -> None:
         n = verified.num_accepted.tolist()
