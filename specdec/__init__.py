@@ -4,6 +4,7 @@
     target = DecoderModel.from_pretrained()                       # the embedded SmolLM2-135M-Instruct
     gen = SpeculativeGenerator(shipped("eagle", target), target, k=5)
 """
+from .adaptive import AdaptiveK
 from .core.decoder import DecoderModel
 from .core.engine import Engine
 from .core.sampling import SamplingConfig
@@ -12,11 +13,13 @@ from .draft.proposer import DraftModel
 from .eagle.proposer import EagleDraft
 from .eagle.tree import DynamicTree, EagleTreeDraft
 from .generator import SpeculativeGenerator
+from .lookup.combined import LookupOrDraft
 from .lookup.proposer import PromptLookup
 from .medusa.draft import MedusaDraft
 from .proposer import Proposal, Proposer
 from .shipped import shipped
 
-__all__ = ["DecoderModel", "DraftModel", "DynamicTree", "EagleDraft", "EagleTreeDraft", "Engine", "MedusaDraft", "PromptLookup", "Proposal", "Proposer",
-           "SamplingConfig", "SpecStats", "SpeculativeGenerator", "shipped"]
+__all__ = ["AdaptiveK", "DecoderModel", "DraftModel", "DynamicTree", "EagleDraft", "EagleTreeDraft", "Engine",
+           "LookupOrDraft", "MedusaDraft", "PromptLookup", "Proposal", "Proposer", "SamplingConfig", "SpecStats",
+           "SpeculativeGenerator", "shipped"]
 __version__ = "0.1.0"

@@ -16,9 +16,10 @@ import torch
 
 from .core.graphs import BACKENDS
 
-STRATEGIES = ("none", "model", "eagle", "eagle-tree", "medusa", "lookup")
-SHIPPED_KIND = {"model": "draft", "eagle": "eagle", "eagle-tree": "eagle-tree", "medusa": "medusa"}   # --draft -> shipped() kind
-DEFAULT_K = {"model": 4, "eagle": 5, "lookup": 4}                           # medusa: the tree's depth
+STRATEGIES = ("none", "model", "eagle", "eagle-tree", "medusa", "lookup", "lookup+model", "lookup+eagle")
+SHIPPED_KIND = {"model": "draft", "eagle": "eagle", "eagle-tree": "eagle-tree", "medusa": "medusa"}   # --draft -> shipped()
+DEFAULT_K = {"model": 4, "eagle": 5, "lookup": 4, "lookup+model": 4, "lookup+eagle": 5}   # trees: their depth
+LOOKUP_AND = "lookup+"     # --draft lookup+X: prompt lookup where an n-gram matches, X elsewhere (LookupOrDraft)
 EMBEDDED_NAME = "smollm2-135m-instruct"
 # OpenMP wait policy for `generate` when the user sets none. libgomp's default lets idle threads spin at
 # every barrier; when another process holds one of the cores, every parallel region waits for the thread
@@ -194,8 +195,11 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--draft", default="none", choices=STRATEGIES,
                    help="none = target only (default); model = a draft model, eagle = an EAGLE head "
-                        "(chains), eagle-tree = an EAGLE head drafting EAGLE-2 dynamic trees, medusa = Medusa heads: the shipped weights for the embedded model, or --draft-path "
-                        "for another target; lookup = prompt lookup (n-grams of the prompt, no weights)")
+                        "(chains), eagle-tree = an EAGLE head drafting EAGLE-2 dynamic trees, medusa = Medusa "
+                        "heads: the shipped weights for the embedded model, or --draft-path for another target; "
+                        "lookup = prompt lookup (n-grams of the prompt, no weights); lookup+model / lookup+eagle "
+                        "= prompt lookup where the sequence repeats a 2-gram, the model / EAGLE draft elsewhere "
+                        "(per row and step)")
     s.add_argument("--draft-path", type=existing_dir, default=None, metavar="DIR",
                    help="checkpoint directory of the draft model / EAGLE head / Medusa heads trained for --model")
     s.add_argument("--k", type=positive_int, default=None,
@@ -204,6 +208,10 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--fused", action="store_true",
                    help="model / eagle: one graph per speculation step (draft loop, verification and "
                         "acceptance fused; NxD Inference's enable_fused_speculation); same output")
+    s.add_argument("--adaptive-k", action="store_true",
+                   help="chain drafts (not medusa, not --fused): each row drafts its own k <= --k, +2 after a "
+                        "step whose drafts were all accepted, -1 otherwise (HF's heuristic schedule); same "
+                        "output distribution")
     s.add_argument("--tree", default=None,
                    help="medusa: a built-in tree name (e.g. mc_sim_7b_63) or a JSON file of paths "
                         "(default: the heads' own tree); eagle-tree: DEPTHxTOPKxNODES (default 5x8x24)")
@@ -269,9 +277,13 @@ def check_speculation_arguments(args: argparse.Namespace) -> None:
     """--draft / --draft-path / --k / --tree combinations, checked before any model loads."""
     d = args.draft
     if d == "none" and args.k is not None:
-        raise CLIError("--k needs --draft (model, eagle, medusa or lookup)")
+        raise CLIError("--k needs --draft (model, eagle, medusa, lookup, lookup+model or lookup+eagle)")
+    if getattr(args, "adaptive_k", False) and (d in ("none", "medusa", "eagle-tree") or getattr(args, "fused", False)):
+        raise CLIError("--adaptive-k needs an unfused chain --draft (model, eagle, lookup, lookup+model, lookup+eagle)")
+    d = d.removeprefix(LOOKUP_AND)         # the model part of lookup+X
     if args.draft_path is not None and d not in SHIPPED_KIND:
-        raise CLIError(f"--draft-path needs --draft model, eagle or medusa (not {d})")
+        raise CLIError(f"--draft-path needs --draft model, eagle, eagle-tree or medusa (or lookup+model, "
+                       f"lookup+eagle; not {d})")
     if args.tree is not None and d not in ("medusa", "eagle-tree"):
         raise CLIError("--tree is for --draft medusa or eagle-tree")
     if args.tree is not None and d == "eagle-tree":
@@ -301,12 +313,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def make_proposer(args: argparse.Namespace, target):
     """The proposer --draft / --draft-path / --tree ask for (None for --draft none)."""
-    from . import DraftModel, DynamicTree, EagleDraft, EagleTreeDraft, MedusaDraft, PromptLookup, shipped
+    from . import DraftModel, DynamicTree, EagleDraft, EagleTreeDraft, LookupOrDraft, MedusaDraft, PromptLookup, shipped
     d = args.draft
     if d == "none":
         return None
     if d == "lookup":
         return PromptLookup(target)
+    if d.startswith(LOOKUP_AND):
+        model = make_proposer(argparse.Namespace(**{**vars(args), "draft": d.removeprefix(LOOKUP_AND)}), target)
+        return LookupOrDraft(PromptLookup(target), model)
     kw = {"tree": args.tree} if d == "medusa" else {}
     if d == "eagle-tree" and args.tree is not None:
         kw = {"tree": DynamicTree.parse(args.tree)}
@@ -333,8 +348,9 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
     """Build the graphs a request needs before it runs (and is timed): the target's context, decode
     and verify graphs and a draft network's. For the compiling backends (compiled: graphs cached on disk).
     ``single_row``: also the context graphs of requests joining a running batch (serving).
-    ``penalty``: the target's graphs apply a repetition penalty (drafts never do)."""
-    from . import DecoderModel, EagleDraft
+    ``penalty``: the target's graphs apply a repetition penalty (drafts never do). Adaptive k verifies
+    2 .. k + 1 tokens; ``LookupOrDraft``'s draft model re-reads up to k + 1 tokens after lookup steps."""
+    from . import DecoderModel, EagleDraft, LookupOrDraft
     from .fused import FusedSpeculator
     width = 1
     if gen is not None:
@@ -354,6 +370,11 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
 
     fused = gen is not None and isinstance(gen.speculator, FusedSpeculator)
     verify = (width,) if gen is not None and not fused else ()
+    if gen is not None and gen.speculator.adaptive is not None:
+        verify = tuple(range(2, width + 1))
+    combined = isinstance(proposer, LookupOrDraft)
+    if combined:
+        proposer = proposer.draft
     todo = [(target, [replace(k, penalty=penalty) for k in keys(target, verify, False)],
              (proposer.tree.depth,) if getattr(proposer, "tree", None) is not None else ())]
     draft = getattr(proposer, "model", None)
@@ -364,7 +385,7 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
         todo.append((draft, draft.graph_keys(spec_tokens=(gen.k,), prompt_length=prompt_length,
                                              max_length=max_length, single_row=single_row), ()))
     elif isinstance(draft, DecoderModel):  # a draft model re-reads the last two tokens, then drafts one at a time
-        todo.append((draft, keys(draft, (2,), True), ()))
+        todo.append((draft, keys(draft, tuple(range(2, gen.k + 2)) if combined else (2,), True), ()))
     for model, graph_keys, compaction_slots in todo:
         model._warm(list(dict.fromkeys(graph_keys)), f"compiling ({model.settings.backend})", progress,
                     compaction_slots)
@@ -395,7 +416,7 @@ def generate_on_rank(args: argparse.Namespace) -> int:
     gen = None
     if proposer is not None:
         k = DEFAULT_K.get(args.draft) if args.k is None else args.k
-        gen = SpeculativeGenerator(proposer, target, k, fused=args.fused)
+        gen = SpeculativeGenerator(proposer, target, k, fused=args.fused, adaptive=args.adaptive_k)
     if args.backend != "eager":
         if rank0:
             print("compiling the graphs this request needs"

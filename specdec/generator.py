@@ -5,13 +5,16 @@
 
 ``draft`` is any proposer (``DraftModel``, ``EagleDraft``, ``MedusaDraft`` or your own object
 implementing ``specdec.proposer.Proposer``) or a plain ``DecoderModel``, which is wrapped as a
-``DraftModel``. ``k``: draft tokens per step for chains; for trees the tree's depth (may be left out).
-The output distribution is exactly the target's; greedy output is token for token the target's.
+``DraftModel``. ``k``: draft tokens per step for chains; for trees the tree's depth (may be left out);
+with ``adaptive=True`` (chains) the most a row drafts, each row's own k following its acceptance
+(``specdec.adaptive``). The output distribution is exactly the target's; greedy output is token for
+token the target's.
 """
 from __future__ import annotations
 
 import torch
 
+from .adaptive import AdaptiveK
 from .core.decoder import DecoderModel
 from .core.engine import Engine
 from .core.stats import SpecStats
@@ -31,10 +34,14 @@ class SpeculativeGenerator:
     ``fused=True`` (chain drafts: ``DraftModel``, ``EagleDraft``): each step is one graph — draft loop,
     verification and acceptance (``specdec.fused``; NxD Inference's ``enable_fused_speculation``) —
     with the same outputs as unfused speculation.
+
+    ``adaptive=True`` or an ``AdaptiveK(min_k, max_k)`` (chain drafts, unfused): each row drafts its own
+    k_r <= k, grown by 2 after a step whose drafts were all accepted and shrunk by 1 otherwise (Hugging
+    Face's ``num_assistant_tokens_schedule="heuristic"``, per row); lossless (``specdec.adaptive``).
     """
 
     def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int | None = None, *,
-                 fused: bool = False):
+                 fused: bool = False, adaptive: bool | AdaptiveK = False):
         if draft is target or getattr(draft, "model", None) is target:
             raise ValueError("the draft is the target object itself: a draft keeps its own KV cache, so load the "
                              "draft checkpoint as a separate DecoderModel (DraftModel.from_pretrained(path, target))")
@@ -48,7 +55,8 @@ class SpeculativeGenerator:
             k = depth
         elif k is None:
             raise ValueError("k (draft tokens per step) is required for a chain draft")
-        self.speculator = (FusedSpeculator if fused else Speculator)(proposer, target, k)
+        policy = _adaptive_policy(adaptive, proposer, depth is not None, fused)
+        self.speculator = FusedSpeculator(proposer, target, k) if fused else Speculator(proposer, target, k, policy)
         check = getattr(proposer, "check_target", None)
         if check is not None:
             check(target)
@@ -69,3 +77,19 @@ class SpeculativeGenerator:
         return self.engine.generate(input_ids, attention_mask, **kwargs)
 
     sample = generate
+
+
+def _adaptive_policy(adaptive: bool | AdaptiveK, proposer: Proposer, tree: bool, fused: bool) -> AdaptiveK | None:
+    """The ``AdaptiveK`` that ``adaptive`` asks for (None: a fixed k), or ValueError where it does not apply."""
+    if adaptive is None or adaptive is False:
+        return None
+    if adaptive is not True and not isinstance(adaptive, AdaptiveK):
+        raise ValueError(f"adaptive must be True, False or an AdaptiveK(min_k, max_k), got {adaptive!r}")
+    if tree:
+        raise ValueError(f"adaptive speculation length is for chain drafts (DraftModel, EagleDraft, PromptLookup, "
+                         f"LookupOrDraft); a {type(proposer).__name__} drafts a tree of fixed depth: "
+                         "pass adaptive=False")
+    if fused:
+        raise ValueError("adaptive speculation length runs unfused (a fused step's graph drafts a fixed k): "
+                         "pass fused=False or adaptive=False")
+    return AdaptiveK() if adaptive is True else adaptive

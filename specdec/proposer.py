@@ -42,11 +42,15 @@ class Proposal:
     one-hot rule is used.
     tree: None for a chain, else the per-row trees (``specdec.tree.RowTrees``: mask [B, N+1, N+1],
     depth, parent [B, N+1], ancestors [B, N+1, D+1], child_nodes [B, N+1, C]); rows may differ.
+    num_drafts [B] long or None (chains only): how many of the k drafts each row really proposes; the
+    verifier ignores the rest (``acceptance.accept``'s ``num_drafts``). Proposers leave it None (= k
+    for every row); the speculation step sets it when k adapts per row (``specdec.adaptive``).
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     tree: RowTrees | None = None
+    num_drafts: torch.Tensor | None = None
 
 
 @dataclass

@@ -13,12 +13,17 @@ emitted tokens, the target's cache holds S[:-1]):
   3. the target's length moves to len(S) + n (rolling back rejected slots is just that);
   4. the proposer updates its own state (its KV rollback; EAGLE / Medusa read the target's outputs).
 Near ``n_positions`` the step's k shrinks so no graph writes past a cache; at k = 0 the step is a plain
-decode step. The loop never asks which strategy it runs.
+decode step. With an ``AdaptiveK`` policy (``specdec.adaptive``) each row has its own k_r: the step
+drafts the largest k_r of the active rows and caps every row at its own (``Proposal.num_drafts``).
+The loop never asks which strategy it runs.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from .adaptive import AdaptiveK
 from .core.decoder import DecoderModel
 from .core.engine import StepResult
 from .core.sampling import RowGenerators
@@ -28,9 +33,11 @@ from .verify import ChainVerifier
 
 
 class Speculator:
-    """A proposer, the verifier of its proposals and k, bound to ``target`` (``Engine``'s speculator)."""
+    """A proposer, the verifier of its proposals and k, bound to ``target`` (``Engine``'s speculator).
 
-    def __init__(self, proposer: Proposer, target: DecoderModel, k: int):
+    ``adaptive``: an ``AdaptiveK`` policy (chain proposers): per-row k within its bounds, ``row_k`` [B]."""
+
+    def __init__(self, proposer: Proposer, target: DecoderModel, k: int, adaptive: AdaptiveK | None = None):
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"k must be an integer >= 0 (draft tokens per step), got {k!r}")
         if k + 1 > target.kv_buckets[-1] or k + 1 > target.n_positions - 1:
@@ -48,9 +55,14 @@ class Speculator:
                              "draft and target must share the tokenizer")
         self.proposer, self.target, self.k = proposer, target, k
         self.verifier = getattr(proposer, "verifier", None) or ChainVerifier()
+        self.adaptive = adaptive
+        if adaptive is not None:
+            self.row_k = torch.full((target.batch_size,), adaptive.bounds(k)[1], dtype=torch.long)
 
     def start(self, rows: list[int] | None, prompts: list[torch.Tensor], params: torch.Tensor,
               rng: RowGenerators, target_out) -> None:
+        if self.adaptive is not None:    # (re)started rows begin at max_k
+            self.row_k[slice(None) if rows is None else rows] = self.adaptive.bounds(self.k)[1]
         self.proposer.start(rows, prompts, params, rng, target_out)
 
     def step(self, tail: torch.Tensor, lengths: torch.Tensor, active: torch.Tensor, params: torch.Tensor,
@@ -58,6 +70,10 @@ class Speculator:
         """One step for every row (see the module docstring); the target's lengths are len(S) - 1."""
         longest = int(lengths[active].max())
         k = max(0, min(self.k, self.target.n_positions - longest, self.proposer.max_draft_tokens(longest)))
+        drafted = None     # per-row caps (adaptive k), else k for every row
+        if self.adaptive is not None and k > 0:
+            k = min(k, int(self.row_k[active].max()))
+            drafted = self.row_k.clamp(max=k)
         if k == 0:   # no room to draft: a plain decode step; the proposer still reads its outputs
             with stats.timer("verify"):
                 out = self.target.step(tail[:, 1:], params, rng, advance=False)
@@ -66,9 +82,15 @@ class Speculator:
         else:
             with stats.timer("draft"):
                 proposal = self.proposer.propose(tail, lengths, k, params, rng)
+                if drafted is not None:
+                    proposal = replace(proposal, num_drafts=drafted)
             with stats.timer("verify"):
                 verified = self.verifier.verify(self.target, proposal, tail, lengths, params, rng)
         with stats.timer("other"):
             self.proposer.accepted(lengths, verified)
             n, emitted = verified.num_accepted.cpu(), verified.emitted.cpu()
-        return StepResult(n, emitted, torch.full_like(n, k))
+            if drafted is None:
+                drafted = torch.full_like(n, k)
+            else:
+                self.row_k = torch.where(active, self.adaptive.next_k(self.row_k, drafted, n, self.k), self.row_k)
+        return StepResult(n, emitted, drafted)

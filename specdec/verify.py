@@ -7,7 +7,8 @@ the target's length to len(S) + num_accepted.
 
 - ``ChainVerifier``: [S[-1], x_1 .. x_k] at slots len(S)-1 .. len(S)-1+k with a causal mask →
   ``acceptance.accept`` (greedy rows: longest prefix equal to the target argmax; sampled rows:
-  lossless rejection sampling, with the draft probabilities or the one-hot rule).
+  lossless rejection sampling, with the draft probabilities or the one-hot rule), each row over its
+  first ``proposal.num_drafts`` drafts when that is set.
 - ``TreeVerifier``: [S[-1], N nodes] at slots len(S)-1 .. len(S)-1+N, RoPE positions
   len(S)-1 + depth, attention among them by each row's tree mask → the tree rules (greedy: the
   deepest path matching the argmax; sampled: recursive multi-draft rejection; or Medusa's lossy
@@ -47,8 +48,10 @@ class ChainVerifier:
         if sampled:
             u = rng.uniform(k + 1).to(out.probs.device)
             uniform, residual = u[:, :k], u[:, k]
-        n, emitted = accept(drafts.to(out.tokens.device), out.probs if sampled else None, proposal.probs,
-                            target_tokens=out.tokens, greedy_rows=greedy_rows(params).to(out.tokens.device),
+        dev = out.tokens.device
+        num_drafts = None if proposal.num_drafts is None else proposal.num_drafts.to(dev)
+        n, emitted = accept(drafts.to(dev), out.probs if sampled else None, proposal.probs, target_tokens=out.tokens,
+                            greedy_rows=greedy_rows(params).to(dev), num_drafts=num_drafts,
                             uniform=uniform, residual_uniform=residual)
         n, emitted = _broadcast_decision(target, n, emitted)
         return Verified(n, emitted, out, n)

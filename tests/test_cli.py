@@ -101,6 +101,20 @@ def test_draft_choices_give_the_targets_greedy_output(checkpoint, capsys, draft,
     assert "per-position acceptance" in err and "tokens/s" in err
 
 
+@pytest.mark.parametrize("extra", [["--draft", "model", "--adaptive-k"], ["--draft", "lookup+model"],
+                                   ["--draft", "lookup+model", "--adaptive-k"]])
+def test_adaptive_k_and_lookup_plus_model_give_the_targets_greedy_output(checkpoint, capsys, extra):
+    target = checkpoint("llama").path
+    rc, out, err = run(generate_args(target, REPEATS), capsys)
+    assert rc == 0, err
+    reference = new_ids(out)
+    rc, out, err = run(generate_args(target, REPEATS, 20, 64, *extra, "--draft-path", checkpoint("llama-draft").path,
+                                     "--stats"), capsys)
+    assert rc == 0, err
+    assert new_ids(out) == reference
+    assert f"--draft {extra[1]} k=4" in err and "acceptance rate" in err
+
+
 def test_eagle_gives_the_targets_greedy_output(eagle_models, capsys):
     target, eagle = eagle_models
     rc, out, err = run(generate_args(target, SMALL), capsys)
@@ -211,10 +225,15 @@ def test_bad_arguments_exit_2_with_one_line(checkpoint, tmp_path, capsys):
          f"--draft model without --draft-path uses the shipped weights, trained for the embedded model "
          f"(smollm2-135m-instruct); for --model {target} give --draft-path DIR"),
         (generate_args(target, PROMPT, 8, 64, "--k", "3"), "--k needs --draft"),
+        (generate_args(target, PROMPT, 8, 64, "--adaptive-k"), "--adaptive-k needs an unfused chain --draft"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "medusa", "--adaptive-k"),
+         "--adaptive-k needs an unfused chain --draft"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--fused", "--adaptive-k"),
+         "--adaptive-k needs an unfused chain --draft"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "lookup", "--tree", "chain_4"),
          "--tree is for --draft medusa"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "lookup", "--draft-path", tmp_path),
-         "--draft-path needs --draft model, eagle or medusa"),
+         "--draft-path needs --draft model, eagle, eagle-tree or medusa"),
         (generate_args(target, list(range(3, 70)), 8, 64), "the prompt has 67 tokens: --n-positions 64 leaves no room"),
         (generate_args(target, PROMPT, 8, 1000), "n_positions=1000 exceeds the model's max_position_embeddings=256"),
         (generate_args(target, [5, 999], 8, 64), "prompt 0 has token id 999 outside the vocabulary [0, 160)"),

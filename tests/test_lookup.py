@@ -1,14 +1,16 @@
 """Prompt-lookup drafting: greedy identity with target-only (prompts with and without repeats, batch 1
 and 3, mixed lengths, EOS inside accepted runs), chi-square losslessness of sampling, and the n-gram
-matching itself."""
+matching itself; the same for ``LookupOrDraft`` (lookup where an n-gram matches, a draft model or EAGLE
+elsewhere), plus both sources really used and the draft model's cache tracking verified lookup tokens."""
 import pytest
 import torch
 
 from conftest import load, prompt_ids
+from test_eagle import load_target, saved_target_and_eagle
 from test_speculative import chi2_pvalue, exact_joint, lossless_models, lossless_pvalue, sampled_joint  # noqa: F401
 
 import specdec.verify as verify_module
-from specdec import PromptLookup, SpeculativeGenerator
+from specdec import DraftModel, EagleDraft, LookupOrDraft, PromptLookup, SpeculativeGenerator
 
 REPEATING = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]          # a cycle: lookups find continuations
 PROMPTS = [REPEATING, prompt_ids(7, 5), prompt_ids(11, 6) + prompt_ids(11, 6)[:6]]
@@ -23,6 +25,9 @@ def test_lookup_finds_the_latest_longest_match():
     assert lookup.lookup([1, 2, 3], 2) == [3, 3]                              # no match: S[-1]
     # a repeating stretch: 2 tokens follow the latest [8, 24, 8]; the third continues from S + [24, 8]
     assert lookup.lookup([7, 24, 8, 24, 8, 24, 8], 3) == [24, 8, 24]
+    assert lookup.match([5, 6, 7, 5, 6], 3) == ([7, 5, 6], 2)                 # with the matched n-gram's length
+    assert lookup.match([4, 9, 9, 4], 4) == ([9, 9, 4, 9], 1)
+    assert lookup.match([1, 2, 3], 2) == ([3, 3], 0)
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
@@ -74,3 +79,137 @@ def test_a_wrong_acceptor_is_detected(lossless_models, monkeypatch):
     counts = sampled_joint(SpeculativeGenerator(PromptLookup(target), target, 2), prompt, 512, 2, 20,
                            dict(temperature=0.7))
     assert chi2_pvalue(exact, counts) < 1e-6
+
+
+# ---------------------------------------------------------------- LookupOrDraft
+
+def record_sources(combined: LookupOrDraft, counts: dict) -> None:
+    """Count, per row, the steps whose proposal came from the lookup / the model (rows with a sequence:
+    ``lengths`` > 2, the engine's dummy length for free and finished rows, which these tests never reach)."""
+    propose = combined.propose
+
+    def recorded(tail, lengths, k, params, rng):
+        proposal = propose(tail, lengths, k, params, rng)
+        for r, (n, lookup) in enumerate(zip(lengths.tolist(), combined.from_lookup.tolist())):
+            if n > 2:
+                counts["lookup" if lookup else "model"][r] = counts["lookup" if lookup else "model"].get(r, 0) + 1
+        return proposal
+    combined.propose = recorded
+
+
+def combined(target, draft_model, **kw) -> LookupOrDraft:
+    return LookupOrDraft(PromptLookup(target), DraftModel(draft_model), **kw)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_lookup_or_draft_greedy_equals_target_only_and_uses_both_sources(checkpoint, k):
+    target = load(checkpoint("llama"), batch_size=3)
+    reference = target.generate(PROMPTS, max_new_tokens=40, eos_token_id=[])
+    proposer = combined(target, load(checkpoint("llama-draft"), batch_size=3))
+    counts = {"lookup": {}, "model": {}}
+    record_sources(proposer, counts)
+    gen = SpeculativeGenerator(proposer, target, k)
+    assert torch.equal(gen.generate(PROMPTS, max_new_tokens=40, eos_token_id=[]), reference)
+    assert set(counts["model"]) == {0, 1, 2} and len(counts["lookup"]) >= 2   # rows switch between the sources
+    single = load(checkpoint("llama"), batch_size=1)
+    alone = SpeculativeGenerator(combined(single, load(checkpoint("llama-draft"), batch_size=1), min_match=1),
+                                 single, k).generate([PROMPTS[1]], max_new_tokens=40, eos_token_id=[])
+    width = max(map(len, PROMPTS))
+    assert torch.equal(alone[0, len(PROMPTS[1]):], reference[1, width:])
+
+
+def test_lookup_or_draft_eos_inside_accepted_runs(checkpoint):
+    """The target's own weights as the model draft: its proposals are accepted, so an EOS that greedy
+    decoding emits lands inside accepted runs, between steps that took the lookup's proposals."""
+    target = load(checkpoint("llama"), batch_size=3)
+    free = target.generate(PROMPTS, max_new_tokens=40, eos_token_id=[])
+    proposer = combined(target, load(checkpoint("llama"), batch_size=3), min_match=1)
+    counts = {"lookup": {}, "model": {}}
+    record_sources(proposer, counts)
+    gen = SpeculativeGenerator(proposer, target, 4)
+    width = max(map(len, PROMPTS))
+    eos = int(free[0, width + 11])
+    reference = target.generate(PROMPTS, max_new_tokens=40, eos_token_id=eos)
+    assert torch.equal(gen.generate(PROMPTS, max_new_tokens=40, eos_token_id=eos), reference)
+    assert gen.last_stats.acceptance_rate > 0.5 and counts["lookup"] and counts["model"]
+
+
+def test_lookup_or_eagle_greedy_equals_target_only(tmp_path):
+    target_dir, eagle_dir = saved_target_and_eagle(tmp_path)
+    prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    target = load_target(target_dir)
+    reference = target.generate(prompts, max_new_tokens=40, eos_token_id=[])
+    proposer = LookupOrDraft(PromptLookup(target), EagleDraft.from_pretrained(eagle_dir, target, progress=False))
+    counts = {"lookup": {}, "model": {}}
+    record_sources(proposer, counts)
+    for k in (2, 4):
+        gen = SpeculativeGenerator(proposer, target, k)
+        assert torch.equal(gen.generate(prompts, max_new_tokens=40, eos_token_id=[]), reference)
+    assert counts["lookup"] and counts["model"]
+
+
+def test_the_draft_model_tracks_the_verified_sequence(checkpoint, monkeypatch):
+    """Where lookup tokens were verified, the draft model's cache held its own drafts: every proposal it
+    makes must still be the draft's greedy continuation of the row's real sequence (recomputed here from
+    scratch). With the old assumption (cache valid up to S[-2]: accepted tokens are the draft's own) the
+    check fails."""
+    target = load(checkpoint("llama"), batch_size=3)
+    draft = load(checkpoint("llama-draft"), batch_size=3)
+    fresh = load(checkpoint("llama-draft"), batch_size=1, context_buckets=[16, 32, 64])
+
+    def mismatches() -> int:
+        proposer = combined(target, draft)
+        seen = []
+        propose = proposer.draft.propose
+
+        def recorded(tail, lengths, k, params, rng):
+            proposal = propose(tail, lengths, k, params, rng)
+            seen.extend((proposer.lookup.seqs[r][:n], proposal.tokens[r].tolist())
+                        for r, n in enumerate(lengths.tolist()) if n > 2)
+            return proposal
+        proposer.draft.propose = recorded
+        SpeculativeGenerator(proposer, target, 4).generate(PROMPTS, max_new_tokens=30, eos_token_id=[])
+        return sum(fresh.generate([seq], max_new_tokens=len(drafts), eos_token_id=[])[0, len(seq):].tolist() != drafts
+                   for seq, drafts in seen)
+
+    assert mismatches() == 0
+
+    def old_accepted(self, lengths, verified):     # slots up to n' - 2 taken as valid, whatever was verified
+        self.synced = lengths.cpu() + verified.num_accepted.cpu() - 1
+    monkeypatch.setattr(DraftModel, "accepted", old_accepted)
+    assert mismatches() > 0
+
+
+def test_lookup_or_draft_validation(checkpoint):
+    target = load(checkpoint("llama"), batch_size=1)
+    draft = load(checkpoint("llama-draft"), batch_size=1)
+    with pytest.raises(ValueError, match="min_match=4"):
+        combined(target, draft, min_match=4)
+    with pytest.raises(TypeError, match="DraftModel"):
+        LookupOrDraft(PromptLookup(target), draft)
+    with pytest.raises(ValueError, match="batch"):
+        combined(target, load(checkpoint("llama-draft"), batch_size=2))
+    with pytest.raises(ValueError, match="needs a chain proposer"):
+        SpeculativeGenerator(combined(target, draft), target, 2, fused=True)
+
+
+def test_lookup_or_draft_sampling_is_lossless(lossless_models):
+    target_hf, target, drafts = lossless_models
+    proposer = combined(target, drafts["full"], min_match=1)
+    counts = {"lookup": {}, "model": {}}
+    record_sources(proposer, counts)
+    gen = SpeculativeGenerator(proposer, target, 2)
+    pvalue = lossless_pvalue(target_hf, target, gen, dict(temperature=0.7), 3, prompt=(3, 1, 4, 3, 1))  # 20,480
+    assert 0.05 < gen.stats.acceptance_rate < 0.95
+    assert sum(counts["lookup"].values()) > 1000 and sum(counts["model"].values()) > 1000   # rows of both kinds
+    assert pvalue > 1e-3
+
+
+def test_lookup_rows_verified_with_the_models_q_are_detected(lossless_models, monkeypatch):
+    """Lookup proposals checked against the model's q (not one-hot) bias the output: caught (power check)."""
+    target_hf, target, drafts = lossless_models
+    prompt = [3, 1, 4, 3, 1]
+    exact = exact_joint(target_hf, prompt, target.sampling_params(None, None, 0.7, True)[:1], 3)
+    monkeypatch.setattr(LookupOrDraft, "one_hot_rows", staticmethod(lambda probs, tokens, rows: probs))
+    gen = SpeculativeGenerator(combined(target, drafts["full"], min_match=1), target, 2)
+    assert chi2_pvalue(exact, sampled_joint(gen, prompt, 512, 3, 20, dict(temperature=0.7))) < 1e-6

@@ -7,6 +7,10 @@ In one process run, for each temperature (greedy and 0.7) and each k:
   specdec-{s}-fused-k{k}  the same with ``fused=True`` (one graph per step; ``--fused on`` or ``both``)
   specdec-eagle-tree-{DxKxN}  ``--strategy eagle-tree``: the shipped EAGLE head drafting EAGLE-2 dynamic
                       trees of each ``--dynamic-trees`` shape (depth x top-k x nodes); k = the depth
+  specdec-{s}-adaptive-k{k}  ``--adaptive``: the same with ``adaptive=True`` (per-row k <= k, HF's heuristic
+                      schedule; unfused, chain strategies)
+  specdec-lookup+{m}-k{k}  ``--strategy lookup+draft`` / ``lookup+eagle``: ``LookupOrDraft`` (prompt lookup
+                      where an n-gram of 2 tokens matches, the shipped draft model / EAGLE head elsewhere)
   specdec-medusa-{t}  ``--strategy medusa``: the shipped Medusa heads (or ``--heads DIR``) with tree t of
                       ``--trees`` (a built-in name, a JSON file, or ``shipped``: the tree built from the
                       heads' measured accuracy, stored with them); k = the tree's depth
@@ -49,9 +53,11 @@ from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prompt_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--strategy", default="draft", choices=["draft", "eagle", "eagle-tree", "medusa", "lookup"],
+    parser.add_argument("--strategy", default="draft",
+                        choices=["draft", "eagle", "eagle-tree", "medusa", "lookup", "lookup+draft", "lookup+eagle"],
                         help="the shipped vanilla draft model, EAGLE head (chains, or EAGLE-2 dynamic trees) or "
-                             "Medusa heads, or prompt lookup (no weights)")
+                             "Medusa heads, prompt lookup (no weights), or prompt lookup where an n-gram matches "
+                             "and the draft model / EAGLE head elsewhere")
     parser.add_argument("--dynamic-trees", default="5x8x24",
                         help="eagle-tree: comma list of DEPTHxTOPKxNODES dynamic tree shapes")
     parser.add_argument("--trees", default="chain_4,mc_sim_7b_63,shipped",
@@ -68,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache slots; must hold the longest prompt + max-new-tokens + max(ks) + 1")
     parser.add_argument("--fused", default="off", choices=["off", "on", "both"],
                         help="draft / eagle: unfused systems (off), fused ones (on) or both side by side")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="chain strategies, unfused: per-row adaptive k <= each --ks value (adaptive=True)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -171,7 +179,7 @@ def run(args: argparse.Namespace) -> dict:
         if key.startswith(spec) and hf_key in runs:
             e["speedup_vs_hf_assisted"] = e["tokens_per_s"] / runs[hf_key]["tokens_per_s"]
     return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
-                       "quantization": args.quantization, "fused": args.fused,
+                       "quantization": args.quantization, "fused": args.fused, "adaptive": args.adaptive,
                        "num_prompts": len(prompts), "max_new_tokens": n_new, "systems": list(systems),
                        "temperatures": temps, "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "draft_cost_ratio": 0.0 if draft_module is None else
@@ -191,8 +199,11 @@ class System(NamedTuple):
 def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, System], torch.nn.Module]:
     """``{name: System}`` for ``--strategy`` and the drafting module (for its weight-read cost). The
     shipped proposers take the target's runtime settings (batch size, buckets, amp, backend)."""
-    from .. import DynamicTree, MedusaDraft, PromptLookup, SpeculativeGenerator, shipped
+    from .. import DynamicTree, LookupOrDraft, MedusaDraft, PromptLookup, SpeculativeGenerator, shipped
     spec = f"specdec-{args.strategy}"
+    if args.adaptive and (args.strategy == "medusa" or args.fused != "off"):
+        raise ValueError("--adaptive applies to chain strategies (draft, eagle, lookup, lookup+...) with --fused off")
+    adaptive = "-adaptive" if args.adaptive else ""
     if args.strategy == "medusa":
         def medusa(t):
             tree = None if t == "shipped" else t
@@ -209,12 +220,18 @@ def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, Sys
         return {f"{spec}-{shape}": System(d.depth, d.tree.num_nodes + 1, lambda d=d: SpeculativeGenerator(d, target))
                 for shape, d in drafts.items()}, next(iter(drafts.values())).module
     if args.strategy == "lookup":   # prompt lookup: no drafting module, nothing to read
-        return {f"{spec}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(PromptLookup(target), target, k))
-                for k in args.ks}, None
+        return {f"{spec}{adaptive}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(
+            PromptLookup(target), target, k, adaptive=args.adaptive)) for k in args.ks}, None
+    if args.strategy.startswith("lookup+"):   # fresh lookup state per generator, one shipped model
+        model = shipped(args.strategy.removeprefix("lookup+"), target)
+        return {f"{spec}{adaptive}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(
+            LookupOrDraft(PromptLookup(target), model), target, k, adaptive=args.adaptive))
+            for k in args.ks}, model.module
     draft = shipped(args.strategy, target)   # "draft" or "eagle"
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.fused]
-    return {f"{spec}{'-fused' if fused else ''}-k{k}":
-            System(k, k + 1, lambda k=k, fused=fused: SpeculativeGenerator(draft, target, k, fused=fused))
+    return {f"{spec}{'-fused' if fused else ''}{adaptive}-k{k}":
+            System(k, k + 1, lambda k=k, fused=fused: SpeculativeGenerator(draft, target, k, fused=fused,
+                                                                           adaptive=args.adaptive))
             for k in args.ks for fused in modes}, draft.module
 
 

@@ -1,11 +1,18 @@
 """Vanilla draft-model speculation: a separate small model on the same runtime proposes k tokens.
 
 KV bookkeeping (per row, S = prompt + emitted tokens, len(S) = n): before proposing, the draft's
-length is set to n - 2 and it ingests [S[-2], S[-1]] in one 2-token step. This re-reads S[-2]
-(harmless: same KV) so rows that accepted all k drafts last step — whose draft cache lacks the
-k-th draft token — and rows that did not are handled by one fixed-shape step. Then k - 1 one-token
-steps follow. Slots up to n - 2 are always valid because every accepted token was ingested by the
-draft when it was proposed.
+length is set to n - W and it ingests S[n-W:] in one W-token step, then k - 1 one-token steps follow.
+W = 2 when every row's draft cache holds S[:n-2]: the step re-reads S[-2] (harmless: same KV) so rows
+that accepted all k drafts last step — whose draft cache lacks the k-th draft token — and rows that
+did not are handled by one fixed-shape step. That is always the case when the accepted tokens are
+this draft's own proposals (it ingested each one when proposing it).
+
+When they are not — another proposer's tokens were verified for the row (``LookupOrDraft``) — the
+cache holds the draft's own tokens from the first one that differs. So the proposer tracks, on the
+host, each row's sequence S (``seq``) and how many leading cache slots hold it (``synced``: after a
+step, n + the length of the prefix of its drafts x_1 .. x_{k-1}, ingested at slots n .. n+k-2, that
+equals the emitted tokens); W = max(2, the largest n - synced) then re-reads every stale slot of every
+row (rows shorter than W start at slot 0; the slots past their length are overwritten later).
 """
 from __future__ import annotations
 
@@ -30,6 +37,9 @@ class DraftModel:
             raise ValueError("this is an EAGLE draft network: use EagleDraft.from_pretrained(path, target)")
         self.model, self.module = model, model.lm
         self.vocab_size, self.batch_size = model.vocab_size, model.batch_size
+        self.seq = torch.zeros(model.batch_size, model.n_positions, dtype=torch.long)   # S per row (host)
+        self.synced = torch.zeros(model.batch_size, dtype=torch.long)   # leading cache slots holding S
+        self.drafts: torch.Tensor | None = None    # the last proposal, until ``accepted`` reads it
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, target: DecoderModel, **overrides) -> "DraftModel":
@@ -62,6 +72,13 @@ class DraftModel:
         # target's penalised distribution), also when its model ran as a target before and tracked presence
         self.model.presence = None
         self.model.prefill(prompts, params, rng, rows=rows)
+        first = target_out.tokens[:, -1].cpu()
+        if rows is None:
+            self.synced.zero_()
+        for i, (r, p) in enumerate(zip(range(len(prompts)) if rows is None else rows, prompts)):
+            self.seq[r, :len(p)] = p
+            self.seq[r, len(p)] = first[i]
+            self.synced[r] = len(p)
 
     def max_draft_tokens(self, length: int) -> int:
         return self.model.n_positions - length + 1
@@ -69,18 +86,37 @@ class DraftModel:
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
         m = self.model
         sampled = any_sampled(params)
-        m.set_lengths(lengths - 2)
-        out = m.step(tail, params, rng, return_probs=sampled)
-        tokens, probs = [out.tokens[:, -1]], [out.probs[:, -1]] if sampled else []
+        n = lengths.cpu()
+        width = max(2, int((n - self.synced).max()))           # re-read every row's stale slots
+        start = (n - width).clamp(min=0)
+        pos = (start.unsqueeze(1) + torch.arange(width)).clamp(max=m.n_positions - 1)
+        m.set_lengths(start)
+        out = m.step(self.seq.gather(1, pos), params, rng, advance=False, return_probs=sampled)
+        last = (n - 1 - start).to(out.tokens.device)             # S[-1]'s column: width - 1 unless n < width
+        tokens = [out.tokens.gather(1, last.view(-1, 1)).squeeze(1)]
+        probs = [out.probs[torch.arange(len(last), device=last.device), last]] if sampled else []
+        m.set_lengths(n)
         for _ in range(k - 1):
             out = m.step(tokens[-1].unsqueeze(1), params, rng, return_probs=sampled)
             tokens.append(out.tokens[:, -1])
             if sampled:
                 probs.append(out.probs[:, -1])
-        return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if sampled else None)
+        self.drafts = torch.stack(tokens, 1)
+        return Proposal(self.drafts, torch.stack(probs, 1) if sampled else None)
 
     def accepted(self, lengths, verified) -> None:
-        """Nothing to do: the next ``propose`` resets the draft's lengths from the sequence."""
+        """Record the emitted tokens in ``seq`` and which cache slots hold S (see the module docstring)."""
+        n, a = lengths.cpu(), verified.num_accepted.cpu()
+        emitted = verified.emitted.cpu()
+        j = torch.arange(emitted.shape[1])
+        pos = n.unsqueeze(1) + j
+        keep = (j <= a.unsqueeze(1)) & (pos < self.seq.shape[1])
+        self.seq[torch.arange(len(n)).unsqueeze(1).expand_as(pos)[keep], pos[keep]] = emitted[keep]
+        if self.drafts is not None:   # slots n-1 .. (S[-1], then x_1 .. x_{k-1}) were written by propose
+            ingested = self.drafts.cpu()[:, :-1]
+            same = (ingested == emitted[:, :ingested.shape[1]]).long()
+            self.synced = n + same.cumprod(1).sum(1)
+            self.drafts = None
 
     def fused_drafter(self, key: FusedKey) -> DraftLoop:
         """``propose``'s k steps as one module for fused speculation (``specdec.fused``)."""

@@ -41,30 +41,43 @@ class PromptLookup:
         return self.target.n_positions
 
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
-        drafts = [self.lookup(self.seqs[r][:int(n)] if len(self.seqs[r]) >= int(n) else [int(tail[r, 1])], k)
-                  for r, n in enumerate(lengths.tolist())]
-        return Proposal(torch.tensor(drafts, dtype=torch.long))
+        return Proposal(self.matches(tail, lengths, k)[0])
+
+    def matches(self, tail: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's k drafts [B, k] and the length of the n-gram they continue [B] (0: no match)."""
+        found = [self.match(self.seqs[r][:int(n)] if len(self.seqs[r]) >= int(n) else [int(tail[r, 1])], k)
+                 for r, n in enumerate(lengths.tolist())]
+        return (torch.tensor([drafts for drafts, _ in found], dtype=torch.long),
+                torch.tensor([n for _, n in found], dtype=torch.long))
 
     def lookup(self, seq: list[int], k: int) -> list[int]:
-        """k tokens continuing ``seq``: the tokens after the latest earlier occurrence of its longest
+        """k tokens continuing ``seq`` (``match``'s drafts)."""
+        return self.match(seq, k)[0]
+
+    def match(self, seq: list[int], k: int) -> tuple[list[int], int]:
+        """k tokens continuing ``seq`` and the length n of the suffix n-gram the first of them continues
+        (0: no match, S[-1] k times): the tokens after the latest earlier occurrence of its longest
         matching suffix n-gram; when fewer than k follow it (a match near the end, as in a repeating
-        stretch) the lookup continues from ``seq`` + those tokens; without a match the rest is S[-1]."""
+        stretch) the lookup continues from ``seq`` + those tokens; what no match covers is S[-1]."""
         out: list[int] = []
+        first = 0
         while len(out) < k:
-            follow = self._follow(np.asarray(seq + out, dtype=np.int64), k - len(out))
+            follow, n = self._follow(np.asarray(seq + out, dtype=np.int64), k - len(out))
             if not follow:
                 break
+            first = first or n
             out += follow
-        return out + [seq[-1]] * (k - len(out))
+        return out + [seq[-1]] * (k - len(out)), first
 
-    def _follow(self, s: np.ndarray, k: int) -> list[int]:
-        """Up to k tokens after the latest earlier occurrence of ``s``'s longest matching suffix n-gram."""
+    def _follow(self, s: np.ndarray, k: int) -> tuple[list[int], int]:
+        """Up to k tokens after the latest earlier occurrence of ``s``'s longest matching suffix n-gram,
+        and that n ([] and 0 without a match)."""
         for n in range(min(self.max_ngram, len(s) - 1), self.min_ngram - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(s[:-1], n)   # every n-gram but the suffix
             hits = np.flatnonzero((windows == s[-n:]).all(axis=1))
             if hits.size:
-                return s[hits[-1] + n:hits[-1] + n + k].tolist()
-        return []
+                return s[hits[-1] + n:hits[-1] + n + k].tolist(), n
+        return [], 0
 
     def accepted(self, lengths, verified) -> None:
         n = verified.num_accepted.tolist()
