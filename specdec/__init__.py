@@ -13,6 +13,7 @@ from .draft.proposer import DraftModel
 from .eagle.proposer import EagleDraft
 from .eagle.tree import DynamicTree, EagleTreeDraft
 from .generator import SpeculativeGenerator
+from .lookup.branch import LookupBranch
 from .lookup.combined import LookupOrDraft
 from .lookup.proposer import PromptLookup
 from .medusa.draft import MedusaDraft
@@ -20,6 +21,6 @@ from .proposer import Proposal, Proposer
 from .shipped import shipped
 
 __all__ = ["AdaptiveK", "DecoderModel", "DraftModel", "DynamicTree", "EagleDraft", "EagleTreeDraft", "Engine",
-           "LookupOrDraft", "MedusaDraft", "PromptLookup", "Proposal", "Proposer", "SamplingConfig", "SpecStats",
+           "LookupBranch", "LookupOrDraft", "MedusaDraft", "PromptLookup", "Proposal", "Proposer", "SamplingConfig", "SpecStats",
            "SpeculativeGenerator", "shipped"]
 __version__ = "0.1.0"

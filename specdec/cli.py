@@ -16,10 +16,12 @@ import torch
 
 from .core.graphs import BACKENDS
 
-STRATEGIES = ("none", "model", "eagle", "eagle-tree", "medusa", "lookup", "lookup+model", "lookup+eagle")
+STRATEGIES = ("none", "model", "eagle", "eagle-tree", "medusa", "lookup", "lookup+model", "lookup+eagle",
+              "lookup+eagle-tree")
 SHIPPED_KIND = {"model": "draft", "eagle": "eagle", "eagle-tree": "eagle-tree", "medusa": "medusa"}   # --draft -> shipped()
 DEFAULT_K = {"model": 4, "eagle": 5, "lookup": 4, "lookup+model": 4, "lookup+eagle": 5}   # trees: their depth
-LOOKUP_AND = "lookup+"     # --draft lookup+X: prompt lookup where an n-gram matches, X elsewhere (LookupOrDraft)
+LOOKUP_AND = "lookup+"     # --draft lookup+X: prompt lookup where an n-gram matches, X elsewhere (LookupOrDraft);
+                           # lookup+eagle-tree: the lookup continuation grafted onto each tree (LookupBranch)
 EMBEDDED_NAME = "smollm2-135m-instruct"
 # OpenMP wait policy for `generate` when the user sets none. libgomp's default lets idle threads spin at
 # every barrier; when another process holds one of the cores, every parallel region waits for the thread
@@ -199,7 +201,8 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         "heads: the shipped weights for the embedded model, or --draft-path for another target; "
                         "lookup = prompt lookup (n-grams of the prompt, no weights); lookup+model / lookup+eagle "
                         "= prompt lookup where the sequence repeats a 2-gram, the model / EAGLE draft elsewhere "
-                        "(per row and step)")
+                        "(per row and step); lookup+eagle-tree = EAGLE-2 trees with the prompt-lookup "
+                        "continuation grafted on (one verify for both)")
     s.add_argument("--draft-path", type=existing_dir, default=None, metavar="DIR",
                    help="checkpoint directory of the draft model / EAGLE head / Medusa heads trained for --model")
     s.add_argument("--k", type=positive_int, default=None,
@@ -278,7 +281,8 @@ def check_speculation_arguments(args: argparse.Namespace) -> None:
     d = args.draft
     if d == "none" and args.k is not None:
         raise CLIError("--k needs --draft (model, eagle, medusa, lookup, lookup+model or lookup+eagle)")
-    if getattr(args, "adaptive_k", False) and (d in ("none", "medusa", "eagle-tree") or getattr(args, "fused", False)):
+    if getattr(args, "adaptive_k", False) and (d in ("none", "medusa", "eagle-tree", "lookup+eagle-tree")
+                                                 or getattr(args, "fused", False)):
         raise CLIError("--adaptive-k needs an unfused chain --draft (model, eagle, lookup, lookup+model, lookup+eagle)")
     d = d.removeprefix(LOOKUP_AND)         # the model part of lookup+X
     if args.draft_path is not None and d not in SHIPPED_KIND:
@@ -313,7 +317,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def make_proposer(args: argparse.Namespace, target):
     """The proposer --draft / --draft-path / --tree ask for (None for --draft none)."""
-    from . import DraftModel, DynamicTree, EagleDraft, EagleTreeDraft, LookupOrDraft, MedusaDraft, PromptLookup, shipped
+    from . import (DraftModel, DynamicTree, EagleDraft, EagleTreeDraft, LookupBranch, LookupOrDraft, MedusaDraft,
+                   PromptLookup, shipped)
     d = args.draft
     if d == "none":
         return None
@@ -321,6 +326,8 @@ def make_proposer(args: argparse.Namespace, target):
         return PromptLookup(target)
     if d.startswith(LOOKUP_AND):
         model = make_proposer(argparse.Namespace(**{**vars(args), "draft": d.removeprefix(LOOKUP_AND)}), target)
+        if d == "lookup+eagle-tree":
+            return LookupBranch(model, PromptLookup(target), model.depth)
         return LookupOrDraft(PromptLookup(target), model)
     kw = {"tree": args.tree} if d == "medusa" else {}
     if d == "eagle-tree" and args.tree is not None:

@@ -228,3 +228,31 @@ def test_errors(saved):
     big = EagleTreeDraft.from_pretrained(eagle_dir, small, tree=DynamicTree(4, 8, 40), progress=False)
     with pytest.raises(ValueError, match="needs 41 verify slots"):
         SpeculativeGenerator(big, small)
+
+
+def test_bench_spec_builds_tree_systems_from_a_strategy_list(saved, monkeypatch):
+    import argparse
+
+    import specdec
+    from specdec import LookupBranch
+    from specdec.bench import speculative as bench
+
+    target_dir, eagle_dir = saved
+    target = load_target(target_dir, batch_size=1)
+
+    def stand_in(kind, target, tree=None):      # the shipped head's stand-in: the random tiny one
+        if kind == "eagle-tree":
+            return EagleTreeDraft.from_pretrained(eagle_dir, target, tree=tree, progress=False)
+        return EagleDraft.from_pretrained(eagle_dir, target, progress=False)
+
+    monkeypatch.setattr(specdec, "shipped", stand_in)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--strategy", "eagle,eagle-tree,lookup+eagle-tree", "--ks", "3",
+                              "--dynamic-trees", "3x2x4"])
+    systems, module = bench.speculative_systems(args, target)
+    assert list(systems) == ["specdec-eagle-k3", "specdec-eagle-tree-3x2x4", "specdec-lookup+eagle-tree-3x2x4"]
+    assert [s.width for s in systems.values()] == [4, 5, 8]
+    assert isinstance(systems["specdec-lookup+eagle-tree-3x2x4"].make().proposer, LookupBranch)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--strategy", "eagle,nope"])

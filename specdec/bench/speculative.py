@@ -3,7 +3,8 @@
 In one process run, for each temperature (greedy and 0.7) and each k:
   specdec-target      ``DecoderModel.generate`` (target only)
   specdec-{s}-k{k}    ``SpeculativeGenerator(shipped(s, target), target, k).generate`` with the shipped
-                      ``--strategy`` s: ``draft`` (the vanilla draft model) or ``eagle`` (the EAGLE head)
+                      ``--strategy`` s: ``draft`` (the vanilla draft model) or ``eagle`` (the EAGLE head);
+                      ``--strategy`` takes a comma list, every strategy's systems run in the same process
   specdec-{s}-fused-k{k}  the same with ``fused=True`` (one graph per step; ``--fused on`` or ``both``)
   specdec-eagle-tree-{DxKxN}  ``--strategy eagle-tree``: the shipped EAGLE head drafting EAGLE-2 dynamic
                       trees of each ``--dynamic-trees`` shape (depth x top-k x nodes); k = the depth
@@ -11,6 +12,8 @@ In one process run, for each temperature (greedy and 0.7) and each k:
                       schedule; unfused, chain strategies)
   specdec-lookup+{m}-k{k}  ``--strategy lookup+draft`` / ``lookup+eagle``: ``LookupOrDraft`` (prompt lookup
                       where an n-gram of 2 tokens matches, the shipped draft model / EAGLE head elsewhere)
+  specdec-lookup+eagle-tree-{DxKxN}  the same trees with the prompt-lookup continuation (as long as the
+                      depth) grafted on (``LookupBranch``)
   specdec-medusa-{t}  ``--strategy medusa``: the shipped Medusa heads (or ``--heads DIR``) with tree t of
                       ``--trees`` (a built-in name, a JSON file, or ``shipped``: the tree built from the
                       heads' measured accuracy, stored with them); k = the tree's depth
@@ -19,7 +22,8 @@ In one process run, for each temperature (greedy and 0.7) and each k:
                       (``HFAdapter``, eager f32), a constant ``num_assistant_tokens=k``
 ``--batch-size`` prompts per call (tokens/s counts every row), ``--max-new-tokens`` (128) per prompt
 with EOS disabled, on the MT-Bench questions shipped with the package (or ``--prompts FILE``).
-Reports tokens/s (median over calls), τ, acceptance rate, per-position acceptance and speedups as
+Reports tokens/s (median over calls), τ, acceptance rate, per-position acceptance and speedups (over
+specdec target-only, and over the fastest ``hf-assisted`` configuration at the same temperature) as
 JSON (stdout) and a markdown table (stderr), and per system the time per step spent inside graph calls
 and outside them (host work: bucket choice, random draws, input preparation, acceptance bookkeeping,
 emission), summed over all calls; the target-only run's graph time per step is one decode step.
@@ -50,14 +54,26 @@ from . import runtime
 from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_prompts
 
 
+STRATEGIES = ("draft", "eagle", "eagle-tree", "medusa", "lookup", "lookup+draft", "lookup+eagle", "lookup+eagle-tree")
+
+
+def strategy_list(text: str) -> list[str]:
+    """argparse type: ``"eagle,eagle-tree"`` → ``["eagle", "eagle-tree"]`` (each one of ``STRATEGIES``)."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in STRATEGIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(bad) or text!r}; choose from {', '.join(STRATEGIES)}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prompt_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--strategy", default="draft",
-                        choices=["draft", "eagle", "eagle-tree", "medusa", "lookup", "lookup+draft", "lookup+eagle"],
-                        help="the shipped vanilla draft model, EAGLE head (chains, or EAGLE-2 dynamic trees) or "
-                             "Medusa heads, prompt lookup (no weights), or prompt lookup where an n-gram matches "
-                             "and the draft model / EAGLE head elsewhere")
+    parser.add_argument("--strategy", default="draft", type=strategy_list,
+                        help=f"comma list of {', '.join(STRATEGIES)}: the shipped vanilla draft model, EAGLE head "
+                             "(chains, or EAGLE-2 dynamic trees) or Medusa heads, prompt lookup (no weights), prompt "
+                             "lookup where an n-gram matches and the draft model / EAGLE head elsewhere, or "
+                             "EAGLE-2 trees with the prompt-lookup continuation grafted on (lookup+eagle-tree)")
     parser.add_argument("--dynamic-trees", default="5x8x24",
                         help="eagle-tree: comma list of DEPTHxTOPKxNODES dynamic tree shapes")
     parser.add_argument("--trees", default="chain_4,mc_sim_7b_63,shipped",
@@ -113,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--n-positions {args.n_positions} is too small: the longest prompt + {n_new} new tokens "
                          f"+ a verify step of {width} tokens needs {needed}")
     temps = [float(t) for t in args.temperatures.split(",")]
-    hf = None if args.no_hf or B > 1 or args.strategy in ("medusa", "eagle-tree") else AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
+    hf = None if args.no_hf or B > 1 else AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
     if hf is not None:
         hf.generation_config.eos_token_id = None
     assistant = None if hf is None else HFAdapter(
@@ -128,7 +144,6 @@ def run(args: argparse.Namespace) -> dict:
         target.generate([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
         for system in systems.values():
             system.make().generate([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
-    spec = f"specdec-{args.strategy}"
     jobs = [(t, None, "specdec-target") for t in temps]
     jobs += [(t, system.k, name) for t in temps for name, system in systems.items()]
     if hf is not None:
@@ -143,7 +158,7 @@ def run(args: argparse.Namespace) -> dict:
                 _, dt = _timed(lambda: engine.generate(batch, max_new_tokens=n_new, eos_token_id=[],
                                                        seed=seed, **sampling(t)))
                 clock.add_wall(dt)
-            elif name.startswith(spec):
+            elif name in systems:
                 gen = systems[name].make()
                 clock.watch(gen.engine, [target, getattr(gen.proposer, "model", None), gen.speculator])
                 _, dt = _timed(lambda: gen.generate(batch, max_new_tokens=n_new, eos_token_id=[], seed=seed,
@@ -162,7 +177,7 @@ def run(args: argparse.Namespace) -> dict:
             rates.append(len(batch) * n_new / dt)
         entry = {"temperature": t, "k": k, "tokens_per_s": statistics.median(rates),
                  "tokens_per_s_all": rates, **clock.per_step()}
-        if name.startswith(spec):
+        if name in systems:
             d = stats.to_dict()
             entry.update(tau=d["mean_acceptance_length"], acceptance_rate=d["acceptance_rate"],
                          per_position_acceptance=d["per_position_acceptance"], stats=d)
@@ -175,9 +190,10 @@ def run(args: argparse.Namespace) -> dict:
         unfused = key.replace("-fused-", "-")
         if unfused != key and unfused in runs:
             e["speedup_vs_unfused"] = e["tokens_per_s"] / runs[unfused]["tokens_per_s"]
-        hf_key = f"hf-assisted-k{e['k']}@T{e['temperature']}"
-        if key.startswith(spec) and hf_key in runs:
-            e["speedup_vs_hf_assisted"] = e["tokens_per_s"] / runs[hf_key]["tokens_per_s"]
+        hf_best = max((r["tokens_per_s"] for name, r in runs.items()
+                       if name.startswith("hf-assisted") and r["temperature"] == e["temperature"]), default=None)
+        if key.split("@")[0] in systems and hf_best:
+            e["speedup_vs_hf_assisted"] = e["tokens_per_s"] / hf_best
     return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
                        "quantization": args.quantization, "fused": args.fused, "adaptive": args.adaptive,
                        "num_prompts": len(prompts), "max_new_tokens": n_new, "systems": list(systems),
@@ -196,15 +212,27 @@ class System(NamedTuple):
     make: Callable
 
 
-def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, System], torch.nn.Module]:
-    """``{name: System}`` for ``--strategy`` and the drafting module (for its weight-read cost). The
-    shipped proposers take the target's runtime settings (batch size, buckets, amp, backend)."""
-    from .. import DynamicTree, LookupOrDraft, MedusaDraft, PromptLookup, SpeculativeGenerator, shipped
-    spec = f"specdec-{args.strategy}"
-    if args.adaptive and (args.strategy == "medusa" or args.fused != "off"):
-        raise ValueError("--adaptive applies to chain strategies (draft, eagle, lookup, lookup+...) with --fused off")
+def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, System], torch.nn.Module | None]:
+    """``{name: System}`` for every ``--strategy`` and the first one's drafting module (for its
+    weight-read cost). The shipped proposers take the target's runtime settings (batch size, buckets,
+    amp, backend)."""
+    if args.adaptive and (set(args.strategy) & {"medusa", "eagle-tree", "lookup+eagle-tree"} or args.fused != "off"):
+        raise ValueError("--adaptive applies to chain strategies (draft, eagle, lookup, lookup+draft, lookup+eagle) "
+                         "with --fused off")
+    systems, modules = {}, []
+    for strategy in args.strategy:
+        found, module = strategy_systems(strategy, args, target)
+        systems.update(found)
+        modules.append(module)
+    return systems, next((m for m in modules if m is not None), None)
+
+
+def strategy_systems(strategy: str, args: argparse.Namespace, target) -> tuple[dict[str, System], torch.nn.Module]:
+    """One strategy's systems (named ``specdec-{strategy}-...``) and its drafting module."""
+    from .. import DynamicTree, LookupBranch, LookupOrDraft, MedusaDraft, PromptLookup, SpeculativeGenerator, shipped
+    spec = f"specdec-{strategy}"
     adaptive = "-adaptive" if args.adaptive else ""
-    if args.strategy == "medusa":
+    if strategy == "medusa":
         def medusa(t):
             tree = None if t == "shipped" else t
             if args.heads:
@@ -215,19 +243,25 @@ def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, Sys
                                                     lambda d=d: SpeculativeGenerator(d, target, None))
                    for t, d in drafts.items()}
         return systems, next(iter(drafts.values())).module
-    if args.strategy == "eagle-tree":
-        drafts = {shape: shipped("eagle-tree", target, tree=DynamicTree.parse(shape)) for shape in args.dynamic_trees.split(",")}
-        return {f"{spec}-{shape}": System(d.depth, d.tree.num_nodes + 1, lambda d=d: SpeculativeGenerator(d, target))
+    if strategy in ("eagle-tree", "lookup+eagle-tree"):     # the lookup branch: as deep as the tree
+        drafts = {shape: shipped("eagle-tree", target, tree=DynamicTree.parse(shape))
+                  for shape in args.dynamic_trees.split(",")}
+        branch = strategy != "eagle-tree"
+
+        def make(d):
+            return SpeculativeGenerator(LookupBranch(d, PromptLookup(target), d.depth) if branch else d, target)
+        return {f"{spec}-{shape}": System(d.depth, d.tree.num_nodes + 1 + (d.depth if branch else 0),
+                                          lambda d=d: make(d))
                 for shape, d in drafts.items()}, next(iter(drafts.values())).module
-    if args.strategy == "lookup":   # prompt lookup: no drafting module, nothing to read
+    if strategy == "lookup":   # prompt lookup: no drafting module, nothing to read
         return {f"{spec}{adaptive}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(
             PromptLookup(target), target, k, adaptive=args.adaptive)) for k in args.ks}, None
-    if args.strategy.startswith("lookup+"):   # fresh lookup state per generator, one shipped model
-        model = shipped(args.strategy.removeprefix("lookup+"), target)
+    if strategy.startswith("lookup+"):   # fresh lookup state per generator, one shipped model
+        model = shipped(strategy.removeprefix("lookup+"), target)
         return {f"{spec}{adaptive}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(
             LookupOrDraft(PromptLookup(target), model), target, k, adaptive=args.adaptive))
             for k in args.ks}, model.module
-    draft = shipped(args.strategy, target)   # "draft" or "eagle"
+    draft = shipped(strategy, target)   # "draft" or "eagle"
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.fused]
     return {f"{spec}{'-fused' if fused else ''}{adaptive}-k{k}":
             System(k, k + 1, lambda k=k, fused=fused: SpeculativeGenerator(draft, target, k, fused=fused,
