@@ -2,7 +2,8 @@
 
     specdec train-draft --out DIR [--num-prompts 4096] [--steps 720] [--seed 0] [--threads 2] [--ship DIR]
 
-``DIR/data`` (or ``--data``) holds the generated batches, ``DIR/train`` the training checkpoint and log, and the
+``DIR/data`` (or ``--data``) holds the generated batches (their tokens kept in the token store ``--store``,
+default ``DIR/data/tokens``; ``--data STORE`` trains from a store's tokens, labelled by prefill, without generating), ``DIR/train`` the training checkpoint and log, and the
 exported draft goes to ``--ship`` (default ``DIR/ship``; the packaged draft lives in
 ``specdec/draft/weights/smollm2-135m-instruct``). Re-running the same command after an interruption
 (Ctrl-C, a crash) continues where it stopped; finished steps are skipped.
@@ -31,7 +32,13 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                    help="intra-op threads (1 is fastest on a shared 2-core machine)")
     p.add_argument("--no-progress", action="store_true")
     g = p.add_argument_group("data")
-    g.add_argument("--data", default=None, help="data directory (default OUT/data; e.g. an existing train-draft run's)")
+    g.add_argument("--data", default=None,
+                   help="data directory (default OUT/data; e.g. an existing train-draft run's), or a token store "
+                        "(answers-*.npz, e.g. specdec/train/tokens/smollm2-135m-instruct): then nothing is "
+                        "generated, its tokens are labelled by prefill into OUT/labels")
+    g.add_argument("--store", default=None,
+                   help="token store the generated tokens are kept in and read back from (default DATA/tokens); "
+                        "a run appends the batches it lacks")
     g.add_argument("--num-prompts", type=int, default=d.num_prompts)
     g.add_argument("--gen-batch-size", type=int, default=d.batch_size)
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -65,14 +72,20 @@ def ship_bytes(ship_dir: str | Path) -> int:
 
 
 def prepare_data(args: argparse.Namespace) -> Path:
-    """Generate (or finish) the target's data in ``--data`` / OUT/data; returns the directory."""
-    from .data import DataConfig, generate_data
+    """Generate (or finish) the target's data in ``--data`` / OUT/data, or (``--data`` a token store)
+    label the kept tokens by prefill into OUT/labels; returns the directory of labelled batches."""
+    from .data import DataConfig, generate_data, label_store
+    from .store import is_store
+    if args.data and is_store(args.data):
+        with torch.no_grad():
+            return label_store(args.data, Path(args.out) / "labels", resolve_target(args),
+                               progress=not args.no_progress)
     dcfg = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch_size,
                       max_new_tokens=args.max_new_tokens, sample_fraction=args.sample_fraction,
                       answer_temperature=args.answer_temperature, seed=args.seed, backend=args.gen_backend)
     with torch.no_grad():
         return generate_data(Path(args.data) if args.data else Path(args.out) / "data", dcfg,
-                             resolve_target(args), progress=not args.no_progress)
+                             resolve_target(args), progress=not args.no_progress, store=args.store)
 
 
 def resolve_target(args: argparse.Namespace) -> Path:

@@ -6,10 +6,14 @@ Per batch of ``batch_size`` rows (seeded by ``seed`` and the batch index):
      by the target with sampling → a user request;
   2. the request, in the target's chat template, is answered by the target through specdec's runtime
      (greedy for most rows, temperature sampling for a fraction), up to ``max_new_tokens``;
-  3. labels: the target's argmax next token at every position of prompt + answer (one teacher-forced
-     forward), so greedy rows are argmax distillation and sampled rows add off-greedy contexts.
-Each batch is written to ``<out>/batch_NNNNN.pt`` (tmp file + rename: Ctrl-C safe); a restart
-skips finished batches. :func:`load_dataset` concatenates them.
+  3. labels: the target's argmax next token and top-16 distribution at every position of prompt +
+     answer, from one prefill (:func:`label_sequences`, which labels any token sequences), so greedy
+     rows are argmax distillation and sampled rows add off-greedy contexts.
+The tokens of each batch are kept as a shard of a token store (``specdec.train.store``: compact
+uint16 ids, e.g. the repository's ``specdec/train/tokens/smollm2-135m-instruct``); a run finds the
+shards already there and only labels them. The labelled batch is written to ``<out>/batch_NNNNN.pt``
+(tmp file + rename: Ctrl-C safe); a restart skips finished batches. :func:`label_store` makes the
+same files from a store alone (no generation), :func:`load_dataset` concatenates them.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
+from .store import Shard, read_shard, shard_name, write_shard
 
 # (category, instruction template for the meta-prompt, topics). Generic topics, not MT-Bench questions.
 TASKS: list[tuple[str, str, list[str]]] = [
@@ -92,7 +97,7 @@ class DataConfig:
     answer_temperature: float = 0.7
     seed: int = 0
     amp: str = "bf16"
-    backend: str = "compiled"   # batch-128 bf16 decoding (AMX on this CPU class): ~170 answer tokens/s on 2 cores
+    backend: str = "compiled"   # batch-128 bf16 decoding (AMX on this CPU class)
     global_topk: int = 1024   # sampled rows draw from the target's top-1024 (see SamplingConfig)
 
 
@@ -113,39 +118,65 @@ def clean_question(text: str) -> str:
 TOPK = 16
 
 
-def _argmax_labels(model, rows: list[torch.Tensor], topk: int = TOPK):
-    """The target's argmax next token at every position of each row, and its top-``topk`` next-token
-    ids and probabilities (soft labels), from one teacher-forced forward over the runtime's own math
-    (same dtype as generation). Returns (labels [L] list, topk ids [L, k] list, probs [L, k] f16 list)."""
+@torch.no_grad()
+def label_sequences(model, sequences: list[torch.Tensor], topk: int = TOPK):
+    """Labels for any token sequences, by prefill only: the target's argmax next token at every
+    position of each sequence, and its top-``topk`` next-token ids and probabilities (soft labels).
+
+    ``model``: a ``DecoderModel`` (its decoder's own math and dtype, eager; its KV cache is used as
+    scratch and reset). Sequences are processed longest-first in chunks of ``model.batch_size`` rows,
+    each chunk padded only to its own longest row; each must fit ``model.n_positions``. Returns
+    (labels [L] list, topk ids [L, k] int32 list, probs [L, k] f16 list), in ``sequences`` order.
+    Generated answers (``generate_data``) and kept token data (``label_store``) are labelled with it;
+    so can any other text (EAGLE-1: a fixed corpus trains a draft nearly as well as the target's own
+    generations)."""
     lm, B = model.lm, model.batch_size
-    L = max(len(r) for r in rows)
-    ids = torch.zeros(B, L, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = r
-    mask = torch.ones(L, L, dtype=torch.bool).tril().expand(B, L, L)
-    with torch.no_grad():
-        _, hidden = lm(ids, torch.arange(L).expand(B, L), torch.zeros(B, dtype=torch.long), mask,
-                       torch.zeros(B, 1, dtype=torch.long), kv_len=L)
-        labels, top_ids, top_probs = [], [], []
-        for i, r in enumerate(rows):
-            h = hidden[i, : len(r)]
+    n = len(sequences)
+    labels, top_ids, top_probs = [None] * n, [None] * n, [None] * n
+    order = sorted(range(n), key=lambda i: -len(sequences[i]))
+    for s in range(0, n, B):
+        chunk = order[s:s + B]
+        L = len(sequences[chunk[0]])
+        if L > model.n_positions:
+            raise ValueError(f"a sequence of {L} tokens does not fit n_positions={model.n_positions}")
+        ids = torch.zeros(B, L, dtype=torch.long)
+        for j, i in enumerate(chunk):
+            ids[j, : len(sequences[i])] = sequences[i]
+        mask = torch.ones(L, L, dtype=torch.bool).tril().expand(B, L, L)
+        _, hidden = lm(ids.to(model.device), torch.arange(L).expand(B, L).to(model.device),
+                       torch.zeros(B, dtype=torch.long, device=model.device), mask.to(model.device),
+                       torch.zeros(B, 1, dtype=torch.long, device=model.device), kv_len=L)
+        for j, i in enumerate(chunk):
+            h = hidden[j, : len(sequences[i])]
             ids_, probs_ = [], []
-            for s in range(0, len(r), 256):
-                p, t = lm.lm_head(h[s:s + 256]).float().softmax(-1).topk(topk, dim=-1)
-                probs_.append(p.half())
-                ids_.append(t)
+            for c in range(0, len(h), 256):
+                p, t = lm.lm_head(h[c:c + 256]).float().softmax(-1).topk(topk, dim=-1)
+                probs_.append(p.half().cpu())
+                ids_.append(t.cpu())
             t = torch.cat(ids_)
             if lm.config.output_vocab_size:
-                t = lm.output_token_ids[t]
-            labels.append(t[:, 0].clone())
-            top_ids.append(t.to(torch.int32))
-            top_probs.append(torch.cat(probs_))
+                t = lm.output_token_ids.cpu()[t]
+            labels[i] = t[:, 0].clone()
+            top_ids[i] = t.to(torch.int32)
+            top_probs[i] = torch.cat(probs_)
     model.reset()
     return labels, top_ids, top_probs
 
 
-def generate_batch(model, cfg: DataConfig, index: int) -> dict:
-    """One batch of synthetic prompts + answers + labels (deterministic in seed and index)."""
+def labelled_batch(model, tokens: list[torch.Tensor], prompt_lens: list[int], sampled: list[bool]) -> dict:
+    """A data-set batch (``load_dataset``'s file format) from token rows: labels by prefill
+    (``label_sequences``), and the share of greedy rows' answer tokens equal to the labels."""
+    labels, top_ids, top_probs = label_sequences(model, tokens)
+    greedy_agree = [float((lab[p - 1:-1] == r[p:]).float().mean()) for r, lab, p, s in
+                    zip(tokens, labels, prompt_lens, sampled) if not s and len(r) > p]
+    return {"tokens": tokens, "labels": labels, "topk_ids": top_ids, "topk_probs": top_probs,
+            "prompt_lens": torch.tensor(prompt_lens, dtype=torch.long), "sampled": torch.tensor(sampled, dtype=torch.bool),
+            "greedy_label_agreement": sum(greedy_agree) / max(len(greedy_agree), 1)}
+
+
+def generate_tokens(model, cfg: DataConfig, index: int) -> Shard:
+    """One batch of synthetic prompts + the target's answers, as token rows (deterministic in seed and
+    index): a ``store.Shard`` whose meta holds the categories and the requests' text."""
     tok = model.tokenizer
     rng = random.Random(cfg.seed * 1_000_003 + index)
     topics = all_topics()
@@ -172,20 +203,33 @@ def generate_batch(model, cfg: DataConfig, index: int) -> dict:
         cut = next((j + 1 for j, t in enumerate(ans) if t in eos), len(ans))
         rows.append(torch.cat([prompts[i], torch.tensor(ans[:cut], dtype=torch.long)]))
         prompt_lens.append(len(prompts[i]))
-    labels, top_ids, top_probs = _argmax_labels(model, rows)
-    greedy_agree = [float((lab[p - 1:-1] == r[p:]).float().mean()) for r, lab, p, s in
-                    zip(rows, labels, prompt_lens, sampled) if not s]
-    return {"tokens": rows, "labels": labels, "topk_ids": top_ids, "topk_probs": top_probs, "prompt_lens": torch.tensor(prompt_lens),
-            "sampled": torch.tensor(sampled), "questions": questions, "categories": [c for c, _ in picks],
-            "greedy_label_agreement": sum(greedy_agree) / max(len(greedy_agree), 1)}
+    return Shard(rows, prompt_lens, sampled, {"categories": [c for c, _ in picks], "questions": questions})
 
 
-def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progress: bool = True) -> Path:
-    """Generate (or finish generating) the dataset in ``out_dir``; returns it. Resumable."""
+def generate_batch(model, cfg: DataConfig, index: int) -> dict:
+    """One batch of synthetic prompts + answers + labels (deterministic in seed and index)."""
+    shard = generate_tokens(model, cfg, index)
+    batch = labelled_batch(model, shard.tokens, shard.prompt_lens, shard.sampled)
+    return {**batch, "questions": shard.meta["questions"], "categories": shard.meta["categories"]}
+
+
+def token_settings(cfg: DataConfig) -> dict:
+    """The ``DataConfig`` fields generated tokens depend on (a store's shards must agree on them)."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("num_prompts", "backend")}
+
+
+def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progress: bool = True,
+                  store: str | Path | None = None) -> Path:
+    """Generate (or finish generating) the dataset in ``out_dir``; returns it. Resumable.
+
+    Per batch: the tokens (``generate_tokens``) are kept as a shard in the token store ``store``
+    (default ``out_dir/tokens``; ``specdec.train.store``), unless it already holds that batch (same seed
+    and settings), then labelled by prefill (``labelled_batch``) into ``out_dir/batch_NNNNN.pt``."""
     from ..core.decoder import DecoderModel
     from ..core.sampling import SamplingConfig
 
     out_dir = Path(out_dir)
+    store = Path(store) if store is not None else out_dir / "tokens"
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = out_dir / "data_config.json"
     if meta.is_file():
@@ -203,14 +247,31 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
     model = DecoderModel.from_pretrained(target_path, batch_size=cfg.batch_size, n_positions=n_pos, amp=cfg.amp,
                                          backend=cfg.backend, progress=False,
                                          context_buckets=[64, 128, 256],
-                                         kv_buckets=sorted({128, 256, n_pos}),
+                                         # KV buckets every 64 slots: at batch 128 a decode step reads
+                                         # 23 KB of K/V per row and slot (1.5 GB at 512), more than the
+                                         # weights, so a tight bucket matters (README, draft training data)
+                                         kv_buckets=sorted({*range(128, n_pos, 64), n_pos}),
                                          sampling=SamplingConfig(global_topk=cfg.global_topk))
     bar = tqdm(total=n_batches, initial=n_batches - len(todo), desc="generating data", unit="batch",
                disable=not progress)
     for i in todo:
         start = time.perf_counter()
-        batch = generate_batch(model, cfg, i)
-        batch["seconds"] = time.perf_counter() - start
+        shard_file = store / shard_name(cfg.seed, i)
+        if shard_file.is_file():
+            shard = read_shard(shard_file)
+            if shard.meta.get("settings") != token_settings(cfg):
+                raise ValueError(f"{shard_file} was generated with other settings ({shard.meta.get('settings')}); "
+                                 "use another store or the same settings")
+        else:
+            shard = generate_tokens(model, cfg, i)
+            answer = sum(len(t) - p for t, p in zip(shard.tokens, shard.prompt_lens))
+            shard.meta.pop("questions")   # the prompts' text: decodable from their tokens
+            shard.meta.update(model=model.path.name, settings=token_settings(cfg), answer_tokens=answer,
+                              seconds=round(time.perf_counter() - start, 1))
+            write_shard(store, cfg.seed, i, shard, model.vocab_size)
+        batch = labelled_batch(model, shard.tokens, shard.prompt_lens, shard.sampled)
+        batch.update(categories=shard.meta.get("categories"), shard=shard_file.name,
+                     seconds=time.perf_counter() - start)
         tmp = out_dir / f"batch_{i:05d}.pt.tmp"
         torch.save(batch, tmp)
         tmp.replace(out_dir / f"batch_{i:05d}.pt")
@@ -218,6 +279,36 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
         bar.set_postfix(tokens=sum(len(r) - p for r, p in zip(batch["tokens"], batch["prompt_lens"].tolist())),
                         s=f"{batch['seconds']:.0f}", agree=f"{batch['greedy_label_agreement']:.3f}")
     bar.close()
+    return out_dir
+
+
+def label_store(store: str | Path, out_dir: str | Path, target_path=None, progress: bool = True,
+                amp: str = "bf16", batch_rows: int = 32) -> Path:
+    """Training data from kept tokens, by prefill only: every shard of the token store ``store``
+    (``specdec.train.store``) labelled (``labelled_batch``) into ``out_dir/batch_<shard>.pt``, the
+    ``load_dataset`` format. Resumable (labelled shards are skipped); returns ``out_dir``."""
+    from ..core.decoder import DecoderModel
+    from .store import shard_files
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = shard_files(store)
+    if not files:
+        raise ValueError(f"{store} holds no token shards (answers-s<seed>-<batch>.npz)")
+    todo = [f for f in files if not (out_dir / f"batch_{f.stem.removeprefix('answers-')}.pt").is_file()]
+    if not todo:
+        return out_dir
+    shards = [(f, read_shard(f)) for f in todo]
+    longest = max(len(t) for _, s in shards for t in s.tokens)
+    model = DecoderModel.from_pretrained(target_path, batch_size=batch_rows, n_positions=max(longest, 2), amp=amp,
+                                         backend="eager", progress=False)
+    for f, shard in tqdm(shards, desc="labelling kept tokens", unit="shard", disable=not progress):
+        batch = labelled_batch(model, shard.tokens, shard.prompt_lens, shard.sampled)
+        batch.update(categories=shard.meta.get("categories"), shard=f.name)
+        out = out_dir / f"batch_{f.stem.removeprefix('answers-')}.pt"
+        tmp = out.with_name(out.name + ".tmp")
+        torch.save(batch, tmp)
+        tmp.replace(out)
     return out_dir
 
 
