@@ -52,8 +52,8 @@ def aux_layer_ids(config: dict, target_layers: int) -> tuple[int, ...]:
     (2, L//2, L-3) as vLLM / SGLang), checked against the target's L = ``target_layers``."""
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
-        if target_layers < 6:
-            raise ValueError(f"the EAGLE-3 default aux layers (2, L//2, L-3) need a target of >= 6 layers, got "
+        if target_layers < 7:     # fewer layers repeat one of them
+            raise ValueError(f"the EAGLE-3 default aux layers (2, L//2, L-3) need a target of >= 7 layers, got "
                              f"{target_layers}: give eagle_config.eagle_aux_hidden_state_layer_ids in config.json")
         return 2, target_layers // 2, target_layers - 3
     bad = [i for i in ids if not 0 <= int(i) <= target_layers]
