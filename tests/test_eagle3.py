@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from test_eagle import H, I, PROMPTS, load_target, tiny_target
+from test_eagle import H, I, PROMPTS, load_target, tiny_target as tiny_hf
 from test_speculative import lossless_pvalue
 
 from specdec import DecoderModel, EagleDraft, SpeculativeGenerator
@@ -59,7 +59,7 @@ DRAFT_IDS = torch.tensor(sorted(set(range(0, 64, 2)) | {1, 3, 7, 9, 15, 33, 41, 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle3")
-    hf = tiny_target(0, layers=LAYERS)
+    hf = tiny_hf(0, layers=LAYERS)
     hf.save_pretrained(root / "target")
     tensors = random_eagle3(1, 64, DRAFT_IDS)
     return dict(root=root, hf=hf, target_dir=root / "target", tensors=tensors,
@@ -206,7 +206,7 @@ VOCAB = 16
 @pytest.fixture(scope="module")
 def lossless(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle3-lossless")
-    hf = tiny_target(3, vocab=VOCAB, layers=3)
+    hf = tiny_hf(3, vocab=VOCAB, layers=3)
     hf.save_pretrained(root / "target")
     ids = torch.tensor([0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15])          # q = 0 on 4 tokens
     eagle = write_eagle3(root / "eagle", hf, random_eagle3(4, VOCAB, ids, scale=0.4), aux_ids=[0, 1, 3])
@@ -232,7 +232,7 @@ def test_errors(tiny, tmp_path):
     target = load_target(tiny["target_dir"])
     with pytest.raises(ValueError, match=r"reads target layer\(s\) \[9\] .* the target has 8 layers"):
         EagleModel.from_pretrained(write_eagle3(tmp_path / "a", hf, t, aux_ids=[2, 4, 9]), target, progress=False)
-    short = tiny_target(0, layers=4)
+    short = tiny_hf(0, layers=4)
     short.save_pretrained(tmp_path / "t4")
     with pytest.raises(ValueError, match=">= 7 layers, got 4"):
         EagleModel.from_pretrained(tiny["eagle"], load_target(tmp_path / "t4"), progress=False)
@@ -286,3 +286,103 @@ def test_graphs_export_with_aux_outputs(tiny):
         for key in model.graph_keys(do_sample=True, spec_tokens=(3,), max_length=32):
             output = next(n for n in model.export(key).graph.nodes if n.op == "output")
             assert output.args[0][-1].meta["val"].shape[-1] == width      # hidden: [final | 3 aux] / x
+
+
+# ---------------------------------------------------------------- training
+from dataclasses import asdict                                          # noqa: E402
+
+from test_train import data_dir, tiny_target                            # noqa: E402,F401  (module fixtures)
+
+from specdec.train.distill import load_target_state                     # noqa: E402
+from specdec.train.eagle import EagleTrainConfig, EagleTrainer, export_eagle, init_state, train_eagle  # noqa: E402
+
+TRAIN3 = dict(steps=4, batch_rows=2, lr=3e-3, warmup=1, save_every=2, eval_every=2, seed=1, bf16=False,
+              draft_vocab_size=48, unroll=3, arch="eagle3", aux_layers=(1, 2, 3))   # 3 = the last layer's output
+
+
+def test_unrolled_training_forward_equals_runtime_drafting(tiny_target, tmp_path):
+    """EAGLE-3 training's step s at position i computes exactly what EagleDraft computes when it drafts
+    its s-th token after the true pairs up to i-s+1 (outputs before the norm, and the logits), through
+    the public-layout export (f32)."""
+    target_cfg = json.loads((tiny_target / "config.json").read_text())
+    state = load_target_state(tiny_target)
+    cfg = EagleTrainConfig(**TRAIN3)
+    g = torch.Generator().manual_seed(1)
+    ids = (torch.arange(48) * 3)[torch.randperm(48, generator=g)]      # export sorts them (d2t >= 0)
+    embed = state["model.embed_tokens.weight"]
+    trainable = init_state(state, target_cfg, cfg, torch.Generator().manual_seed(0), embed[ids])
+    trainable = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in trainable.items()}
+    trainer = EagleTrainer(target_cfg, trainable, embed, embed[ids])
+    ckpt = {"step": 0, "model": trainer.state(), "output_token_ids": ids, "target_config": target_cfg,
+            "config": asdict(cfg), "aux_layers": (1, 2, 3)}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    ship = export_eagle(tmp_path / "ckpt.pt", tmp_path / "ship", dtype=torch.float32)
+    target = DecoderModel.from_pretrained(tiny_target, batch_size=1, n_positions=64, backend="eager", progress=False)
+    draft = EagleDraft.from_pretrained(ship, target, progress=False).model
+    assert target.lm.feature_layers == (1, 2, 3)
+
+    L = 12
+    tokens = torch.randint(5, 150, (1, L + 1), generator=g)
+    params = target.sampling_params(do_sample=False)
+    out = target.prefill([tokens[0]], params)
+    features = draft.true_features(out)[:, :L + 1]                      # fc(aux_0 .. aux_L)
+    with torch.no_grad():
+        outs = trainer(tokens[:, 1:L + 1], out.aux_hidden[:, :L], unroll=3)
+    for i in (4, 9):
+        draft.reset()
+        draft.prefill([tokens[0, 1:i + 1]], params, features=features[:, :i])
+        draft.set_lengths(torch.tensor([i - 1]))
+        step = draft.step(tokens[:, i:i + 1], params, features=features[:, i - 1:i])       # step 1 at i-1
+        for s in (1, 2, 3):
+            pos = i - 2 + s
+            torch.testing.assert_close(step.hidden[0, 0], outs[s - 1][0, pos], atol=1e-4, rtol=1e-4)
+            with torch.no_grad():
+                torch.testing.assert_close(step.logits[0, 0, ids], trainer.logits(outs[s - 1][0, pos]),
+                                           atol=1e-4, rtol=1e-4)
+            if s < 3:   # step s+1 at position pos+1 reads this step's output (before the final norm)
+                step = draft.step(tokens[:, pos + 2:pos + 3], params, features=step.hidden)
+
+
+def test_training_exports_the_public_layout_and_speculates_exactly(data_dir, tiny_target, tmp_path):  # noqa: F811
+    from specdec.train.data import load_dataset
+    out = train_eagle(data_dir, tmp_path / "train", tiny_target, EagleTrainConfig(**TRAIN3), progress=False,
+                      log=lambda m: None)
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == TRAIN3["steps"] and "agree_step3" in log[-1]
+    # the features cache: final-norm hidden states, then those entering layers 1, 2, 3 (runtime forward)
+    feats = torch.load(out / "features.pt", weights_only=True)
+    rows = [r for r in load_dataset(data_dir) if len(r["tokens"]) > r["prompt_len"] + 1]
+    bf16 = DecoderModel.from_pretrained(tiny_target, batch_size=1, n_positions=128, amp="bf16", backend="eager",
+                                        progress=False, feature_layers=(1, 2, 3))
+    ref = bf16.prefill([rows[1]["tokens"]], bf16.sampling_params(do_sample=False))
+    n = len(rows[1]["tokens"])
+    torch.testing.assert_close(feats[1], torch.cat([ref.hidden, ref.aux_hidden], -1)[0, :n], atol=2e-2, rtol=2e-2)
+    target = DecoderModel.from_pretrained(tiny_target, batch_size=2, n_positions=128, backend="eager", progress=False)
+
+    ship = export_eagle(out / "ckpt.pt", tmp_path / "ship", dtype=torch.float32)
+    names = set(load_file(ship / "model.safetensors"))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight"} <= names
+    assert not any(k.startswith("layers.") or k.startswith("embed") for k in names)
+    cfg = json.loads((ship / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 48
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    draft = EagleDraft.from_pretrained(ship, target, progress=False)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    ids = ckpt["output_token_ids"]
+    state = load_target_state(tiny_target)
+    trainer = EagleTrainer(json.loads((tiny_target / "config.json").read_text()), ckpt["model"],
+                           state["model.embed_tokens.weight"], state["model.embed_tokens.weight"][ids])
+    tokens = rows[0]["tokens"]
+    first = target.prefill([tokens], target.sampling_params(do_sample=False))
+    with torch.no_grad():
+        x = trainer(tokens[1:].unsqueeze(0), first.aux_hidden[:1, :len(tokens) - 1], unroll=1)[0]
+        expected = trainer.logits(x[0, -1])
+    draft.start(None, [tokens], target.sampling_params(do_sample=False), None, first)
+    got = draft.model.prefill([tokens[1:]], target.sampling_params(do_sample=False),
+                              features=draft.features[:, :len(tokens) - 1])
+    torch.testing.assert_close(got.logits[0, 0, ids], expected, atol=1e-4, rtol=1e-4)
+    prompts = [[1, 5, 9, 12, 40, 41], [1, 77, 3]]
+    reference = target.generate(prompts, max_new_tokens=30, eos_token_id=[])
+    for k in (1, 3):
+        assert torch.equal(SpeculativeGenerator(draft, target, k).sample(prompts, max_new_tokens=30, eos_token_id=[]),
+                           reference)
