@@ -66,7 +66,7 @@ class EagleDraft:
         if d.dtype != target.dtype:
             raise ValueError(f"EAGLE draft runs in {d.dtype} but the target in {target.dtype}: "
                              "load it with EagleDraft.from_pretrained(path, target)")
-        if target.lm.feature_layers != d.lm.aux_layers:
+        if d.lm.aux_layers and target.lm.feature_layers != d.lm.aux_layers:      # EAGLE-3
             raise ValueError(f"EAGLE draft reads the target's hidden states entering layers {list(d.lm.aux_layers)} "
                              f"but the target returns those of {list(target.lm.feature_layers)}: load the draft "
                              "with EagleDraft.from_pretrained(path, target) (it sets them)")

@@ -329,7 +329,7 @@ def export_eagle(ckpt_file: str | Path, ship_dir: str | Path, dtype: torch.dtype
     target_cfg = ckpt["target_config"]
     cfg = dict(target_cfg, num_hidden_layers=1, tie_word_embeddings=False, draft_vocab_size=len(ids),
                dtype=str(dtype).removeprefix("torch."))
-    if ckpt["config"].get("arch", "eagle1") == "eagle3":
+    if "layers.0.hidden_norm.weight" in tensors:      # EAGLE-3 (as EagleTrainer tells them apart)
         order = ids.argsort()                        # d2t >= 0, as the public checkpoints have it
         ids = ids[order]
         tensors["lm_head.weight"] = tensors["lm_head.weight"][order]
