@@ -46,6 +46,9 @@ from .distill import OptimConfig, load_target_state, lr_at, make_optimizer, run_
 from .features import check_resume_settings, jsonl_recorder, load_features, step_rows, training_rows
 
 
+ARCHS = ("eagle1", "eagle3")
+
+
 @dataclass
 class EagleTrainConfig(OptimConfig):
     steps: int = 450
@@ -65,9 +68,6 @@ class EagleTrainConfig(OptimConfig):
         if self.arch not in ARCHS:
             raise ValueError(f"arch={self.arch!r}: use one of {', '.join(ARCHS)}")
         self.aux_layers = tuple(self.aux_layers)
-
-
-ARCHS = ("eagle1", "eagle3")
 
 
 def resolve_aux_layers(cfg: EagleTrainConfig, target_cfg: dict) -> tuple[int, ...]:
