@@ -29,7 +29,7 @@ from .paths import gguf_source, resolve_model_path
 from .graphs import (BACKENDS, CacheCompaction, GraphKey, StepGraph, backend_device, build_graph,
                      configure_compile_cache)
 from .kv_quant import parse_kv_cache_dtype
-from .model import DecoderLM
+from .model import DecoderLM, check_feature_layers, split_hidden
 from .parallel import TPGroup, barrier, shard_plan, spmd_group, tp_group
 from .quant import parse_quantization, quantize_linears
 from .sampling import (TEMPERATURE, RowGenerators, SamplingConfig, any_penalised, any_sampled, needs_filter,
@@ -53,18 +53,22 @@ class RuntimeSettings:
     device: str = "cpu"
     quantization: str | None = None
     kv_cache_dtype: str | None = None      # None: the compute dtype; "int8" / "fp8_e4m3" (``kv_quant``)
+    feature_layers: tuple[int, ...] = ()   # layers whose input hidden states graphs also return (EAGLE-3)
 
 
 @dataclass
 class StepOutput:
     """tokens [B, m] sampled on device, logits [B, m, V] (f32: raw, or with the repetition penalty
     applied when the graph has it — the logits the tokens are sampled from), hidden [B, n, H]
-    (final-norm hidden states of every new token), probs [B, m, V] warped distribution when requested."""
+    (final-norm hidden states of every new token), probs [B, m, V] warped distribution when requested,
+    aux_hidden [B, n, A·H]: the hidden states entering the model's A ``feature_layers``, in layer order
+    (None without feature layers)."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
     hidden: torch.Tensor
     probs: torch.Tensor | None = None
+    aux_hidden: torch.Tensor | None = None
 
 
 class DecoderModel:
@@ -96,7 +100,7 @@ class DecoderModel:
                         context_buckets: list[int] | None = None, kv_buckets: list[int] | None = None,
                         sampling: SamplingConfig | None = None, backend: str = "compiled", device: str | None = None,
                         quantization: str | None = None, kv_cache_dtype: str | None = None,
-                        progress: bool = True) -> "DecoderModel":
+                        feature_layers: tuple[int, ...] | list[int] = (), progress: bool = True) -> "DecoderModel":
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, or (``None``) the embedded
         SmolLM2-135M-Instruct. Graphs are built lazily on first use, or all at once by ``compile()``.
 
@@ -113,6 +117,8 @@ class DecoderModel:
         ``kv_cache_dtype``: None / "auto" (the KV cache in the compute dtype), ``"int8"`` or ``"fp8_e4m3"``
         (alias ``"fp8"``; vLLM's names, NxD Inference's ``kv_cache_quant``): 8-bit K/V with an f32 scale
         per (row, slot, KV head), dequantized when read (``kv_quant``). Drafts inherit both settings.
+        ``feature_layers``: every graph also returns the hidden states entering these layers
+        (``StepOutput.aux_hidden``; EAGLE-3 drafts set them with ``use_feature_layers``).
         ``backend``: one of ``BACKENDS`` (``graphs``); ``device``: default the XLA device for ``xla``,
         the CPU otherwise."""
         gqa = parse_gqa(gqa_strategy)
@@ -123,7 +129,7 @@ class DecoderModel:
         kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
         settings = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa and gqa.value, context_buckets,
                                    kv_buckets, sampling or SamplingConfig(), backend, device, quantization,
-                                   kv_cache_dtype)
+                                   kv_cache_dtype)   # feature_layers: set once the config is read
         dtype = amp_dtype(amp)
         if backend == "neuron":   # one process traces for every NeuronCore (SPMD)
             from .neuron import check_tp_degree
@@ -150,8 +156,10 @@ class DecoderModel:
             raise ValueError(f"n_positions={n_positions} exceeds sliding_window={config.sliding_window}; "
                              "sliding-window attention is not implemented")
         layout = head_layout(config.num_heads, config.num_kv_heads, tp_degree, gqa)
+        settings.feature_layers = check_feature_layers(feature_layers, config.num_layers)
         with torch.device("meta"):
-            lm = DecoderLM(config, batch_size, n_positions, dtype, tp, layout, kv_cache_dtype)
+            lm = DecoderLM(config, batch_size, n_positions, dtype, tp, layout, kv_cache_dtype,
+                           settings.feature_layers)
         lm = lm.to_empty(device=device).to(dtype)
         lm.init_buffers()
         shards = shard_plan(config, layout, tp.rank)
@@ -193,6 +201,20 @@ class DecoderModel:
             from transformers import AutoTokenizer
             self._tokenizer = AutoTokenizer.from_pretrained(self.path)
         return self._tokenizer
+
+    def use_feature_layers(self, layers: tuple[int, ...] | list[int]) -> None:
+        """Make every graph also return the hidden states entering ``layers`` (``StepOutput.aux_hidden``;
+        what EAGLE-3 drafts read). Graphs built before with other layers are dropped (rebuilt on use);
+        ValueError for layers the model lacks, or on ``neuron`` once the program is compiled."""
+        layers = check_feature_layers(layers, self.config.num_layers)
+        if layers == self.lm.feature_layers:
+            return
+        if self._neuron is not None:
+            raise ValueError(f"the Neuron program was compiled without feature layers {list(layers)}: set them "
+                             "(load the EAGLE-3 draft) before to_neuron()")
+        self.lm.feature_layers = self.settings.feature_layers = layers
+        self._graphs.clear()
+        self._ran.clear()
 
     # ------------------------------------------------------------------ graphs
     def graph_module(self, key: GraphKey) -> StepGraph:
@@ -478,11 +500,9 @@ class DecoderModel:
                 out = self.graph(key)(*inputs)
         else:
             out = self._first_run(key, inputs)
-        if key.return_probs:
-            tokens, probs, logits, hidden = out
-            return StepOutput(tokens, logits, hidden, probs)
-        tokens, logits, hidden = out
-        return StepOutput(tokens, logits, hidden)
+        tokens, probs, logits, hidden = out if key.return_probs else (out[0], None, *out[1:])
+        hidden, aux = split_hidden(hidden, self.config.hidden_size)
+        return StepOutput(tokens, logits, hidden, probs, aux)
 
     def prefill(self, prompts: list[torch.Tensor], params: torch.Tensor,
                 rng: RowGenerators | torch.Generator | None = None, features: torch.Tensor | None = None,
@@ -500,7 +520,9 @@ class DecoderModel:
                     for i, (r, p) in enumerate(zip(rows, prompts))]
             width = max(o.hidden.shape[1] for o in outs)
             hidden = torch.cat([_fit(o.hidden, width) for o in outs])
-            return StepOutput(torch.cat([o.tokens for o in outs]), torch.cat([o.logits for o in outs]), hidden)
+            aux = None if outs[0].aux_hidden is None else torch.cat([_fit(o.aux_hidden, width) for o in outs])
+            return StepOutput(torch.cat([o.tokens for o in outs]), torch.cat([o.logits for o in outs]), hidden,
+                              aux_hidden=aux)
         lens = torch.tensor([len(p) for p in prompts] + [1] * (self.batch_size - len(prompts)))
         bucket = pick_bucket(self.context_buckets, int(lens.max()), "prompt length")
         ids = torch.zeros(self.batch_size, bucket, dtype=torch.long)
@@ -603,6 +625,7 @@ class DecoderModel:
         meta = json.loads(meta_file.read_text())
         s = meta["settings"]
         s["sampling"] = SamplingConfig(**s["sampling"])
+        s["feature_layers"] = tuple(s.get("feature_layers", ()))
         model = cls.from_pretrained(meta["checkpoint"], progress=progress, **s)
         return model._load_compiled(directory, [GraphKey(**k) for k in meta["graphs"]], progress,
                                     meta.get("compactions", []))

@@ -10,6 +10,9 @@ function of fixed-shape tensors plus the KV-cache buffers it updates in place:
              (features [b, n, F] — modules with ``feature_size``, i.e. EAGLE drafts: target features)
     outputs: tokens [b, m] i64, logits [b, m, V] f32, hidden [b, n, H], (probs [b, m, V] f32)
 
+A decoder with ``feature_layers`` (EAGLE-3 targets) returns hidden [b, n, H·(1+A)]: the final-norm
+hidden states, then those entering its A feature layers (``model.split_hidden``).
+
 b is the batch size B, or 1 for ``single_row`` graphs (context encoding into one slot of a running
 batch, the other rows' caches untouched).
 

@@ -5,6 +5,11 @@ One forward serves every graph (context encoding, token generation, multi-token 
     forward(input_ids [B, n], position_ids [B, n], cache_lengths [B], token_mask [B, n, n],
             logit_index [B, m], kv_len: static int, seq_ids [b] | None) -> (logits [B, m, V] f32, hidden [B, n, H])
 
+With ``feature_layers`` (EAGLE-3 targets) ``hidden`` is [B, n, H·(1+A)]: the final-norm hidden state,
+then the A auxiliary hidden states, in layer order — aux of layer i = the residual stream entering
+layer i (i = num_layers: the last layer's output, before the final norm), i.e. transformers'
+``hidden_states[i]`` for i < num_layers. ``split_hidden`` separates them.
+
 With ``seq_ids`` the inputs hold b rows (usually 1) that read and write cache rows ``seq_ids`` and no
 other (NxD Inference's ``seq_ids``: context encoding of one request into its slot of a running batch).
 
@@ -97,12 +102,14 @@ class Attention(nn.Module):
     functional_state = False     # True (per instance) while a graph is traced for Neuron: see ``store``
 
     def __init__(self, c: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype,
-                 layout: HeadLayout, tp: TPGroup, kv_cache_dtype: str | None = None):
+                 layout: HeadLayout, tp: TPGroup, kv_cache_dtype: str | None = None, in_features: int | None = None):
+        """``in_features``: width of the input q/k/v read (default ``hidden_size``; EAGLE-3 drafts: 2H)."""
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim, self.tp = layout.q_per_rank, layout.kv_per_rank, c.head_dim, tp
-        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=c.attention_bias)
+        width = in_features or c.hidden_size
+        self.q_proj = nn.Linear(width, self.n_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(width, self.n_kv * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(width, self.n_kv * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=False)
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_shape = (batch_size, n_positions, self.n_kv, c.head_dim)  # [B, S, Hkv per rank, D]
@@ -278,13 +285,16 @@ class DecoderLM(nn.Module):
 
     ``tp``: this rank's tensor-parallel group (default: not sharded); ``layout``: the head slots
     (default: ``head_layout`` with the automatic GQA strategy for ``tp.size``); ``kv_cache_dtype``:
-    None (the cache in ``dtype``), "int8" or "fp8_e4m3" (``kv_quant``).
+    None (the cache in ``dtype``), "int8" or "fp8_e4m3" (``kv_quant``); ``feature_layers``: the layers
+    whose input hidden states ``forward`` also returns (``check_feature_layers``; EAGLE-3 targets).
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, n_positions: int, dtype: torch.dtype,
-                 tp: TPGroup = TPGroup(), layout: HeadLayout | None = None, kv_cache_dtype: str | None = None):
+                 tp: TPGroup = TPGroup(), layout: HeadLayout | None = None, kv_cache_dtype: str | None = None,
+                 feature_layers: tuple[int, ...] = ()):
         super().__init__()
         self.config, self.tp = config, tp
+        self.feature_layers = check_feature_layers(feature_layers, config.num_layers)
         self.layout = layout or head_layout(config.num_heads, config.num_kv_heads, tp.size)
         self.model = Backbone(config, batch_size, n_positions, dtype, self.layout, tp, kv_cache_dtype)
         self.out_vocab = config.output_vocab_size or config.vocab_size
@@ -331,13 +341,40 @@ class DecoderLM(nn.Module):
         x = self.embed(input_ids)
         cos, sin = rope_tables(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
         slots, mask = new_token_slots(cache_lengths, token_mask, kv_len)
-        for layer in self.model.layers:
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            if i in self.feature_layers:
+                aux.append(x)
             x = layer(x, cos, sin, slots, mask, kv_len, seq_ids)
+        if len(self.model.layers) in self.feature_layers:
+            aux.append(x)
         hidden = self.model.norm(x)
         logits = self.lm_head(pick_positions(hidden, logit_index))
         if self.tp.size > 1:
             logits = all_gather_last(logits, self.tp)[..., :self.out_vocab]   # drop the vocab padding
-        return full_vocab_logits(logits, self.config, getattr(self, "output_token_ids", None)), hidden
+        logits = full_vocab_logits(logits, self.config, getattr(self, "output_token_ids", None))
+        return logits, torch.cat([hidden, *aux], -1) if aux else hidden
+
+
+def check_feature_layers(layers, num_layers: int) -> tuple[int, ...]:
+    """``layers`` (ints in [0, num_layers], no repeats) as a sorted tuple: the order their hidden states
+    are returned in (vLLM / SGLang collect them in layer order); ValueError naming the bad entry."""
+    layers = tuple(int(i) for i in layers)
+    for i in layers:
+        if not 0 <= i <= num_layers:
+            raise ValueError(f"feature layer {i} does not exist: the target has {num_layers} layers "
+                             f"(feature layers 0 .. {num_layers})")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"feature layers {list(layers)} repeat a layer")
+    return tuple(sorted(layers))
+
+
+def split_hidden(hidden: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A graph's hidden output [..., H·(1+A)] → (final-norm hidden [..., H], aux hidden states
+    [..., A·H] in layer order, or None when the model has no ``feature_layers``)."""
+    if hidden.shape[-1] == hidden_size:
+        return hidden, None
+    return hidden[..., :hidden_size], hidden[..., hidden_size:]
 
 
 def rank_value(rank: int) -> torch.Tensor:

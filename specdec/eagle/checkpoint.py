@@ -4,9 +4,16 @@ Layouts read (``config.json`` = a one-layer Llama config, weights in any ``core.
 - EAGLE-1 (the public ``yuhuili/EAGLE-*`` repos): ``fc.weight`` [H, 2H], ``fc.bias`` [H] (optional),
   ``layers.0.*`` (no ``input_layernorm`` unless the draft was trained with one), optional
   ``embed_tokens.weight``, **no** ``lm_head.weight``;
-- NxD Inference: the same plus ``lm_head.weight`` (the target's, copied in).
-Keys may carry a ``model.`` prefix (HF / NxD style); it is ignored. A reduced draft vocabulary is
-``draft_vocab_size`` N in config.json plus an ``output_token_ids`` [N] tensor; its ``lm_head.weight``
+- NxD Inference: the same plus ``lm_head.weight`` (the target's, copied in);
+- EAGLE-3 (the public ``yuhuili/EAGLE3-*`` repos, as vLLM / SGLang read them): config.json with
+  ``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size`` N, optional ``target_hidden_size``
+  and ``eagle_config.eagle_aux_hidden_state_layer_ids`` (default (2, L//2, L-3) for an L-layer target);
+  ``fc.weight`` [H, 3H] (no bias), ``midlayer.*`` (= our ``layers.0.*``: ``input_layernorm``,
+  ``hidden_norm``, q/k/v [., 2H], ...), ``norm.weight``, ``lm_head.weight`` [N, H] (the draft's own),
+  ``d2t`` [N] int64 (draft id i is target id i + d2t[i]), ``t2d`` [V] bool (the target ids in the
+  draft vocabulary), usually no ``embed_tokens.weight`` (the target's is used).
+Keys may carry a ``model.`` prefix (HF / NxD style); it is ignored. A reduced EAGLE-1 draft vocabulary
+is ``draft_vocab_size`` N in config.json plus an ``output_token_ids`` [N] tensor; its ``lm_head.weight``
 holds the target's LM-head rows of those tokens.
 
 ``copy_lm_head`` (CLI: ``specdec eagle-lm-head``) turns the first layout into the second.
@@ -17,6 +24,7 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from ..core.checkpoint import checkpoint_shards, iter_sources, iter_tensors, target_lm_head
@@ -24,9 +32,62 @@ from ..core.checkpoint import checkpoint_shards, iter_sources, iter_tensors, tar
 LM_HEAD_COMMAND = "specdec eagle-lm-head --draft {draft} --target TARGET_CHECKPOINT"
 
 
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
 def eagle_key(name: str) -> str:
-    """Checkpoint key → parameter name of ``EagleLM`` (drops a leading ``model.``)."""
-    return name.removeprefix("model.")
+    """Checkpoint key → parameter name of ``EagleLM`` / ``Eagle3LM`` (drops a leading ``model.``; EAGLE-3's
+    ``midlayer.`` is ``layers.0.``)."""
+    name = name.removeprefix("model.")
+    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+
+
+def is_eagle3(config: dict, names: set[str]) -> bool:
+    """Whether a draft checkpoint (raw config.json, normalised tensor names) is in the EAGLE-3 layout."""
+    return EAGLE3_ARCHITECTURE in (config.get("architectures") or []) or "layers.0.hidden_norm.weight" in names
+
+
+def aux_layer_ids(config: dict, target_layers: int) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 draft reads (``eagle_config.eagle_aux_hidden_state_layer_ids``, default
+    (2, L//2, L-3) as vLLM / SGLang), checked against the target's L = ``target_layers``."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        if target_layers < 7:     # fewer layers repeat one of them
+            raise ValueError(f"the EAGLE-3 default aux layers (2, L//2, L-3) need a target of >= 7 layers, got "
+                             f"{target_layers}: give eagle_config.eagle_aux_hidden_state_layer_ids in config.json")
+        return 2, target_layers // 2, target_layers - 3
+    bad = [i for i in ids if not 0 <= int(i) <= target_layers]
+    if bad:
+        raise ValueError(f"EAGLE-3 draft reads target layer(s) {bad} (eagle_aux_hidden_state_layer_ids {list(ids)}) "
+                         f"but the target has {target_layers} layers: the draft was trained for another target")
+    return tuple(int(i) for i in ids)
+
+
+def eagle3_token_ids(path: Path, vocab_size: int, draft_vocab_size: int) -> torch.Tensor | None:
+    """Target token ids [N] of an EAGLE-3 draft's vocabulary (``arange(N) + d2t``), checked against ``t2d``
+    when present; None for a full-vocabulary draft without ``d2t``. ValueError / KeyError naming the
+    problem."""
+    tensors = {eagle_key(name): source for name, source in iter_sources(checkpoint_shards(path))
+               if eagle_key(name) in ("d2t", "t2d")}
+    if "d2t" not in tensors:
+        if draft_vocab_size != vocab_size:
+            raise KeyError(f"EAGLE-3 draft {path} has draft_vocab_size={draft_vocab_size} < vocab_size={vocab_size} "
+                           "but no d2t tensor mapping its vocabulary to the target's")
+        return None
+    d2t = tensors["d2t"][...].long()
+    if d2t.shape != (draft_vocab_size,):
+        raise ValueError(f"d2t in {path} has shape {tuple(d2t.shape)}, expected ({draft_vocab_size},) "
+                         "(draft_vocab_size)")
+    ids = torch.arange(draft_vocab_size) + d2t
+    if bool((ids < 0).any()) or bool((ids >= vocab_size).any()) or ids.unique().numel() != draft_vocab_size:
+        raise ValueError(f"d2t in {path} maps the draft vocabulary outside [0, {vocab_size}) or twice onto one token")
+    if "t2d" in tensors:
+        t2d = tensors["t2d"][...].bool()
+        expected = torch.zeros(vocab_size, dtype=torch.bool)
+        expected[ids] = True
+        if t2d.shape != (vocab_size,) or not torch.equal(t2d, expected):
+            raise ValueError(f"t2d in {path} does not mark exactly the target ids d2t maps to")
+    return ids
 
 
 def tensor_names(path: str | Path) -> set[str]:

@@ -1,11 +1,13 @@
-"""``EagleModel``: an EAGLE-1 draft network on the static runtime, bound to its target (the drafting
-strategy around it is ``specdec.eagle.proposer.EagleDraft``).
+"""``EagleModel``: an EAGLE-1 or EAGLE-3 draft network on the static runtime, bound to its target (the
+drafting strategy around it is ``specdec.eagle.proposer.EagleDraft``).
 
 It is a ``DecoderModel`` (own KV cache, buckets, graphs, ``compile``/``save``/``load`` of graphs)
 whose graphs take one more input, the target features [B, n, H]. Its runtime settings (batch size,
 ``n_positions``, ``amp``, buckets, sampling config, backend, device) are the target's, so the
 target's features feed it without conversion. Without ``embed_tokens.weight`` in the checkpoint it
-uses the target's embedding table (the same tensor, no copy).
+uses the target's embedding table (the same tensor, no copy). Loading an EAGLE-3 draft sets the
+target's ``feature_layers`` to the draft's aux layers (``DecoderModel.use_feature_layers``), so the
+target's graphs return the hidden states the draft's ``fc`` projects (``true_features``).
 """
 from __future__ import annotations
 
@@ -16,23 +18,24 @@ from pathlib import Path
 import torch
 
 from ..core.config import ModelConfig
-from ..core.decoder import DecoderModel
+from ..core.decoder import DecoderModel, StepOutput
 from ..core.graphs import GraphKey
 from ..core.checkpoint import load_weights
 from ..core.quant import quantize_linears
-from .checkpoint import check_layout, eagle_key, tensor_names
-from .model import EagleLM
+from .checkpoint import aux_layer_ids, check_layout, eagle3_token_ids, eagle_key, is_eagle3, tensor_names
+from .model import Eagle3LM, EagleLM
 
 
 class EagleModel(DecoderModel):
     @classmethod
     def from_pretrained(cls, path: str | Path, target: DecoderModel, *, eagle_input_norm: bool | None = None,
                         backend: str | None = None, progress: bool = True) -> "EagleModel":
-        """Load an EAGLE draft network for ``target`` (a ``DecoderModel``).
+        """Load an EAGLE draft network for ``target`` (a ``DecoderModel``): the EAGLE-1, NxD or EAGLE-3
+        layout (``specdec.eagle.checkpoint``). An EAGLE-3 draft sets the target's feature layers.
 
         ``eagle_input_norm``: apply the layer's input RMSNorm (NxD Inference's
-        ``enable_eagle_draft_input_norm``); default: config.json's ``eagle_input_norm``, else False.
-        ``backend``: default the target's."""
+        ``enable_eagle_draft_input_norm``; EAGLE-1 only); default: config.json's ``eagle_input_norm``,
+        else False. ``backend``: default the target's."""
         if target.tp.size > 1:
             raise ValueError(f"EAGLE drafts need a target at tp_degree=1 (got {target.tp.size}): "
                              "tensor-parallel EAGLE is not supported yet")
@@ -46,27 +49,51 @@ class EagleModel(DecoderModel):
                 raise ValueError(f"EAGLE draft {key}={mine} ({path}) != target {key}={theirs}: "
                                  "the draft must be trained for this target")
         names = tensor_names(path)
-        check_layout(path, names, input_norm)
+        eagle3 = is_eagle3(raw, names)
+        if eagle3:
+            if raw.get("target_hidden_size", config.hidden_size) != config.hidden_size:
+                raise ValueError(f"EAGLE-3 draft {path} has hidden_size={config.hidden_size} but target_hidden_size="
+                                 f"{raw['target_hidden_size']}: drafts narrower than their target are not supported")
+            aux = aux_layer_ids(raw, target.config.num_layers)
+            token_ids = eagle3_token_ids(path, config.vocab_size, config.output_vocab_size or config.vocab_size)
+            config = replace(config, output_vocab_size=None if token_ids is None else len(token_ids))
+        else:
+            check_layout(path, names, input_norm)
         settings = replace(target.settings, backend=backend or target.settings.backend, tp_degree=1,
-                           gqa_strategy=None)
+                           gqa_strategy=None, feature_layers=())
         if config.max_position_embeddings < settings.n_positions:
             config = replace(config, max_position_embeddings=settings.n_positions)
         dtype = target.dtype
         with torch.device("meta"):
-            lm = EagleLM(config, settings.batch_size, settings.n_positions, dtype, input_norm,
-                         fc_bias="fc.bias" in names, kv_cache_dtype=settings.kv_cache_dtype)
+            if eagle3:
+                lm = Eagle3LM(config, settings.batch_size, settings.n_positions, dtype, aux, target.config.hidden_size,
+                              kv_cache_dtype=settings.kv_cache_dtype)
+            else:
+                lm = EagleLM(config, settings.batch_size, settings.n_positions, dtype, input_norm,
+                             fc_bias="fc.bias" in names, kv_cache_dtype=settings.kv_cache_dtype)
         lm = lm.to_empty(device=settings.device).to(dtype)
         lm.init_buffers()
-        shared_embedding = "embed_tokens.weight" not in names
-        if shared_embedding:
+        optional = set()
+        if "embed_tokens.weight" not in names:      # the target's table, shared
             lm.embed_tokens.weight = target.lm.model.embed_tokens.weight
-        load_weights(lm, path, progress=progress, rename=eagle_key,
-                     optional=frozenset({"embed_tokens.weight"}) if shared_embedding else frozenset())
+            optional.add("embed_tokens.weight")
+        if eagle3 and token_ids is not None:        # from d2t, not a tensor of the checkpoint
+            lm.output_token_ids.copy_(token_ids)
+            optional.add("output_token_ids")
+        load_weights(lm, path, progress=progress, rename=eagle_key, optional=frozenset(optional))
+        if eagle3:
+            target.use_feature_layers(aux)
         quantize_linears(lm, settings.quantization)      # the target's quantization, its decoder layer
         lm.eval().requires_grad_(False)
         draft = cls(path, config, lm, settings)
         draft.target_path = target.path
         return draft
+
+    def true_features(self, target_out: StepOutput) -> torch.Tensor:
+        """The draft's input features [B, n, H] of the target positions in ``target_out`` (EAGLE-1: the
+        target's final-norm hidden states; EAGLE-3: ``fc`` of its aux hidden states), in the draft's dtype."""
+        with torch.no_grad():
+            return self.lm.project(target_out.hidden, target_out.aux_hidden).to(self.dtype)
 
     @property
     def tokenizer(self):

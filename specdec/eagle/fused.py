@@ -4,9 +4,9 @@ The same steps as ``EagleDraft.propose`` / ``accepted`` (see ``specdec.eagle.pro
 shapes: per row, n = len(S), a ``width``-position step re-reads the (feature, token) pairs at positions
 max(0, n-1-width) .. (logits at n-2 → x_1 and the draft feature f^_{n-1}), then k - 1 one-token steps
 pair the previous draft feature with the previous draft token. After acceptance ``update`` stores the
-target's true features of the verified positions and the emitted tokens in the proposer's buffers
-(``features`` [B, N, H], ``next_tokens`` [B, N]: the same tensors, updated in place). Uniforms per
-row: k (one per draft token).
+true features of the verified positions (EAGLE-3: ``fc`` of the target's aux hidden states, in the
+graph) and the emitted tokens in the proposer's buffers (``features`` [B, N, H], ``next_tokens`` [B, N]:
+the same tensors, updated in place). Uniforms per row: k (one per draft token).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..core.graphs import StepGraph
+from ..core.model import split_hidden
 from ..fused.step import FusedKey, causal_inputs, draft_chain
 
 
@@ -25,6 +26,7 @@ class EagleLoop(nn.Module):
                  global_topk: int | None):
         super().__init__()
         self.k, self.width, self.sampled, self.uniforms = key.k, key.width, key.do_sample, key.k
+        self.lm = lm
         self.register_buffer("features", features, persistent=False)        # shared with EagleDraft
         self.register_buffer("next_tokens", next_tokens, persistent=False)
         self.reread = StepGraph(lm, key.step_key(key.width, 1, key.draft_kv_len), global_topk)
@@ -45,10 +47,12 @@ class EagleLoop(nn.Module):
                            uniform, feature)
 
     def update(self, lengths, hidden, emitted) -> None:
-        """The verified positions n-1 .. n-1+k get the target's features and the emitted tokens
-        (positions past the accepted ones hold garbage, overwritten before use)."""
+        """The verified positions n-1 .. n-1+k get the true features (``EagleNetwork.project`` of the target's
+        hidden output) and the emitted tokens (positions past the accepted ones hold garbage, overwritten
+        before use)."""
         B, N = self.next_tokens.shape
         rows = torch.arange(B, device=lengths.device).unsqueeze(1)
         pos = ((lengths - 1).unsqueeze(1) + torch.arange(hidden.shape[1], device=lengths.device)).clamp(max=N - 1)
-        self.features[rows, pos] = hidden.to(self.features.dtype)
+        self.features[rows, pos] = self.lm.project(*split_hidden(hidden, self.lm.target_hidden_size)).to(
+            self.features.dtype)
         self.next_tokens[rows, pos] = emitted[:, :hidden.shape[1]].clamp(min=0)

@@ -1,7 +1,8 @@
 """EAGLE chain (flat) drafting: the draft runs one position behind the target on true features.
 
 Per row, S = prompt + emitted tokens, n = len(S); the target has verified S[:-1] and so knows its
-features f_0 .. f_{n-2} (f_i = final-norm hidden state at i, which predicts S[i+1]). Draft position
+features f_0 .. f_{n-2} (f_i: EAGLE-1 the final-norm hidden state at i, which predicts S[i+1]; EAGLE-3
+the draft's ``fc`` of the target's aux hidden states at i, ``EagleModel.true_features``). Draft position
 i holds the pair (f_i, S[i+1]). The proposer keeps every pair on device (``features`` [B, N, H],
 ``next_tokens`` [B, N]), so no draft-made feature ever survives a verification (no drift):
 
@@ -51,8 +52,8 @@ class EagleDraft:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: DecoderModel, **kwargs) -> "EagleDraft":
-        """An EAGLE-1 / NxD-layout checkpoint for ``target`` (``EagleModel.from_pretrained`` arguments:
-        ``eagle_input_norm``, ``backend``, ``progress``)."""
+        """An EAGLE-1 / NxD / EAGLE-3-layout checkpoint for ``target`` (``EagleModel.from_pretrained``
+        arguments: ``eagle_input_norm``, ``backend``, ``progress``)."""
         return cls(EagleModel.from_pretrained(path, target, **kwargs))
 
     def check_target(self, target: DecoderModel) -> None:
@@ -65,6 +66,10 @@ class EagleDraft:
         if d.dtype != target.dtype:
             raise ValueError(f"EAGLE draft runs in {d.dtype} but the target in {target.dtype}: "
                              "load it with EagleDraft.from_pretrained(path, target)")
+        if d.lm.aux_layers and target.lm.feature_layers != d.lm.aux_layers:      # EAGLE-3
+            raise ValueError(f"EAGLE draft reads the target's hidden states entering layers {list(d.lm.aux_layers)} "
+                             f"but the target returns those of {list(target.lm.feature_layers)}: load the draft "
+                             "with EagleDraft.from_pretrained(path, target) (it sets them)")
 
     def max_draft_tokens(self, length: int) -> int:
         return self.model.n_positions - length + 1
@@ -76,8 +81,9 @@ class EagleDraft:
         longest = max(len(p) for p in prompts)
         slots = list(range(len(prompts))) if rows is None else rows
         shifted = []
+        true = self.model.true_features(target_out)
         for i, (r, p) in enumerate(zip(slots, prompts)):
-            self.features[r, :len(p)] = target_out.hidden[i, :len(p)].to(self.features.dtype)
+            self.features[r, :len(p)] = true[i, :len(p)]
             s = torch.cat([p[1:].to(first.device), first[i:i + 1]])
             self.next_tokens[r, : len(s)] = s
             shifted.append(s)
@@ -121,10 +127,14 @@ class EagleDraft:
         return EagleLoop(self.module, self.features, self.next_tokens, key, self.model.settings.sampling.global_topk)
 
     def accepted(self, lengths, verified) -> None:
+        self._store(lengths, self.model.true_features(verified.target_out), verified.emitted)
+
+    def _store(self, lengths: torch.Tensor, features: torch.Tensor, emitted: torch.Tensor) -> None:
+        """Positions n-1 .. n-2+w of each row get the true ``features`` [B, w, H] and the ``emitted`` tokens
+        [B, >= w] (-1 padded; positions past the accepted ones hold garbage, overwritten before use)."""
         dev = self.features.device
-        hidden = verified.target_out.hidden
-        width = hidden.shape[1]
+        width = features.shape[1]
         pos = (lengths.to(dev) - 1).unsqueeze(1) + torch.arange(width, device=dev)
         pos = pos.clamp(max=self.model.n_positions - 1)
-        self.features[self.rows, pos] = hidden.to(self.features.dtype)
-        self.next_tokens[self.rows, pos] = verified.emitted[:, :width].to(dev).clamp(min=0)
+        self.features[self.rows, pos] = features.to(self.features.dtype)
+        self.next_tokens[self.rows, pos] = emitted[:, :width].to(dev).clamp(min=0)

@@ -28,7 +28,7 @@ the next re-read pairs true features with true tokens, as in chain drafting.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -92,8 +92,8 @@ class EagleTreeDraft(EagleDraft):
     @classmethod
     def from_pretrained(cls, path: str | Path, target: DecoderModel, *, tree: DynamicTree = DynamicTree(),
                         **kwargs) -> "EagleTreeDraft":
-        """An EAGLE-1 / NxD-layout checkpoint for ``target`` (``EagleModel.from_pretrained`` arguments)
-        drafting ``tree``-shaped dynamic trees."""
+        """An EAGLE-1 / NxD / EAGLE-3-layout checkpoint for ``target`` (``EagleModel.from_pretrained``
+        arguments) drafting ``tree``-shaped dynamic trees."""
         return cls(EagleModel.from_pretrained(path, target, **kwargs), tree)
 
     def check_target(self, target: DecoderModel) -> None:
@@ -170,13 +170,13 @@ class EagleTreeDraft(EagleDraft):
         """Store the target's features along the accepted path: root, then nodes at depths 1 .. n."""
         if self.pending is None:               # a plain decode step (no room for a tree)
             return super().accepted(lengths, verified)
-        hidden = verified.target_out.hidden
+        features = self.model.true_features(verified.target_out)                      # [B, N+1, H]
         path = self.pending.ancestors.gather(
             1, verified.last_node.view(-1, 1, 1).expand(-1, 1, self.pending.ancestors.shape[-1])).squeeze(1)
-        path = path.clamp(min=0).to(hidden.device)                                     # [B, D+1]
+        path = path.clamp(min=0).to(features.device)                                   # [B, D+1]
         self.pending = None
-        path_hidden = hidden.gather(1, path.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        super().accepted(lengths, replace(verified, target_out=replace(verified.target_out, hidden=path_hidden)))
+        self._store(lengths, features.gather(1, path.unsqueeze(-1).expand(-1, -1, features.shape[-1])),
+                    verified.emitted)
 
 
 def _with_root(parent: torch.Tensor) -> torch.Tensor:

@@ -70,8 +70,9 @@ class ChainDrafter(Protocol):
 
     ``uniforms``: random numbers per row one step consumes. ``forward(tail, lengths, params, uniform
     [B, uniforms])`` → (tokens [B, k] i64, probs [B, k, V] f32 — the distributions the drafts were
-    sampled from — or None for greedy graphs). ``update(lengths, hidden [B, k+1, H], emitted [B, k+1])``
-    runs after acceptance with the target's verify hidden states and the emitted tokens (-1 padded)."""
+    sampled from — or None for greedy graphs). ``update(lengths, hidden [B, k+1, H·(1+A)], emitted [B, k+1])``
+    runs after acceptance with the target's verify hidden output (with A ``feature_layers``, their hidden
+    states after the final-norm ones: ``core.model.split_hidden``) and the emitted tokens (-1 padded)."""
 
     uniforms: int
 

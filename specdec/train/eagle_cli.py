@@ -1,10 +1,13 @@
 """``specdec train-eagle``: data generation → target features → EAGLE training → export, resumable.
 
     specdec train-eagle --out DIR [--data DIR] [--steps 600] [--unroll 3] [--seed 0] [--threads 2] [--ship DIR]
+                        [--arch eagle1|eagle3] [--aux-layers 2,15,27]
 
 The data is the same as ``train-draft``'s (``--data`` reuses an existing run's batches). ``DIR/train``
-holds the target features, the checkpoint and the log; the draft is exported in the EAGLE-1 layout to
-``--ship`` (default ``DIR/ship``; the packaged one lives in ``specdec/eagle/weights/smollm2-135m-instruct``).
+holds the target features, the checkpoint and the log; the draft is exported to ``--ship`` (default
+``DIR/ship``; the packaged one lives in ``specdec/eagle/weights/smollm2-135m-instruct``) in the EAGLE-1
+layout, or with ``--arch eagle3`` in the public EAGLE-3 layout (``--aux-layers``: the target layers
+whose input hidden states the draft reads; default (2, L//2, L-3)).
 Re-running the same command after an interruption continues where it stopped.
 """
 from __future__ import annotations
@@ -21,12 +24,25 @@ from .cli import add_common_arguments, add_optim_arguments, optim_settings, prep
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .eagle import EagleTrainConfig
+    from .eagle import ARCHS, EagleTrainConfig
     c = EagleTrainConfig()
     add_common_arguments(p)
     g = add_optim_arguments(p, c)
     g.add_argument("--unroll", type=int, default=c.unroll, help="drafting steps simulated in training")
     g.add_argument("--draft-vocab", type=int, default=c.draft_vocab_size, help="reduced LM-head vocabulary size")
+    g.add_argument("--arch", choices=ARCHS, default=c.arch,
+                   help="eagle1: fc over [embedding | final feature]; eagle3: fc over three target layers' "
+                        "hidden states, cross-entropy only, public EAGLE-3 export")
+    g.add_argument("--aux-layers", type=_layers, default=c.aux_layers,
+                   help="eagle3: comma-separated target layers whose input hidden states the draft reads "
+                        "(default 2,L//2,L-3)")
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated layer numbers, e.g. 2,15,27") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     times, start = {}, time.perf_counter()
     data = prepare_data(args)
     times["data_s"] = time.perf_counter() - start
-    cfg = EagleTrainConfig(unroll=args.unroll, draft_vocab_size=args.draft_vocab, **optim_settings(args))
+    cfg = EagleTrainConfig(unroll=args.unroll, draft_vocab_size=args.draft_vocab, arch=args.arch,
+                           aux_layers=args.aux_layers, **optim_settings(args))
     start = time.perf_counter()
     train_eagle(data, out / "train", resolve_target(args), cfg, progress=not args.no_progress,
                 log=lambda m: print(m, file=sys.stderr))

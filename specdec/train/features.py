@@ -3,8 +3,9 @@ the target features cache, the per-step row selection and the run bookkeeping.
 
 - ``training_rows``: the rows of a ``specdec.train.data`` data set with at least two answer tokens;
 - ``compute_features`` / ``load_features``: the target's final-norm hidden state at every position of
-  every row, from one teacher-forced forward of the runtime in the serving dtype, cached once in
-  ``features.pt`` (``load_features`` checks a cache against the rows, so one made from the same data,
+  every row (with ``feature_layers``, EAGLE-3: followed by the hidden states entering those layers, as
+  the runtime graph's ``hidden`` output), from one teacher-forced forward of the runtime in the serving
+  dtype, cached once in ``features.pt`` (``load_features`` checks a cache against the rows, so one made from the same data,
   e.g. another trainer's, can be linked);
 - ``step_rows``: the rows of an optimisation step (``batch_order`` of its epoch: a restart resumes with
   the same batch order);
@@ -25,15 +26,16 @@ from .distill import OptimConfig, batch_order
 
 @torch.no_grad()
 def compute_features(rows: list[dict], target_dir: Path, out_file: Path, amp: str = "bf16",
-                     batch_rows: int = 32, progress: bool = True) -> list[torch.Tensor]:
-    """The target's final-norm hidden states [len, H] of every row (runtime forward in ``amp``);
-    cached in ``out_file``."""
+                     batch_rows: int = 32, progress: bool = True,
+                     feature_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """The target's final-norm hidden states [len, H] of every row (runtime forward in ``amp``), with A
+    ``feature_layers`` followed by the hidden states entering them: [len, H·(1+A)]; cached in ``out_file``."""
     if out_file.is_file():
         return torch.load(out_file, weights_only=True)
     from ..core.decoder import DecoderModel
     longest = max(len(r["tokens"]) for r in rows)
     model = DecoderModel.from_pretrained(target_dir, batch_size=batch_rows, n_positions=longest, amp=amp,
-                                         backend="eager", progress=False)
+                                         backend="eager", feature_layers=feature_layers, progress=False)
     lm = model.lm
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["tokens"]))   # little padding
     by_index = {}
@@ -64,13 +66,17 @@ def training_rows(data_dir: str | Path) -> list[dict]:
     return rows
 
 
-def load_features(rows: list[dict], target_dir: Path, out_file: Path, progress: bool = True) -> list[torch.Tensor]:
-    """``compute_features`` (or its cache ``out_file``), checked against ``rows``: one [len(tokens), H]
-    tensor per row, in order; ValueError naming the cache when it holds other rows' features."""
-    feats = compute_features(rows, target_dir, out_file, progress=progress)
-    if len(feats) != len(rows) or any(f.shape[0] != len(r["tokens"]) for r, f in zip(rows, feats)):
-        raise ValueError(f"{out_file} holds features of other rows ({len(feats)} rows, the data has {len(rows)}, "
-                         "or their lengths differ): delete it (or link the cache made from this data)")
+def load_features(rows: list[dict], target_dir: Path, out_file: Path, progress: bool = True,
+                  feature_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """``compute_features`` (or its cache ``out_file``), checked against ``rows`` and ``feature_layers``:
+    one [len(tokens), H·(1+A)] tensor per row, in order; ValueError naming the cache when it holds other
+    rows' features or another number of layers'."""
+    feats = compute_features(rows, target_dir, out_file, progress=progress, feature_layers=feature_layers)
+    width = json.loads((Path(target_dir) / "config.json").read_text())["hidden_size"] * (1 + len(feature_layers))
+    if len(feats) != len(rows) or any(f.shape != (len(r["tokens"]), width) for r, f in zip(rows, feats)):
+        raise ValueError(f"{out_file} holds features of other rows or layers ({len(feats)} rows, the data has "
+                         f"{len(rows)}, or their lengths / widths differ from {width}): delete it (or link the "
+                         "cache made from this data and these layers)")
     return feats
 
 
