@@ -136,8 +136,25 @@ class TokenTree:
         return [list(p) for p in self.paths]
 
 
+class _TreeShape:
+    """The static loop sizes of tree buffers with ``ancestors`` [..., D+1] and ``child_nodes`` [..., C]."""
+
+    ancestors: torch.Tensor
+    child_nodes: torch.Tensor
+
+    @property
+    def max_depth(self) -> int:
+        """D, the static number of depth steps of the tree acceptance loops."""
+        return self.ancestors.shape[-1] - 1
+
+    @property
+    def max_children(self) -> int:
+        """C, the static number of sibling tries per depth."""
+        return self.child_nodes.shape[-1]
+
+
 @dataclass(frozen=True)
-class RowTrees:
+class RowTrees(_TreeShape):
     """The trees of one verify step, one per row, in node order (B rows, N nodes + root, depth <= D,
     at most C children per node): what the verifier and the tree acceptance rules index.
 
@@ -159,16 +176,6 @@ class RowTrees:
     parent: torch.Tensor
     ancestors: torch.Tensor
     child_nodes: torch.Tensor
-
-    @property
-    def max_depth(self) -> int:
-        """D, the static number of depth steps of the tree acceptance loops."""
-        return self.ancestors.shape[-1] - 1
-
-    @property
-    def max_children(self) -> int:
-        """C, the static number of sibling tries per depth."""
-        return self.child_nodes.shape[-1]
 
 
 def row_trees(parent: torch.Tensor, max_depth: int, max_children: int) -> RowTrees:
@@ -201,7 +208,7 @@ def row_trees(parent: torch.Tensor, max_depth: int, max_children: int) -> RowTre
 
 
 @dataclass(frozen=True)
-class TreeBuffers:
+class TreeBuffers(_TreeShape):
     """Constant tensors of a static tree in node order (N nodes + root, max depth D, at most C children):
     ``RowTrees``' fields without the batch dimension (mask [N+1, N+1], depth / parent [N+1], ancestors
     [N+1, D+1], child_nodes [N+1, C]; children in rank order), plus what a static tree strategy gathers with:
@@ -222,15 +229,6 @@ class TreeBuffers:
     leaves: torch.Tensor
     retrieve: torch.Tensor
 
-    @property
-    def max_depth(self) -> int:
-        """D, the static number of depth steps of the tree acceptance loops."""
-        return self.ancestors.shape[-1] - 1
-
-    @property
-    def max_children(self) -> int:
-        """C, the static number of sibling tries per depth."""
-        return self.child_nodes.shape[-1]
 
     def to(self, device: torch.device | str) -> TreeBuffers:
         """The same buffers on ``device``."""

@@ -170,27 +170,57 @@ def test_features_fed_to_draft_are_the_targets(tiny, monkeypatch):
     seqs = [p + out[b, width:].tolist() for b, p in enumerate(PROMPTS)]
     with torch.no_grad():
         hidden = [tiny["hf"](torch.tensor([s]), output_hidden_states=True).hidden_states[-1][0] for s in seqs]
-    assert len(fed) > 100
-    for b, pos, feature, token in fed:
-        assert pos + 1 < len(seqs[b])
-        assert token == seqs[b][pos + 1]
-        torch.testing.assert_close(feature.float(), hidden[b][pos], atol=1e-4, rtol=1e-4)
+    assert_true_pairs(fed, seqs, hidden)
 
 
 # ---------------------------------------------------------------- losslessness
 VOCAB = 16
 
 
-@pytest.fixture(scope="module")
-def lossless(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle-lossless")
+def lossless_setup(root: Path) -> tuple[LlamaForCausalLM, DecoderModel, Path]:
+    """A one-layer target over VOCAB tokens whose attention matters (batch 512 of the chi-square tests)
+    and an EAGLE head approximating it: (transformers model, target, EAGLE dir)."""
     hf = tiny_target(3, vocab=VOCAB, layers=1)
     with torch.no_grad():
         hf.model.layers[0].self_attn.o_proj.weight.mul_(0.5)   # attention matters, the draft approximates it
     hf.save_pretrained(root / "target")
     eagle = write_eagle(root / "eagle", hf, matched_eagle(hf, feature_weight=0.3))
     kw = dict(batch_size=512, n_positions=32, context_buckets=[8], kv_buckets=[32], backend="eager", progress=False)
-    target = DecoderModel.from_pretrained(root / "target", **kw)
+    return hf, DecoderModel.from_pretrained(root / "target", **kw), eagle
+
+
+def record_true_pairs(gen: SpeculativeGenerator, monkeypatch, max_new_tokens: int = 30) -> tuple[list, list]:
+    """Run ``gen`` (an EAGLE chain or tree draft) on PROMPTS greedily, recording every (row, position,
+    feature, token) its re-read step reads as true → (records, the final sequences)."""
+    fed, net = [], gen.proposer.model
+    real_step = net.step
+
+    def step(tokens, params, rng=None, features=None, logit_index=None, token_mask=None, **kw):
+        if logit_index is not None and token_mask is None:     # the re-read: these positions are true pairs
+            for b in range(tokens.shape[0]):
+                fed.extend((b, int(net.lengths[b]) + j, features[b, j].clone(), int(tokens[b, j]))
+                           for j in range(int(logit_index[b, 0]) + 1))
+        return real_step(tokens, params, rng, features=features, logit_index=logit_index, token_mask=token_mask, **kw)
+
+    monkeypatch.setattr(net, "step", step)
+    out = gen.sample(PROMPTS, max_new_tokens=max_new_tokens, eos_token_id=[])
+    width = max(map(len, PROMPTS))
+    return fed, [p + out[b, width:].tolist() for b, p in enumerate(PROMPTS)]
+
+
+def assert_true_pairs(fed: list, seqs: list[list[int]], features: list[torch.Tensor]) -> None:
+    """Every (row, position, feature, token) the draft read as true is the final sequence's token at
+    position + 1 and ``features[row][position]``."""
+    assert len(fed) > 60
+    for b, pos, feature, token in fed:
+        assert pos + 1 < len(seqs[b])
+        assert token == seqs[b][pos + 1]
+        torch.testing.assert_close(feature.float(), features[b][pos], atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def lossless(tmp_path_factory):
+    hf, target, eagle = lossless_setup(tmp_path_factory.mktemp("eagle-lossless"))
     return hf, target, EagleDraft.from_pretrained(eagle, target, progress=False)
 
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from test_eagle import H, I, PROMPTS, load_target, tiny_target as tiny_hf
+from test_eagle import H, I, PROMPTS, assert_true_pairs, load_target, record_true_pairs
+from test_eagle import tiny_target as tiny_hf
 from test_speculative import lossless_pvalue
 
 from specdec import DecoderModel, EagleDraft, SpeculativeGenerator
@@ -175,28 +176,12 @@ def test_true_features_after_verification_are_fc_of_the_targets(tiny, tree, monk
     draft = (EagleDraft.from_pretrained(tiny["eagle"], target, progress=False) if tree is None else
              EagleTreeDraft.from_pretrained(tiny["eagle"], target, tree=tree, progress=False))
     gen = SpeculativeGenerator(draft, target, 3)
-    fed, net = [], draft.model
-    real_step = net.step
-
-    def step(tokens, params, rng=None, features=None, logit_index=None, token_mask=None, **kw):
-        if logit_index is not None and token_mask is None:     # the re-read: these positions are true pairs
-            for b in range(tokens.shape[0]):
-                fed.extend((b, int(net.lengths[b]) + j, features[b, j].clone(), int(tokens[b, j]))
-                           for j in range(int(logit_index[b, 0]) + 1))
-        return real_step(tokens, params, rng, features=features, logit_index=logit_index, token_mask=token_mask, **kw)
-
-    monkeypatch.setattr(net, "step", step)
-    out = gen.sample(PROMPTS, max_new_tokens=30, eos_token_id=[])
-    width = max(map(len, PROMPTS))
-    seqs = [p + out[b, width:].tolist() for b, p in enumerate(PROMPTS)]
+    fed, seqs = record_true_pairs(gen, monkeypatch)
     fc = tiny["tensors"]["fc.weight"]
     with torch.no_grad():
         states = [tiny["hf"](torch.tensor([s]), output_hidden_states=True).hidden_states for s in seqs]
     projected = [torch.cat([st[i][0] for i in DEFAULT_AUX], -1) @ fc.T for st in states]
-    assert len(fed) > 60
-    for b, pos, feature, token in fed:
-        assert token == seqs[b][pos + 1]
-        torch.testing.assert_close(feature.float(), projected[b][pos], atol=1e-4, rtol=1e-4)
+    assert_true_pairs(fed, seqs, projected)
 
 
 # ---------------------------------------------------------------- losslessness

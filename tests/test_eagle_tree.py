@@ -3,10 +3,11 @@ losslessness (chi-square) and the gain over chains, on tiny random models."""
 import pytest
 import torch
 
-from test_eagle import PROMPTS, load_target, matched_eagle, saved_target_and_eagle, tiny_target, write_eagle
+from test_eagle import (PROMPTS, assert_true_pairs, load_target, lossless_setup, perfect,  # noqa: F401 (fixture)
+                        record_true_pairs, saved_target_and_eagle)
 from test_speculative import lossless_pvalue
 
-from specdec import DecoderModel, EagleDraft, SpeculativeGenerator
+from specdec import EagleDraft, SpeculativeGenerator
 from specdec.eagle.tree import DynamicTree, EagleTreeDraft, _rerank
 from specdec.tree import PAD_NODE, TokenTree, row_trees, tree_buffers
 
@@ -102,17 +103,6 @@ def test_greedy_equals_target_only(saved, tree):
     assert torch.equal(one[0, len(PROMPTS[2]):], reference[2, width:])
 
 
-@pytest.fixture(scope="module")
-def perfect(tmp_path_factory):
-    root = tmp_path_factory.mktemp("perfect-tree")
-    hf = tiny_target(5, layers=1)
-    with torch.no_grad():
-        hf.model.layers[0].self_attn.o_proj.weight.zero_()
-        hf.model.norm.weight.fill_(1.0)
-    hf.save_pretrained(root / "target")
-    return write_eagle(root / "eagle", hf, matched_eagle(hf)), root / "target"
-
-
 def test_perfect_draft_accepts_whole_depth_and_stops_at_eos(perfect):
     eagle_dir, target_dir = perfect
     target = load_target(target_dir)
@@ -136,43 +126,19 @@ def test_features_after_tree_steps_are_the_targets(saved, monkeypatch):
     target = load_target(target_dir)
     draft = EagleTreeDraft.from_pretrained(eagle_dir, target, tree=DynamicTree(3, 4, 8), progress=False)
     gen = SpeculativeGenerator(draft, target)
-    fed, net = [], draft.model
-    real_step = net.step
-
-    def step(tokens, params, rng=None, features=None, logit_index=None, token_mask=None, **kw):
-        if token_mask is None:     # the re-read: positions lengths .. lengths + logit_index are true pairs
-            for b in range(tokens.shape[0]):
-                fed.extend((b, int(net.lengths[b]) + j, features[b, j].clone(), int(tokens[b, j]))
-                           for j in range(int(logit_index[b, 0]) + 1))
-        return real_step(tokens, params, rng, features=features, logit_index=logit_index, token_mask=token_mask, **kw)
-
-    monkeypatch.setattr(net, "step", step)
-    out = gen.sample(PROMPTS, max_new_tokens=30, eos_token_id=[])
-    width = max(map(len, PROMPTS))
-    seqs = [p + out[b, width:].tolist() for b, p in enumerate(PROMPTS)]
+    fed, seqs = record_true_pairs(gen, monkeypatch)
     hf = LlamaForCausalLM.from_pretrained(target_dir).eval()
     with torch.no_grad():
         hidden = [hf(torch.tensor([s]), output_hidden_states=True).hidden_states[-1][0] for s in seqs]
-    assert len(fed) > 100
-    for b, pos, feature, token in fed:
-        assert token == seqs[b][pos + 1]
-        torch.testing.assert_close(feature.float(), hidden[b][pos], atol=1e-4, rtol=1e-4)
+    assert_true_pairs(fed, seqs, hidden)
 
 
 # ---------------------------------------------------------------- losslessness and gain
-VOCAB = 16
 
 
 @pytest.fixture(scope="module")
 def lossless(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle-tree-lossless")
-    hf = tiny_target(3, vocab=VOCAB, layers=1)
-    with torch.no_grad():
-        hf.model.layers[0].self_attn.o_proj.weight.mul_(0.5)
-    hf.save_pretrained(root / "target")
-    eagle = write_eagle(root / "eagle", hf, matched_eagle(hf, feature_weight=0.3))
-    kw = dict(batch_size=512, n_positions=32, context_buckets=[8], kv_buckets=[32], backend="eager", progress=False)
-    return hf, DecoderModel.from_pretrained(root / "target", **kw), eagle
+    return lossless_setup(tmp_path_factory.mktemp("eagle-tree-lossless"))
 
 
 @pytest.mark.parametrize("sample_kwargs", [dict(temperature=0.7), dict(temperature=1.3, top_k=6, top_p=0.9)])

@@ -3,11 +3,10 @@ losslessness, and that repeats in the prompt are accepted through the lookup bra
 import pytest
 import torch
 
-from test_eagle import (load_target, matched_eagle, random_eagle, saved_target_and_eagle, tiny_target,
-                        write_eagle)
+from test_eagle import load_target, lossless_setup, random_eagle, saved_target_and_eagle, tiny_target, write_eagle
 from test_speculative import lossless_pvalue
 
-from specdec import DecoderModel, PromptLookup, SpeculativeGenerator
+from specdec import PromptLookup, SpeculativeGenerator
 from specdec.eagle import copy_lm_head
 from specdec.eagle.tree import DynamicTree, EagleTreeDraft
 from specdec.lookup.branch import LookupBranch, graft
@@ -76,14 +75,7 @@ def test_lookup_branch_accepts_copied_runs(tmp_path):
 
 @pytest.fixture(scope="module")
 def lossless(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lookup-branch-lossless")
-    hf = tiny_target(3, vocab=16, layers=1)
-    with torch.no_grad():
-        hf.model.layers[0].self_attn.o_proj.weight.mul_(0.5)
-    hf.save_pretrained(root / "target")
-    eagle = write_eagle(root / "eagle", hf, matched_eagle(hf, feature_weight=0.3))
-    kw = dict(batch_size=512, n_positions=32, context_buckets=[8], kv_buckets=[32], backend="eager", progress=False)
-    return hf, DecoderModel.from_pretrained(root / "target", **kw), eagle
+    return lossless_setup(tmp_path_factory.mktemp("lookup-branch-lossless"))
 
 
 def test_sampling_is_lossless(lossless):
