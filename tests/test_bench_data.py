@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import specdec.bench
-from specdec.bench.prompts import default_prompts_path, load_prompts, load_questions
+from specdec.bench.prompts import (categories, default_prompts_path, load_prompts, load_questions, load_records,
+                                   resolve_prompts, varied_prompts_path)
 from specdec.core.config import module_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +57,35 @@ def test_notice_and_package_data_declared():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["specdec.bench"]
     shipped = {p.relative_to(DATA.parent).as_posix() for pat in patterns for p in DATA.parent.glob(pat)}
-    assert {"data/mt_bench_questions.jsonl", "data/NOTICE"} <= shipped
+    assert {"data/mt_bench_questions.jsonl", "data/varied_prompts.jsonl", "data/NOTICE"} <= shipped
+    assert "varied_prompts.jsonl" in text
+
+
+def test_varied_prompt_set():
+    path = varied_prompts_path()
+    assert path.parent.resolve() == DATA and resolve_prompts("varied") == path
+    assert resolve_prompts(None) == resolve_prompts("mt-bench") == default_prompts_path()
+    assert categories("varied") == ["translation", "summarization", "qa", "math", "rag"]
+    recs = load_records("varied")
+    assert len(recs) == 50 and len({q for q, _, _ in recs}) == 50
+    for cat in categories("varied"):
+        assert len(load_records("varied", categories=cat)) == 10
+    rag = [text for _, _, text in load_records("varied", categories="rag")]
+    assert all(500 <= len(t.split("Question:")[0].split()) <= 1300 and "[Document 4]" in t for t in rag)
+    assert load_questions("varied", 2) == [(q, t) for q, _, t in recs[:2]]
+    assert [c for _, c, _ in load_records(None, 8)] == ["writing"] * 8   # MT-Bench categories too
+    with pytest.raises(ValueError, match="no prompt of categories"):
+        load_records("varied", categories="poetry")
+
+
+def test_varied_prompts_fit_the_chat_template():
+    from transformers import AutoTokenizer
+
+    from specdec.core.chat import chat_ids
+    from specdec.core.paths import resolve_model_path
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    lengths = [len(chat_ids(tok, text)) for _, _, text in load_records("varied")]
+    assert max(lengths) <= 1500
 
 
 def test_module_bytes_counts_tied_weights_once():
