@@ -210,3 +210,26 @@ def test_ratios_are_taken_against_every_reference_that_ran():
     assert ratios["decode_speedup_vs_llamacpp-gguf"]["specdec-compiled-gguf"] == 1.0
     assert ratios["speedup_vs_hf-eager-f32"] == {}                      # the baseline did not run
     assert "speedup_vs_llamacpp-gguf" not in runtime._ratios({"specdec-compiled-bf16": entry(50.0, 52.0)})
+
+
+def test_coverage_analysis_counts_oov_prompt_lookup_and_larger_vocabularies():
+    from specdec.bench.coverage import analyse, shipped_vocabularies
+    vocabs = shipped_vocabularies()
+    assert {len(v) for v in vocabs.values()} == {8192}
+    small = {"a": torch.tensor([0, 1, 2, 3]), "b": torch.tensor([3, 2, 1, 0])}
+    rows = [{"set": "s", "category": "x", "prompt": [9, 7], "output": [0, 7, 8, 7, 1, 8]},
+            {"set": "s", "category": "y", "prompt": [1], "output": [8, 8, 2, 6]}]
+    res = analyse(rows, small, [4, 6], vocab_size=10, hidden=2)
+    assert res["drafts_share_one_vocabulary"]
+    assert res["lm_head_bytes_per_draft_token_bf16"] == {"4": 16, "6": 24, "10": 40}
+    x = res["categories"]["s/x"]
+    assert x["tokens"] == 6 and x["drafts"]["a"]["oov_tokens"] == 4          # 7, 8, 7, 8
+    assert x["drafts"]["a"]["oov_in_prompt"] == 0.5                          # the two 7s
+    assert x["drafts"]["a"]["oov_in_context"] == 0.75                        # + the second 8 (seen before)
+    cov = x["coverage"]
+    assert cov["merge_rank"]["4"] == cov["oracle"]["4"] == 2 / 6            # the base set alone
+    assert cov["merge_rank"]["6"] == 2 / 6                                   # + ids 4, 5
+    assert cov["oracle"]["6"] == 1.0                                         # + 7, 8 (x's own most frequent)
+    assert cov["other_categories"]["6"] == 4 / 6                             # + 8, 6 (y's)
+    assert cov["merge_rank"]["10"] == 1.0
+    assert res["categories"]["s/ALL"]["tokens"] == 10
