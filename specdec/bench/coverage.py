@@ -172,7 +172,7 @@ def analyse(rows: list[dict], vocabs: dict[str, torch.Tensor], sizes: list[int],
 def table(result: dict) -> str:
     sizes = list(result["lm_head_bytes_per_draft_token_bf16"])
     lines = ["| category | tokens | OOV (8k) | OOV in prompt | OOV in context | " +
-             " | ".join(f"{int(s) // 1024}k merge / other / oracle" for s in sizes[1:]) + " |",
+             " | ".join(f"{int(s) // 1024}k merge / other / oracle" if s != sizes[-1] else f"full {int(s):,}" for s in sizes[1:]) + " |",
              "|---|---:|---:|---:|---:|" + "---|" * (len(sizes) - 1)]
     for name, e in result["categories"].items():
         d = next(iter(e["drafts"].values()))
