@@ -1,4 +1,4 @@
-"""The ``specdec`` command: ``generate`` (target-only or speculative), ``serve`` (HTTP server), ``bench`` / ``bench-spec``
+"""The ``specdec`` command: ``generate`` (target-only or speculative), ``serve`` (HTTP server), ``bench`` / ``bench-spec`` / ``bench-coverage``
 (benchmarks), ``plan`` (capacity planning), ``train-draft`` / ``train-eagle`` / ``train-medusa``,
 ``build-tree`` (Medusa trees), ``eagle-lm-head`` (EAGLE checkpoints). ``build_parser`` defines them;
 ``main`` runs one (bad arguments: one ``specdec: error:`` line, exit code 2)."""
@@ -499,8 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = command("generate", "generate from a prompt (chat template applied), target-only or speculative")
     add_generate_arguments(g)
     g.set_defaults(func=cmd_generate)
-    from .bench import quality as bench_quality, runtime as bench_runtime, serving as bench_serving, \
-        speculative as bench_spec
+    from .bench import coverage as bench_coverage, quality as bench_quality, runtime as bench_runtime, \
+        serving as bench_serving, speculative as bench_spec
 
     def benchmark(name: str, help: str, module) -> None:
         """A benchmark command: ``module.add_arguments``, then ``module.print_result(module.run(args), args)``."""
@@ -518,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=server.run)
     benchmark("bench-quality", "perplexity on held-out text and greedy agreement of f32 / bf16 / int8 / int4 "
               "(prints JSON)", bench_quality)
+    benchmark("bench-coverage", "coverage of the shipped drafts' reduced vocabulary on the target's greedy outputs, "
+              "per prompt category, and of larger vocabularies (writes bench/results/coverage_<date>.json)",
+              bench_coverage)
     benchmark("bench-serve", "serving benchmark: the HTTP server under 1-16 concurrent streaming clients, "
               "with and without speculation (prints JSON)", bench_serving)
     from . import plan

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import specdec.bench
-from specdec.bench.prompts import default_prompts_path, load_prompts, load_questions
+from specdec.bench.prompts import (categories, default_prompts_path, load_prompts, load_questions, load_records,
+                                   resolve_prompts, varied_prompts_path)
 from specdec.core.config import module_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +57,35 @@ def test_notice_and_package_data_declared():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["specdec.bench"]
     shipped = {p.relative_to(DATA.parent).as_posix() for pat in patterns for p in DATA.parent.glob(pat)}
-    assert {"data/mt_bench_questions.jsonl", "data/NOTICE"} <= shipped
+    assert {"data/mt_bench_questions.jsonl", "data/varied_prompts.jsonl", "data/NOTICE"} <= shipped
+    assert "varied_prompts.jsonl" in text
+
+
+def test_varied_prompt_set():
+    path = varied_prompts_path()
+    assert path.parent.resolve() == DATA and resolve_prompts("varied") == path
+    assert resolve_prompts(None) == resolve_prompts("mt-bench") == default_prompts_path()
+    assert categories("varied") == ["translation", "summarization", "qa", "math", "rag"]
+    recs = load_records("varied")
+    assert len(recs) == 50 and len({q for q, _, _ in recs}) == 50
+    for cat in categories("varied"):
+        assert len(load_records("varied", categories=cat)) == 10
+    rag = [text for _, _, text in load_records("varied", categories="rag")]
+    assert all(500 <= len(t.split("Question:")[0].split()) <= 1300 and "[Document 4]" in t for t in rag)
+    assert load_questions("varied", 2) == [(q, t) for q, _, t in recs[:2]]
+    assert [c for _, c, _ in load_records(None, 8)] == ["writing"] * 8   # MT-Bench categories too
+    with pytest.raises(ValueError, match="no prompt of categories"):
+        load_records("varied", categories="poetry")
+
+
+def test_varied_prompts_fit_the_chat_template():
+    from transformers import AutoTokenizer
+
+    from specdec.core.chat import chat_ids
+    from specdec.core.paths import resolve_model_path
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    lengths = [len(chat_ids(tok, text)) for _, _, text in load_records("varied")]
+    assert max(lengths) <= 1500
 
 
 def test_module_bytes_counts_tied_weights_once():
@@ -181,3 +210,26 @@ def test_ratios_are_taken_against_every_reference_that_ran():
     assert ratios["decode_speedup_vs_llamacpp-gguf"]["specdec-compiled-gguf"] == 1.0
     assert ratios["speedup_vs_hf-eager-f32"] == {}                      # the baseline did not run
     assert "speedup_vs_llamacpp-gguf" not in runtime._ratios({"specdec-compiled-bf16": entry(50.0, 52.0)})
+
+
+def test_coverage_analysis_counts_oov_prompt_lookup_and_larger_vocabularies():
+    from specdec.bench.coverage import analyse, shipped_vocabularies
+    vocabs = shipped_vocabularies()
+    assert {len(v) for v in vocabs.values()} == {8192}
+    small = {"a": torch.tensor([0, 1, 2, 3]), "b": torch.tensor([3, 2, 1, 0])}
+    rows = [{"set": "s", "category": "x", "prompt": [9, 7], "output": [0, 7, 8, 7, 1, 8]},
+            {"set": "s", "category": "y", "prompt": [1], "output": [8, 8, 2, 6]}]
+    res = analyse(rows, small, [4, 6], vocab_size=10, hidden=2)
+    assert res["drafts_share_one_vocabulary"]
+    assert res["lm_head_bytes_per_draft_token_bf16"] == {"4": 16, "6": 24, "10": 40}
+    x = res["categories"]["s/x"]
+    assert x["tokens"] == 6 and x["drafts"]["a"]["oov_tokens"] == 4          # 7, 8, 7, 8
+    assert x["drafts"]["a"]["oov_in_prompt"] == 0.5                          # the two 7s
+    assert x["drafts"]["a"]["oov_in_context"] == 0.75                        # + the second 8 (seen before)
+    cov = x["coverage"]
+    assert cov["merge_rank"]["4"] == cov["oracle"]["4"] == 2 / 6            # the base set alone
+    assert cov["merge_rank"]["6"] == 2 / 6                                   # + ids 4, 5
+    assert cov["oracle"]["6"] == 1.0                                         # + 7, 8 (x's own most frequent)
+    assert cov["other_categories"]["6"] == 4 / 6                             # + 8, 6 (y's)
+    assert cov["merge_rank"]["10"] == 1.0
+    assert res["categories"]["s/ALL"]["tokens"] == 10

@@ -313,7 +313,7 @@ def test_top_level_help_lists_exactly_the_commands(capsys):
     rc, out, _ = run(["--help"], capsys)
     assert rc == 0
     names = set(commands())
-    assert names == {"generate", "serve", "bench", "bench-spec", "bench-serve", "bench-quality", "plan", "train-draft", "train-eagle", "train-medusa",
+    assert names == {"generate", "serve", "bench", "bench-spec", "bench-serve", "bench-quality", "bench-coverage", "plan", "train-draft", "train-eagle", "train-medusa",
                      "build-tree", "eagle-lm-head"}
     for name in names:
         assert f"    {name}" in out

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
 from . import runtime
-from .prompts import add_prompt_arguments, default_prompts_path, load_prompts
+from .prompts import add_prompt_arguments, load_prompts, resolve_prompts
 
 HELD_OUT = """\
 The lighthouse keeper kept a ledger of every ship that passed the point, and over forty winters the
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
     if bad or not names:
         raise ValueError(f"unknown setting(s) {bad}: choose from {', '.join(SETTINGS)}")
     text = open(args.text, encoding="utf-8").read() if args.text else HELD_OUT
-    questions = load_prompts(args.prompts or default_prompts_path(), args.num_prompts)
+    questions = load_prompts(resolve_prompts(args.prompts), args.num_prompts)
     result: dict = {"benchmark": "quality", "window": args.window, "settings": {}}
     outputs: dict[str, list[list[int]]] = {}
     for name in tqdm(names, desc="settings", file=sys.stderr):

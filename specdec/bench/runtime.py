@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from ..core.chat import chat_ids
-from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_questions
+from .prompts import add_prompt_arguments, int_list, load_questions, resolve_prompts
 
 SYSTEMS = ("hf-eager-f32", "hf-compile-f32", "specdec-eager-f32", "specdec-eager-bf16",
            "specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8", "specdec-compiled-int4",
@@ -621,7 +621,7 @@ def run(args: argparse.Namespace) -> dict:
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="specdec-bench-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     try:
-        prompts_path = Path(args.prompts) if args.prompts else default_prompts_path()
+        prompts_path = resolve_prompts(args.prompts)
         questions = load_questions(prompts_path, args.num_prompts)
         texts = [t for _, t in questions]
         model_path = resolve_model_path(args.model)

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
-from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_prompts
+from .prompts import add_prompt_arguments, int_list, load_prompts, resolve_prompts
 from . import runtime
 from .runtime import _machine_info
 
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     strategies = [s for s in args.strategies.split(",") if s]
-    texts = load_prompts(args.prompts or default_prompts_path(), args.num_prompts)
+    texts = load_prompts(resolve_prompts(args.prompts), args.num_prompts)
     result = {"benchmark": "serving", "machine": _machine_info(), "threads": torch.get_num_threads(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func",)}, "runs": {}}
     for strategy in strategies:

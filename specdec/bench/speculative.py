@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 from ..core.chat import chat_ids
 from ..core.config import module_bytes
 from . import runtime
-from .prompts import add_prompt_arguments, default_prompts_path, int_list, load_prompts
+from .prompts import add_prompt_arguments, int_list, load_prompts, resolve_prompts
 
 
 STRATEGIES = ("draft", "eagle", "eagle-tree", "medusa", "lookup", "lookup+draft", "lookup+eagle", "lookup+eagle-tree")
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
     B = args.batch_size
     target = DecoderModel.from_pretrained(None, batch_size=B, quantization=args.quantization, **kw)
     systems, draft_module = speculative_systems(args, target)   # name -> System
-    texts = load_prompts(args.prompts or default_prompts_path(), args.num_prompts)
+    texts = load_prompts(resolve_prompts(args.prompts), args.num_prompts)
     prompts = [chat_ids(target.tokenizer, t) for t in texts]
     calls = [prompts[i:i + B] for i in range(0, len(prompts), B)]
     n_new = args.max_new_tokens

@@ -240,8 +240,8 @@ def mt_bench_prompts(n: int | None = None, *, categories: Iterable[str] | None =
     """MT-Bench first turns as ``Prompt(question_id, category, text)`` (the questions shipped with the
     package, or an MT-Bench style jsonl ``path``). ``n`` questions taken round-robin over the categories
     (n = 8: one per category), None = all; ``categories`` keeps only those."""
-    from ..bench.prompts import default_prompts_path
-    path = Path(path) if path is not None else default_prompts_path()
+    from ..bench.prompts import resolve_prompts
+    path = resolve_prompts(path)
     by_category: dict[str, list[Prompt]] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
