@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 from ..core.chat import chat_ids
 from ..core.config import module_bytes
 from . import runtime
-from .prompts import add_prompt_arguments, int_list, load_prompts, resolve_prompts
+from .prompts import add_prompt_arguments, int_list, load_records, resolve_prompts
 
 
 STRATEGIES = ("draft", "eagle", "eagle-tree", "medusa", "lookup", "lookup+draft", "lookup+eagle", "lookup+eagle-tree")
@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trees", default="chain_4,mc_sim_7b_63,shipped",
                         help="medusa: comma list of trees (built-in names, JSON files, 'shipped')")
     parser.add_argument("--heads", default=None, help="medusa: heads directory (default: the shipped heads)")
+    parser.add_argument("--per-category", type=int, default=None, metavar="N",
+                        help="the first N prompts of every category of --prompts instead of --num-prompts; tokens/s "
+                             "and τ are also reported per category (batch 1, or calls within one category)")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per call (HF assisted needs 1)")
     parser.add_argument("--ks", type=int_list, default=[2, 4, 6], help="draft tokens per step")
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
@@ -119,9 +122,13 @@ def run(args: argparse.Namespace) -> dict:
     B = args.batch_size
     target = DecoderModel.from_pretrained(None, batch_size=B, quantization=args.quantization, **kw)
     systems, draft_module = speculative_systems(args, target)   # name -> System
-    texts = load_prompts(resolve_prompts(args.prompts), args.num_prompts)
-    prompts = [chat_ids(target.tokenizer, t) for t in texts]
+    records = bench_records(args)
+    prompts = [chat_ids(target.tokenizer, text) for _, _, text in records]
     calls = [prompts[i:i + B] for i in range(0, len(prompts), B)]
+    call_category = []          # each call's prompt category ("mixed" when its rows differ)
+    for i in range(0, len(records), B):
+        found = {c for _, c, _ in records[i:i + B]}
+        call_category.append(found.pop() if len(found) == 1 else "mixed")
     n_new = args.max_new_tokens
     width = max(system.width for system in systems.values())
     needed = max(len(p) for p in prompts) + n_new + width
@@ -150,6 +157,7 @@ def run(args: argparse.Namespace) -> dict:
         jobs += [(t, k, f"hf-assisted-k{k}") for t in temps for k in args.ks]
     for t, k, name in tqdm(jobs, desc="benchmark", unit="config", file=sys.stderr):
         rates, stats, clock = [], SpecStats(), GraphClock()
+        by_category: dict[str, tuple[list[float], SpecStats]] = {}
         for i, batch in enumerate(calls):
             seed = args.seed + i
             if name == "specdec-target":
@@ -165,6 +173,7 @@ def run(args: argparse.Namespace) -> dict:
                                                     **sampling(t)))
                 clock.add_wall(dt)
                 stats = stats + gen.last_stats
+                by_category.setdefault(call_category[i], ([], SpecStats()))[1].merge(gen.last_stats)
             else:
                 torch.manual_seed(seed)
                 x = torch.tensor(batch)
@@ -175,8 +184,13 @@ def run(args: argparse.Namespace) -> dict:
                 if out.shape[1] - x.shape[1] != n_new:
                     raise RuntimeError(f"{name}: generated {out.shape[1] - x.shape[1]} tokens, not {n_new}")
             rates.append(len(batch) * n_new / dt)
+            by_category.setdefault(call_category[i], ([], SpecStats()))[0].append(rates[-1])
         entry = {"temperature": t, "k": k, "tokens_per_s": statistics.median(rates),
                  "tokens_per_s_all": rates, **clock.per_step()}
+        if len(by_category) > 1:        # per prompt category: median tokens/s and τ (speculative systems)
+            entry["by_category"] = {c: {"tokens_per_s": statistics.median(r), "calls": len(r),
+                                        **({"tau": st.mean_acceptance_length} if st.steps else {})}
+                                    for c, (r, st) in by_category.items()}
         if name in systems:
             d = stats.to_dict()
             entry.update(tau=d["mean_acceptance_length"], acceptance_rate=d["acceptance_rate"],
@@ -185,6 +199,8 @@ def run(args: argparse.Namespace) -> dict:
     for key, e in runs.items():
         reference = runs[f"specdec-target@T{e['temperature']}"]
         e["speedup_vs_specdec_target"] = e["tokens_per_s"] / reference["tokens_per_s"]
+        for c, per in e.get("by_category", {}).items():
+            per["speedup_vs_specdec_target"] = per["tokens_per_s"] / reference["by_category"][c]["tokens_per_s"]
         if "outside_graphs_ms_per_step" in e:
             e["outside_graphs_vs_decode_step"] = e["outside_graphs_ms_per_step"] / reference["graph_ms_per_step"]
         unfused = key.replace("-fused-", "-")
@@ -196,11 +212,21 @@ def run(args: argparse.Namespace) -> dict:
             e["speedup_vs_hf_assisted"] = e["tokens_per_s"] / hf_best
     return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
                        "quantization": args.quantization, "fused": args.fused, "adaptive": args.adaptive,
-                       "num_prompts": len(prompts), "max_new_tokens": n_new, "systems": list(systems),
+                       "num_prompts": len(prompts), "prompts": str(resolve_prompts(args.prompts).name),
+                       "question_ids": [q for q, _, _ in records], "max_new_tokens": n_new, "systems": list(systems),
                        "temperatures": temps, "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "draft_cost_ratio": 0.0 if draft_module is None else
                        bytes_read_per_step(draft_module) / bytes_read_per_step(target.lm)},
             "runs": runs}
+
+
+def bench_records(args: argparse.Namespace) -> list[tuple[object, str, str]]:
+    """``(question_id, category, text)`` of the benchmark's prompts: the first ``--num-prompts`` of
+    ``--prompts``, or with ``--per-category N`` the first N of every category (in file order)."""
+    if not args.per_category:
+        return load_records(args.prompts, args.num_prompts)
+    records = load_records(args.prompts)
+    return [r for c in dict.fromkeys(c for _, c, _ in records) for r in [r for r in records if r[1] == c][:args.per_category]]
 
 
 class System(NamedTuple):
