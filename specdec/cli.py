@@ -217,7 +217,7 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         "output distribution")
     s.add_argument("--tree", default=None,
                    help="medusa: a built-in tree name (e.g. mc_sim_7b_63) or a JSON file of paths "
-                        "(default: the heads' own tree); eagle-tree: DEPTHxTOPKxNODES (default 5x8x24)")
+                        "(default: the heads' own tree); eagle-tree: DEPTHxTOPKxNODES (default 3x8x8)")
 
 
 def add_generate_arguments(g: argparse.ArgumentParser) -> None:

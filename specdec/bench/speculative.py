@@ -30,7 +30,7 @@ emission), summed over all calls; the target-only run's graph time per step is o
 
     python bench/bench_speculative.py [--strategy draft|eagle] [--num-prompts 10] [--ks 2,4,6] [--batch-size 1]
     python bench/bench_speculative.py --strategy medusa [--trees chain_4,mc_sim_7b_63,shipped]
-    python bench/bench_speculative.py --strategy eagle-tree [--dynamic-trees 5x8x24,6x10x48]
+    python bench/bench_speculative.py --strategy eagle-tree [--dynamic-trees 3x8x8,4x8x16]
 
 Both specdec systems use the same runtime settings (``--backend``, ``--amp``, one KV bucket of
 ``--n-positions`` slots so the compiled backend builds fewer graphs).
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(chains, or EAGLE-2 dynamic trees) or Medusa heads, prompt lookup (no weights), prompt "
                              "lookup where an n-gram matches and the draft model / EAGLE head elsewhere, or "
                              "EAGLE-2 trees with the prompt-lookup continuation grafted on (lookup+eagle-tree)")
-    parser.add_argument("--dynamic-trees", default="5x8x24",
+    parser.add_argument("--dynamic-trees", default="3x8x8",
                         help="eagle-tree: comma list of DEPTHxTOPKxNODES dynamic tree shapes")
     parser.add_argument("--trees", default="chain_4,mc_sim_7b_63,shipped",
                         help="medusa: comma list of trees (built-in names, JSON files, 'shipped')")
