@@ -357,12 +357,13 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
     ``single_row``: also the context graphs of requests joining a running batch (serving).
     ``penalty``: the target's graphs apply a repetition penalty (drafts never do). Adaptive k verifies
     2 .. k + 1 tokens; ``LookupOrDraft``'s draft model re-reads up to k + 1 tokens after lookup steps."""
-    from . import DecoderModel, EagleDraft, LookupOrDraft
+    from . import DecoderModel, EagleDraft, EagleTreeDraft, LookupBranch, LookupOrDraft
     from .fused import FusedSpeculator
     width = 1
-    if gen is not None:
-        tree = getattr(proposer, "tree", None)
-        width = tree.verify_size if tree is not None else gen.k + 1
+    if gen is not None:    # tree proposers say how many tokens a step verifies; a chain verifies k + 1
+        width = getattr(proposer, "verify_size", None) or gen.k + 1
+    if isinstance(proposer, LookupBranch):
+        proposer = proposer.tree
     # the last verify step may write up to width - 1 positions past the budget
     max_length = min(target.n_positions, prompt_length + max_new_tokens + width - 1)
     sampled = target.settings.sampling.do_sample
@@ -383,9 +384,11 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
     if combined:
         proposer = proposer.draft
     todo = [(target, [replace(k, penalty=penalty) for k in keys(target, verify, False)],
-             (proposer.tree.depth,) if getattr(proposer, "tree", None) is not None else ())]
+             (proposer.depth,) if getattr(proposer, "verify_size", None) else ())]
     draft = getattr(proposer, "model", None)
-    if fused:   # the draft's context graphs; its steps run inside the fused graphs, built below
+    if isinstance(proposer, EagleTreeDraft):   # greedy re-read and tree expansion steps
+        todo.append((draft, proposer.draft_graph_keys(prompt_length, max_length, single_row), ()))
+    elif fused:   # the draft's context graphs; its steps run inside the fused graphs, built below
         todo.append((draft, [k for k in draft.graph_keys(prompt_length=prompt_length, single_row=single_row)
                              if k.n_tokens > 1], ()))
     elif isinstance(proposer, EagleDraft):   # its own graph_keys: the k + 1 position re-read step

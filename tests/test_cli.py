@@ -164,14 +164,15 @@ def test_stats_without_speculation(checkpoint, capsys):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize("draft", ["none", "model", "lookup", "eagle", "medusa"])
+@pytest.mark.parametrize("draft", ["none", "model", "lookup", "eagle", "medusa", "eagle-tree", "lookup+eagle-tree"])
 def test_precompile_builds_every_graph_the_request_uses(checkpoint, eagle_models, medusa_models, draft, temperature):
     """``precompile`` (what ``--backend compiled`` runs before the timed request) leaves no graph to be
     built mid-request: the eager backend builds the same keys cheaply, so compare the key sets."""
-    from specdec import DecoderModel, SamplingConfig, SpeculativeGenerator
+    from specdec import DecoderModel, LookupBranch, SamplingConfig, SpeculativeGenerator
     paths = {"none": (checkpoint("llama").path, None), "lookup": (checkpoint("llama").path, None),
              "model": (checkpoint("llama").path, checkpoint("llama-draft").path),
-             "eagle": eagle_models, "medusa": medusa_models}
+             "eagle": eagle_models, "medusa": medusa_models, "eagle-tree": eagle_models,
+             "lookup+eagle-tree": eagle_models}
     target_path, draft_path = paths[draft]
     # 256 positions: KV buckets [128, 256]; the prompt + 117 tokens end near the first bucket's edge,
     # so the last verify steps reach into the second
@@ -184,7 +185,8 @@ def test_precompile_builds_every_graph_the_request_uses(checkpoint, eagle_models
     proposer = cli.make_proposer(args, target)
     gen = None if proposer is None else SpeculativeGenerator(proposer, target, cli.DEFAULT_K.get(draft))
     cli.precompile(target, proposer, gen, len(SMALL), 117, progress=False)
-    models = [m for m in (target, getattr(proposer, "model", None)) if isinstance(m, DecoderModel)]
+    inner = proposer.tree if isinstance(proposer, LookupBranch) else proposer
+    models = [m for m in (target, getattr(inner, "model", None)) if isinstance(m, DecoderModel)]
     built = [set(m._graphs) for m in models]
     (gen or target).generate([SMALL], max_new_tokens=117, eos_token_id=[], seed=0)
     for m, before in zip(models, built):

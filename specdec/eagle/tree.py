@@ -28,12 +28,13 @@ the next re-read pairs true features with true tokens, as in chain drafting.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..core.decoder import DecoderModel
+from ..core.graphs import GraphKey
 from ..proposer import Proposal, Verified
 from ..tree import RowTrees, row_trees
 from ..verify import TreeVerifier
@@ -105,6 +106,25 @@ class EagleTreeDraft(EagleDraft):
                              f"n_positions {target.n_positions})")
 
     fused_drafter = None       # the expansion's top-K reranking is host-driven: fused speculation takes chains
+
+    @property
+    def verify_size(self) -> int:
+        """Tokens the target verifies per step: the N nodes and the root."""
+        return self.tree.num_nodes + 1
+
+    def draft_graph_keys(self, prompt_length: int, max_length: int, single_row: bool = False) -> list[GraphKey]:
+        """The draft network's graphs for sequences up to ``max_length``: its context graphs (the
+        request's sampling mode), the greedy (D+1)-position re-read and the greedy expansion steps
+        ((d-1)·K tokens, K logits, d = 2..D), which reach ``draft_slots`` past S[:-1]."""
+        d, D, K = self.model, self.depth, self.tree.top_k
+        reach = min(d.n_positions, max_length + self.tree.draft_slots)
+        context = [k for k in d.graph_keys(prompt_length=prompt_length, max_length=max_length, single_row=single_row)
+                   if k.n_tokens == k.kv_len]
+        greedy = d.graph_keys(do_sample=False, spec_tokens=(D,), prompt_length=prompt_length, max_length=reach)
+        steps = [k for k in greedy if k.n_tokens != k.kv_len and k.n_tokens in (1, D + 1)]
+        expand = [replace(k, n_tokens=(depth - 1) * K, n_logits=K, return_probs=False)
+                  for k in greedy if k.n_tokens == 1 for depth in range(2, D + 1) if k.kv_len >= (depth - 1) * K]
+        return context + steps + expand
 
     def max_draft_tokens(self, length: int) -> int:
         """The tree's depth while its N + 1 verify slots and the draft's expansion fit before

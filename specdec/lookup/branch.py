@@ -46,6 +46,11 @@ class LookupBranch:
         """Nodes verified per step (root excluded): the tree's and the lookup branch's."""
         return self.tree.tree.num_nodes + self.length
 
+    @property
+    def verify_size(self) -> int:
+        """Tokens the target verifies per step: the nodes and the root."""
+        return self.num_nodes + 1
+
     def check_target(self, target) -> None:
         self.tree.check_target(target)
         largest = min(target.kv_buckets[-1], target.n_positions - 1)

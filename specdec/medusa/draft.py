@@ -73,6 +73,11 @@ class MedusaDraft:
         return self.target.batch_size
 
     @property
+    def verify_size(self) -> int:
+        """Tokens the target verifies per step: the tree's nodes and the root."""
+        return self.tree.verify_size
+
+    @property
     def depth(self) -> int:
         """Draft tokens a step can accept at most (the generator's k)."""
         return self.tree.depth
