@@ -186,6 +186,7 @@ def test_interrupted_conversion_leaves_no_entry(tiny_gguf, cache, monkeypatch):
 
 SIGINT_SCRIPT = r"""
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)   # also when started in the background (SIGINT ignored)
 from specdec.core import paths
 real = paths.write_safetensors
 def write(state, path, *a, **k):
