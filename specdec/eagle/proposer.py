@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..core.decoder import DecoderModel
-from ..core.sampling import any_sampled
+from ..core.decoder import DecoderModel, StepOutput
+from ..core.sampling import RowGenerators, any_sampled
 from ..fused.step import FusedKey
 from ..proposer import Proposal
 from .draft import EagleModel
@@ -93,17 +93,10 @@ class EagleDraft:
         self.model.prefill(shifted, params, rng, features=features, rows=rows)
 
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
-        d, dev = self.model, self.features.device
+        d = self.model
         sampled = any_sampled(params)
-        W = self.reread_width(k)
-        n = lengths.to(dev)
-        start = (n - 1 - W).clamp(min=0)
-        pos = (start.unsqueeze(1) + torch.arange(W, device=dev)).clamp(max=d.n_positions - 1)
-        d.set_lengths(start)
-        out = d.step(self.next_tokens[self.rows, pos], params, rng, features=self.features[self.rows, pos],
-                     logit_index=(n - 2 - start).unsqueeze(1), advance=False, return_probs=sampled)
-        last = (n - 2 - start).view(-1, 1, 1).expand(-1, 1, out.hidden.shape[-1])
-        feature = torch.gather(out.hidden, 1, last)                       # f^_{n-1}: [B, 1, H]
+        n = lengths.to(self.features.device)
+        out, feature = self.reread(n, k, params, rng, return_probs=sampled)
         tokens, probs = [out.tokens[:, :1]], [out.probs] if sampled else []
         d.set_lengths(n - 1)
         for _ in range(k - 1):
@@ -113,6 +106,22 @@ class EagleDraft:
             if sampled:
                 probs.append(out.probs)
         return Proposal(torch.cat(tokens, 1), torch.cat(probs, 1) if sampled else None)
+
+    def reread(self, n: torch.Tensor, k: int, params: torch.Tensor, rng: RowGenerators | None,
+               return_probs: bool = False) -> tuple[StepOutput, torch.Tensor]:
+        """The first draft step of a k-token proposal (n [B] = len(S) per row): re-read the last
+        ``reread_width(k)`` true (feature, token) pairs, up to position n-2 → (its ``StepOutput``, with the
+        logits / token / probabilities of the token after S[-1], and the draft feature f^_{n-1} [B, 1, H]
+        paired with that token)."""
+        d = self.model
+        W = self.reread_width(k)
+        start = (n - 1 - W).clamp(min=0)
+        pos = (start.unsqueeze(1) + torch.arange(W, device=n.device)).clamp(max=d.n_positions - 1)
+        d.set_lengths(start)
+        out = d.step(self.next_tokens[self.rows, pos], params, rng, features=self.features[self.rows, pos],
+                     logit_index=(n - 2 - start).unsqueeze(1), advance=False, return_probs=return_probs)
+        last = (n - 2 - start).view(-1, 1, 1).expand(-1, 1, out.hidden.shape[-1])
+        return out, torch.gather(out.hidden, 1, last)
 
     def reread_width(self, k: int) -> int:
         """Positions the first draft step of a k-token proposal re-reads: the largest k + 1 seen since every

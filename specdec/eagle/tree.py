@@ -137,8 +137,8 @@ class EagleTreeDraft(EagleDraft):
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
         K, N, D, dev = self.tree.top_k, self.tree.num_nodes, k, self.features.device
         n = lengths.to(dev)
-        logits, feature = self._reread(n, k)
-        scores, tokens = torch.log_softmax(logits, -1).topk(K, dim=-1)                    # depth 1: [B, K]
+        out, feature = self.reread(n, k, self.greedy, None)          # the draft scores only: greedy graphs
+        scores, tokens = torch.log_softmax(out.logits[:, 0], -1).topk(K, dim=-1)          # depth 1: [B, K]
         pool_tokens, pool_scores = [tokens], [scores]
         pool_parent = [torch.full_like(tokens, -1)]                                       # -1: the root
         frontier = torch.arange(K, device=dev).expand_as(tokens)                          # pool indices
@@ -171,19 +171,6 @@ class EagleTreeDraft(EagleDraft):
         nodes, parent = _rerank(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), torch.cat(pool_parent, 1), K, N)
         self.pending = row_trees(parent, D, K)
         return Proposal(nodes, None, self.pending)
-
-    def _reread(self, n: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chain's first draft step on greedy graphs → (logits [B, V] of the token after S[-1],
-        the feature f^ paired with it [B, 1, H])."""
-        d = self.model
-        W = self.reread_width(k)
-        start = (n - 1 - W).clamp(min=0)
-        pos = (start.unsqueeze(1) + torch.arange(W, device=n.device)).clamp(max=d.n_positions - 1)
-        d.set_lengths(start)
-        out = d.step(self.next_tokens[self.rows, pos], self.greedy, None, features=self.features[self.rows, pos],
-                     logit_index=(n - 2 - start).unsqueeze(1), advance=False)
-        last = (n - 2 - start).view(-1, 1, 1).expand(-1, 1, out.hidden.shape[-1])
-        return out.logits[:, 0], torch.gather(out.hidden, 1, last)
 
     # ------------------------------------------------------------------ accepted
     def accepted(self, lengths, verified: Verified) -> None:
