@@ -327,7 +327,7 @@ def make_proposer(args: argparse.Namespace, target):
     if d.startswith(LOOKUP_AND):
         model = make_proposer(argparse.Namespace(**{**vars(args), "draft": d.removeprefix(LOOKUP_AND)}), target)
         if d == "lookup+eagle-tree":
-            return LookupBranch(model, PromptLookup(target), model.depth)
+            return LookupBranch(PromptLookup(target), model, model.depth)
         return LookupOrDraft(PromptLookup(target), model)
     kw = {"tree": args.tree} if d == "medusa" else {}
     if d == "eagle-tree" and args.tree is not None:
@@ -362,8 +362,6 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
     width = 1
     if gen is not None:    # tree proposers say how many tokens a step verifies; a chain verifies k + 1
         width = getattr(proposer, "verify_size", None) or gen.k + 1
-    if isinstance(proposer, LookupBranch):
-        proposer = proposer.tree
     # the last verify step may write up to width - 1 positions past the budget
     max_length = min(target.n_positions, prompt_length + max_new_tokens + width - 1)
     sampled = target.settings.sampling.do_sample
@@ -381,7 +379,7 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
     if gen is not None and gen.speculator.adaptive is not None:
         verify = tuple(range(2, width + 1))
     combined = isinstance(proposer, LookupOrDraft)
-    if combined:
+    if isinstance(proposer, (LookupOrDraft, LookupBranch)):    # the model proposer's graphs
         proposer = proposer.draft
     todo = [(target, [replace(k, penalty=penalty) for k in keys(target, verify, False)],
              (proposer.depth,) if getattr(proposer, "verify_size", None) else ())]

@@ -185,7 +185,7 @@ def test_precompile_builds_every_graph_the_request_uses(checkpoint, eagle_models
     proposer = cli.make_proposer(args, target)
     gen = None if proposer is None else SpeculativeGenerator(proposer, target, cli.DEFAULT_K.get(draft))
     cli.precompile(target, proposer, gen, len(SMALL), 117, progress=False)
-    inner = proposer.tree if isinstance(proposer, LookupBranch) else proposer
+    inner = proposer.draft if isinstance(proposer, LookupBranch) else proposer
     models = [m for m in (target, getattr(inner, "model", None)) if isinstance(m, DecoderModel)]
     built = [set(m._graphs) for m in models]
     (gen or target).generate([SMALL], max_new_tokens=117, eos_token_id=[], seed=0)

@@ -38,7 +38,7 @@ def saved(tmp_path_factory):
 
 def branch_generator(target, eagle_dir, tree=DynamicTree(3, 3, 6), length=3):
     draft = EagleTreeDraft.from_pretrained(eagle_dir, target, tree=tree, progress=False)
-    return SpeculativeGenerator(LookupBranch(draft, PromptLookup(target), length), target)
+    return SpeculativeGenerator(LookupBranch(PromptLookup(target), draft, length), target)
 
 
 @pytest.mark.parametrize("length", [1, 3])
@@ -91,6 +91,6 @@ def test_errors(saved):
     target = load_target(target_dir)
     draft = EagleTreeDraft.from_pretrained(eagle_dir, target, tree=DynamicTree(3, 3, 6), progress=False)
     with pytest.raises(ValueError, match=r"length must be an int in \[1, 3\]"):
-        LookupBranch(draft, PromptLookup(target), 4)
+        LookupBranch(PromptLookup(target), draft, 4)
     with pytest.raises(ValueError, match="grafts onto a dynamic tree proposer"):
         LookupBranch(PromptLookup(target), PromptLookup(target))

@@ -275,7 +275,7 @@ def strategy_systems(strategy: str, args: argparse.Namespace, target) -> tuple[d
         branch = strategy != "eagle-tree"
 
         def make(d):
-            return SpeculativeGenerator(LookupBranch(d, PromptLookup(target), d.depth) if branch else d, target)
+            return SpeculativeGenerator(LookupBranch(PromptLookup(target), d, d.depth) if branch else d, target)
         return {f"{spec}-{shape}": System(d.depth, d.tree.num_nodes + 1 + (d.depth if branch else 0),
                                           lambda d=d: make(d))
                 for shape, d in drafts.items()}, next(iter(drafts.values())).module

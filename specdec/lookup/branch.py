@@ -26,25 +26,26 @@ from .proposer import PromptLookup
 
 
 class LookupBranch:
-    """``tree`` (a tree proposer keeping its step's trees in ``pending``, as ``EagleTreeDraft``) with a
-    ``length``-token prompt-lookup branch (``lookup``: a ``PromptLookup`` for the same target)."""
+    """``draft`` (a tree proposer keeping its step's trees in ``pending``, as ``EagleTreeDraft``) with a
+    ``length``-token prompt-lookup branch (``lookup``: a ``PromptLookup`` for the same target); the
+    arguments in ``LookupOrDraft``'s order."""
 
-    def __init__(self, tree: Proposer, lookup: PromptLookup, length: int = 4):
-        if getattr(tree, "depth", None) is None or not hasattr(tree, "pending"):
+    def __init__(self, lookup: PromptLookup, draft: Proposer, length: int = 4):
+        if getattr(draft, "depth", None) is None or not hasattr(draft, "pending"):
             raise ValueError(f"LookupBranch grafts onto a dynamic tree proposer (EagleTreeDraft); "
-                             f"{type(tree).__name__} proposes no per-step tree")
-        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= tree.depth:
-            raise ValueError(f"length must be an int in [1, {tree.depth}] (the tree's depth), got {length!r}")
-        if lookup.batch_size != tree.batch_size:
-            raise ValueError(f"lookup batch_size={lookup.batch_size} != tree proposer batch_size={tree.batch_size}")
-        self.tree, self.lookup, self.length = tree, lookup, length
-        self.depth, self.verifier = tree.depth, tree.verifier
-        self.vocab_size, self.batch_size = tree.vocab_size, tree.batch_size
+                             f"{type(draft).__name__} proposes no per-step tree")
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= draft.depth:
+            raise ValueError(f"length must be an int in [1, {draft.depth}] (the tree's depth), got {length!r}")
+        if lookup.batch_size != draft.batch_size:
+            raise ValueError(f"lookup batch_size={lookup.batch_size} != tree proposer batch_size={draft.batch_size}")
+        self.draft, self.lookup, self.length = draft, lookup, length
+        self.depth, self.verifier = draft.depth, draft.verifier
+        self.vocab_size, self.batch_size = draft.vocab_size, draft.batch_size
 
     @property
     def num_nodes(self) -> int:
         """Nodes verified per step (root excluded): the tree's and the lookup branch's."""
-        return self.tree.tree.num_nodes + self.length
+        return self.draft.tree.num_nodes + self.length
 
     @property
     def verify_size(self) -> int:
@@ -52,30 +53,30 @@ class LookupBranch:
         return self.num_nodes + 1
 
     def check_target(self, target) -> None:
-        self.tree.check_target(target)
+        self.draft.check_target(target)
         largest = min(target.kv_buckets[-1], target.n_positions - 1)
         if self.num_nodes + 1 > largest:
             raise ValueError(f"tree + lookup branch need {self.num_nodes + 1} verify slots but the target allows "
                              f"{largest}: use a smaller tree or lookup length")
 
     def max_draft_tokens(self, length: int) -> int:
-        k = self.tree.max_draft_tokens(length)
+        k = self.draft.max_draft_tokens(length)
         return k if length + self.num_nodes <= self.lookup.target.n_positions else 0
 
     def start(self, rows, prompts, params, rng, target_out) -> None:
-        self.tree.start(rows, prompts, params, rng, target_out)
+        self.draft.start(rows, prompts, params, rng, target_out)
         self.lookup.start(rows, prompts, params, rng, target_out)
 
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
-        proposal = self.tree.propose(tail, lengths, k, params, rng)
+        proposal = self.draft.propose(tail, lengths, k, params, rng)
         chain = self.lookup.propose(tail, lengths, self.length, params, rng).tokens.to(proposal.tokens.device)
         tokens, parent = graft(proposal.tokens, proposal.tree.parent, chain)
         merged = row_trees(parent, proposal.tree.max_depth, proposal.tree.max_children + self.length)
-        self.tree.pending = merged
+        self.draft.pending = merged
         return Proposal(tokens, None, merged)
 
     def accepted(self, lengths, verified: Verified) -> None:
-        self.tree.accepted(lengths, verified)
+        self.draft.accepted(lengths, verified)
         self.lookup.accepted(lengths, verified)
 
 
