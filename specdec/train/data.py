@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
+from .distill import save_atomic
 from .store import Shard, read_shard, shard_name, write_shard
 
 # (category, instruction template for the meta-prompt, topics). Generic topics, not MT-Bench questions.
@@ -272,9 +273,7 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
         batch = labelled_batch(model, shard.tokens, shard.prompt_lens, shard.sampled)
         batch.update(categories=shard.meta.get("categories"), shard=shard_file.name,
                      seconds=time.perf_counter() - start)
-        tmp = out_dir / f"batch_{i:05d}.pt.tmp"
-        torch.save(batch, tmp)
-        tmp.replace(out_dir / f"batch_{i:05d}.pt")
+        save_atomic(batch, out_dir / f"batch_{i:05d}.pt")
         bar.update()
         bar.set_postfix(tokens=sum(len(r) - p for r, p in zip(batch["tokens"], batch["prompt_lens"].tolist())),
                         s=f"{batch['seconds']:.0f}", agree=f"{batch['greedy_label_agreement']:.3f}")
@@ -305,10 +304,7 @@ def label_store(store: str | Path, out_dir: str | Path, target_path=None, progre
     for f, shard in tqdm(shards, desc="labelling kept tokens", unit="shard", disable=not progress):
         batch = labelled_batch(model, shard.tokens, shard.prompt_lens, shard.sampled)
         batch.update(categories=shard.meta.get("categories"), shard=f.name)
-        out = out_dir / f"batch_{f.stem.removeprefix('answers-')}.pt"
-        tmp = out.with_name(out.name + ".tmp")
-        torch.save(batch, tmp)
-        tmp.replace(out)
+        save_atomic(batch, out_dir / f"batch_{f.stem.removeprefix('answers-')}.pt")
     return out_dir
 
 

@@ -248,6 +248,16 @@ def evaluate(trainer: DraftTrainer, rows: list[dict], index_of: torch.Tensor, cf
 
 
 # ----------------------------------------------------------------------------- training
+def save_atomic(obj, path: str | Path) -> None:
+    """``torch.save(obj, path)`` through a temporary file renamed over ``path``: an interrupted save
+    (Ctrl-C, a crash) leaves the previous file or none, never half of one (checkpoints, data batches,
+    feature caches)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
 def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig,
                    ckpt: dict | None) -> tuple[torch.optim.Optimizer, int]:
     """AdamW over ``params`` and the step to start from: 0, or the checkpoint's (state restored)."""
@@ -360,9 +370,7 @@ def train_draft(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
         state = {"step": step, "model": trainer.trainable_state(), "optimizer": opt.state_dict(),
                  "output_token_ids": token_ids, "spec": asdict(spec), "config": asdict(cfg),
                  "draft_config": dcfg}
-        tmp = ckpt_file.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(ckpt_file)
+        save_atomic(state, ckpt_file)
 
     log_file = out_dir / "train_log.jsonl"
     per_epoch = len(batch_order(len(train_rows), cfg.batch_rows, cfg.seed, 0))

@@ -42,7 +42,8 @@ from safetensors.torch import save_file
 
 from ..core.model import apply_rope, rms_norm, rope_inv_freq, rope_tables, split_hidden
 from ..eagle.checkpoint import EAGLE3_ARCHITECTURE, aux_layer_ids
-from .distill import OptimConfig, load_target_state, lr_at, make_optimizer, run_steps, split_rows, target_vocab
+from .distill import (OptimConfig, load_target_state, lr_at, make_optimizer, run_steps, save_atomic, split_rows,
+                      target_vocab)
 from .features import check_resume_settings, jsonl_recorder, load_features, step_rows, training_rows
 
 
@@ -284,11 +285,9 @@ def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
     opt, step = make_optimizer(params, cfg, ckpt)
 
     def save(step: int) -> None:
-        tmp = ckpt_file.with_suffix(".tmp")
-        torch.save({"step": step, "model": trainer.state(), "optimizer": opt.state_dict(),
-                    "output_token_ids": token_ids, "config": asdict(cfg), "target_config": target_cfg,
-                    "aux_layers": aux_layers}, tmp)
-        tmp.replace(ckpt_file)
+        save_atomic({"step": step, "model": trainer.state(), "optimizer": opt.state_dict(),
+                     "output_token_ids": token_ids, "config": asdict(cfg), "target_config": target_cfg,
+                     "aux_layers": aux_layers}, ckpt_file)
 
     record = jsonl_recorder(out_dir, log)
     probe = train_idx[:16]

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .distill import OptimConfig, batch_order
+from .distill import OptimConfig, batch_order, save_atomic
 
 
 @torch.no_grad()
@@ -51,9 +51,7 @@ def compute_features(rows: list[dict], target_dir: Path, out_file: Path, amp: st
         for j, i in enumerate(idx):
             by_index[i] = hidden[j, : len(rows[i]["tokens"])].clone()
     feats = [by_index[i] for i in range(len(rows))]
-    tmp = out_file.with_suffix(".tmp")
-    torch.save(feats, tmp)
-    tmp.replace(out_file)
+    save_atomic(feats, out_file)
     return feats
 
 

@@ -33,7 +33,7 @@ from ..core.checkpoint import target_lm_head
 from ..medusa.heads import MedusaConfig, MedusaHeads, save_heads
 from ..medusa.tree import build_tree, expected_accept_length, measure_head_accuracy
 from ..tree import TokenTree
-from .distill import OptimConfig, lr_at, make_optimizer, run_steps, split_rows, target_vocab
+from .distill import OptimConfig, lr_at, make_optimizer, run_steps, save_atomic, split_rows, target_vocab
 from .features import check_resume_settings, jsonl_recorder, load_features, step_rows, training_rows
 
 TOP_K = 10            # ranks of the measured accuracy matrix (the trees' top-k)
@@ -205,11 +205,9 @@ def train_medusa(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pa
     opt, step = make_optimizer(params, cfg, ckpt)
 
     def save(step: int) -> None:
-        tmp = ckpt_file.with_suffix(".tmp")
-        torch.save({"step": step, "model": trainable_state(heads), "optimizer": opt.state_dict(),
-                    "token_ids": token_ids, "config": asdict(cfg), "hidden_size": lm_head.shape[1],
-                    "target_vocab_size": lm_head.shape[0]}, tmp)
-        tmp.replace(ckpt_file)
+        save_atomic({"step": step, "model": trainable_state(heads), "optimizer": opt.state_dict(),
+                     "token_ids": token_ids, "config": asdict(cfg), "hidden_size": lm_head.shape[1],
+                     "target_vocab_size": lm_head.shape[0]}, ckpt_file)
 
     record = jsonl_recorder(out_dir, log)
     probe = data.train_idx[:PROBE_ROWS]
