@@ -120,22 +120,17 @@ TOPK = 16
 
 
 @torch.no_grad()
-def label_sequences(model, sequences: list[torch.Tensor], topk: int = TOPK):
-    """Labels for any token sequences, by prefill only: the target's argmax next token at every
-    position of each sequence, and its top-``topk`` next-token ids and probabilities (soft labels).
+def prefill_hidden(model, sequences: list[torch.Tensor], progress: bool = False, desc: str = "prefill"):
+    """The hidden states of every position of token sequences, by teacher-forced prefill: yields
+    ``(i, hidden [len(sequences[i]), F])`` (F = H, or H·(1+A) with the model's ``feature_layers``).
 
     ``model``: a ``DecoderModel`` (its decoder's own math and dtype, eager; its KV cache is used as
-    scratch and reset). Sequences are processed longest-first in chunks of ``model.batch_size`` rows,
-    each chunk padded only to its own longest row; each must fit ``model.n_positions``. Returns
-    (labels [L] list, topk ids [L, k] int32 list, probs [L, k] f16 list), in ``sequences`` order.
-    Generated answers (``generate_data``) and kept token data (``label_store``) are labelled with it;
-    so can any other text (EAGLE-1: a fixed corpus trains a draft nearly as well as the target's own
-    generations)."""
-    lm, B = model.lm, model.batch_size
-    n = len(sequences)
-    labels, top_ids, top_probs = [None] * n, [None] * n, [None] * n
-    order = sorted(range(n), key=lambda i: -len(sequences[i]))
-    for s in range(0, n, B):
+    scratch and reset at the end). Sequences go longest-first in chunks of ``model.batch_size`` rows,
+    each chunk padded only to its own longest row; each must fit ``model.n_positions``. The yielded
+    tensors are views of the chunk's output: clone what is kept."""
+    lm, B, dev = model.lm, model.batch_size, model.device
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    for s in tqdm(range(0, len(order), B), desc=desc, unit="batch", disable=not progress):
         chunk = order[s:s + B]
         L = len(sequences[chunk[0]])
         if L > model.n_positions:
@@ -144,23 +139,36 @@ def label_sequences(model, sequences: list[torch.Tensor], topk: int = TOPK):
         for j, i in enumerate(chunk):
             ids[j, : len(sequences[i])] = sequences[i]
         mask = torch.ones(L, L, dtype=torch.bool).tril().expand(B, L, L)
-        _, hidden = lm(ids.to(model.device), torch.arange(L).expand(B, L).to(model.device),
-                       torch.zeros(B, dtype=torch.long, device=model.device), mask.to(model.device),
-                       torch.zeros(B, 1, dtype=torch.long, device=model.device), kv_len=L)
+        _, hidden = lm(ids.to(dev), torch.arange(L).expand(B, L).to(dev), torch.zeros(B, dtype=torch.long, device=dev),
+                       mask.to(dev), torch.zeros(B, 1, dtype=torch.long, device=dev), kv_len=L)
         for j, i in enumerate(chunk):
-            h = hidden[j, : len(sequences[i])]
-            ids_, probs_ = [], []
-            for c in range(0, len(h), 256):
-                p, t = lm.lm_head(h[c:c + 256]).float().softmax(-1).topk(topk, dim=-1)
-                probs_.append(p.half().cpu())
-                ids_.append(t.cpu())
-            t = torch.cat(ids_)
-            if lm.config.output_vocab_size:
-                t = lm.output_token_ids.cpu()[t]
-            labels[i] = t[:, 0].clone()
-            top_ids[i] = t.to(torch.int32)
-            top_probs[i] = torch.cat(probs_)
+            yield i, hidden[j, : len(sequences[i])]
     model.reset()
+
+
+@torch.no_grad()
+def label_sequences(model, sequences: list[torch.Tensor], topk: int = TOPK):
+    """Labels for any token sequences, by prefill only (``prefill_hidden``): the target's argmax next
+    token at every position of each sequence, and its top-``topk`` next-token ids and probabilities
+    (soft labels). Returns (labels [L] list, topk ids [L, k] int32 list, probs [L, k] f16 list), in
+    ``sequences`` order. Generated answers (``generate_data``) and kept token data (``label_store``) are
+    labelled with it; so can any other text (EAGLE-1: a fixed corpus trains a draft nearly as well as
+    the target's own generations)."""
+    lm = model.lm
+    n = len(sequences)
+    labels, top_ids, top_probs = [None] * n, [None] * n, [None] * n
+    for i, h in prefill_hidden(model, sequences):
+        ids_, probs_ = [], []
+        for c in range(0, len(h), 256):
+            p, t = lm.lm_head(h[c:c + 256]).float().softmax(-1).topk(topk, dim=-1)
+            probs_.append(p.half().cpu())
+            ids_.append(t.cpu())
+        t = torch.cat(ids_)
+        if lm.config.output_vocab_size:
+            t = lm.output_token_ids.cpu()[t]
+        labels[i] = t[:, 0].clone()
+        top_ids[i] = t.to(torch.int32)
+        top_probs[i] = torch.cat(probs_)
     return labels, top_ids, top_probs
 
 

@@ -19,7 +19,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from .distill import OptimConfig, batch_order, save_atomic
 
@@ -33,24 +32,13 @@ def compute_features(rows: list[dict], target_dir: Path, out_file: Path, amp: st
     if out_file.is_file():
         return torch.load(out_file, weights_only=True)
     from ..core.decoder import DecoderModel
+    from .data import prefill_hidden
     longest = max(len(r["tokens"]) for r in rows)
     model = DecoderModel.from_pretrained(target_dir, batch_size=batch_rows, n_positions=longest, amp=amp,
                                          backend="eager", feature_layers=feature_layers, progress=False)
-    lm = model.lm
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["tokens"]))   # little padding
-    by_index = {}
-    for s in tqdm(range(0, len(order), batch_rows), desc="target features", unit="batch", disable=not progress):
-        idx = order[s:s + batch_rows]
-        L = max(len(rows[i]["tokens"]) for i in idx)
-        ids = torch.zeros(batch_rows, L, dtype=torch.long)
-        for j, i in enumerate(idx):
-            ids[j, : len(rows[i]["tokens"])] = rows[i]["tokens"]
-        mask = torch.ones(L, L, dtype=torch.bool).tril().expand(batch_rows, L, L)
-        _, hidden = lm(ids, torch.arange(L).expand(batch_rows, L), torch.zeros(batch_rows, dtype=torch.long), mask,
-                       torch.zeros(batch_rows, 1, dtype=torch.long), kv_len=L)
-        for j, i in enumerate(idx):
-            by_index[i] = hidden[j, : len(rows[i]["tokens"])].clone()
-    feats = [by_index[i] for i in range(len(rows))]
+    feats = [None] * len(rows)
+    for i, hidden in prefill_hidden(model, [r["tokens"] for r in rows], progress, "target features"):
+        feats[i] = hidden.clone()
     save_atomic(feats, out_file)
     return feats
 
