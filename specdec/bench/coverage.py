@@ -71,21 +71,18 @@ def shipped_vocabularies() -> dict[str, torch.Tensor]:
 def generate_outputs(sets: list[str], num_prompts: int | None, max_new_tokens: int, amp: str, batch_size: int,
                      log=print) -> list[dict]:
     """Greedy outputs of the embedded model: one dict per prompt (set, question_id, category, prompt, output)."""
+    from transformers import AutoTokenizer
+
     from ..core.chat import chat_ids
     from ..core.decoder import DecoderModel
+    from ..core.paths import resolve_model_path
     from ..core.sampling import SamplingConfig
     rows = []
     for s in sets:
         for q, cat, text in load_records(s, num_prompts):
             rows.append({"set": s, "question_id": q, "category": cat, "text": text})
-    model = None
-    tok = None
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
     for r in rows:
-        if tok is None:
-            from transformers import AutoTokenizer
-
-            from ..core.paths import resolve_model_path
-            tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
         r["prompt"] = chat_ids(tok, r["text"])
     longest = max(len(r["prompt"]) for r in rows)
     n_positions = -(-(longest + max_new_tokens) // 128) * 128
@@ -123,6 +120,14 @@ def extension_orders(rows: list[dict], base: torch.Tensor, vocab_size: int) -> d
     return orders
 
 
+def membership(vocab_size: int, *ids: torch.Tensor) -> torch.Tensor:
+    """[vocab_size] bool: True at every token id in ``ids``."""
+    member = torch.zeros(vocab_size, dtype=torch.bool)
+    for t in ids:
+        member[t] = True
+    return member
+
+
 def analyse(rows: list[dict], vocabs: dict[str, torch.Tensor], sizes: list[int], vocab_size: int,
             hidden: int) -> dict:
     base = next(iter(vocabs.values()))        # the larger vocabularies extend the first draft's
@@ -140,8 +145,7 @@ def analyse(rows: list[dict], vocabs: dict[str, torch.Tensor], sizes: list[int],
         n = sum(len(r["output"]) for r in rs)
         entry = {"prompts": len(rs), "tokens": n, "drafts": {}, "coverage": {}}
         for d, ids in vocabs.items():
-            member = torch.zeros(vocab_size, dtype=torch.bool)
-            member[ids] = True
+            member = membership(vocab_size, ids)
             oov = in_prompt = in_context = 0
             for r in rs:
                 prompt = set(r["prompt"])
@@ -159,9 +163,8 @@ def analyse(rows: list[dict], vocabs: dict[str, torch.Tensor], sizes: list[int],
             for s in sizes:
                 hits = 0
                 for c in cats:
-                    member = torch.zeros(vocab_size, dtype=torch.bool)
-                    member[base] = True
-                    member[torch.tensor(orders[c][strategy][: max(0, s - len(base))], dtype=torch.long)] = True
+                    member = membership(vocab_size, base, torch.tensor(orders[c][strategy][: max(0, s - len(base))],
+                                                                        dtype=torch.long))
                     hits += sum(int(member[t]) for r in rs if f"{r['set']}/{r['category']}" == c for t in r["output"])
                 cov[str(s)] = hits / n
             entry["coverage"][strategy] = cov
