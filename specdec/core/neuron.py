@@ -25,9 +25,9 @@ key for every rank. The decoder is built with ``parallel.spmd_group`` (rank 0's 
 rank shares), so its collectives are neuronx-distributed's (``reduce_from_tensor_model_parallel_region``
 after the embedding, o_proj and down_proj; ``gather_from_tensor_model_parallel_region`` of the logits)
 and its rank is the ``tp_rank`` parameter ([1] int32, as NxD's ``SPMDRank`` holds it), a weight like any
-other. Tracing runs inside ``(world_size=tp, tensor_model_parallel_size=tp)``; the program is ``NxDModel(world_size=tp)``;
-``set_weights`` gets one state dict per rank, rank r's holding the shards
-``parallel.shard_plan`` gives rank r and ``tp_rank = [r]`` (``DecoderModel.rank_weights``).
+other. Tracing runs inside ``NxDParallelState(world_size=tp, tensor_model_parallel_size=tp)``; the
+program is ``NxDModel(world_size=tp)``; ``set_weights`` gets one state dict per rank, rank r's holding
+the shards ``parallel.shard_plan`` gives rank r and ``tp_rank = [r]`` (``DecoderModel.rank_weights``).
 
 Nothing here has run on Neuron hardware or with the Neuron SDK installed: it is written against the
 documented APIs (torch-neuronx, neuronx-distributed ModelBuilder V2); the tests check its calls to
