@@ -25,9 +25,10 @@ neuronx-distributed's ``reduce_from_tensor_model_parallel_region`` /
 ``gather_from_tensor_model_parallel_region`` (lowered to collectives while traced under
 ``NxDParallelState``), and the rank is never a Python constant in the graph: the model reads it from
 ``DecoderLM.tp_rank``, [1] int32 (a parameter here, as NxD's ``SPMDRank`` holds it: rank r is handed
-the value ``r`` with its weights; a buffer holding the process's rank on CPU / GPU). The weights are the same per-rank shards ``shard_plan`` gives
-torch.distributed ranks, built on the host for every rank and handed to ``NxDModel.set_weights`` as
-one state dict per rank (``DecoderModel.rank_weights``), in place of NxD's ``shard_checkpoint`` over
+the value ``r`` with its weights; a buffer holding the process's rank on CPU / GPU). The weights are
+the same per-rank shards ``shard_plan`` gives torch.distributed ranks, built on the host for every
+rank and handed to ``NxDModel.set_weights`` as one state dict per rank (``DecoderModel.rank_weights``),
+in place of NxD's ``shard_checkpoint`` over
 ``ColumnParallelLinear`` / ``RowParallelLinear`` / ``ParallelEmbedding`` attributes (same layout:
 column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel embedding and LM head).
 """
