@@ -241,6 +241,8 @@ class ModelFootprint:
     matrix_shapes: tuple[tuple[int, int], ...]     # (split dimension, the rest) of other 2-D weights
     embedding_shapes: tuple[tuple[int, int], ...]  # (vocab or positions, hidden): embeddings, LM head
     vector_elems: int
+    lm_head_rows: int = 0                          # the LM head's vocabulary rows (0: no LM head)
+    tied_lm_head: bool = False                     # the LM head is the input embedding's table
 
     def layout(self, tp_degree: int, gqa_strategy: str | None = None):
         """The runtime's head layout at ``tp_degree`` (None for reference architectures)."""
@@ -264,18 +266,22 @@ class ModelFootprint:
                               quantization: str | None = None, replicate_embeddings: bool = False) -> int:
         """Bytes of one core's weights at ``nbytes`` per element; with ``quantization`` ("int8", "int4")
         the attention and other weight matrices as ``specdec.core.quant`` stores them (int8: 1 byte and a
-        scale per output row; int4: half a byte and a scale and zero per 32 weights), embeddings, LM head
-        and vectors at ``nbytes``."""
+        scale per output row; int4: half a byte and a scale and zero per 32 weights) and the LM head in
+        int8 (a tied embedding's table stays beside it), embeddings and vectors at ``nbytes``."""
         total = self.weight_elems_per_core(tp_degree, q_heads, kv_heads, replicate_embeddings=replicate_embeddings)
         if quantization is None:
             return total * nbytes
         from .core.parallel import per_rank
+        from .core.quant import quantized_bytes
         quantized = q_heads * self.q_elems_per_head + kv_heads * self.kv_elems_per_head + \
             sum(per_rank(rows, tp_degree) * rest for rows, rest in self.matrix_shapes)
-        from .core.quant import quantized_bytes
         out_rows = self.num_layers * ((q_heads + 2 * kv_heads) * self.head_dim + self.hidden_size) + \
             sum(per_rank(rows, tp_degree) for rows, _ in self.matrix_shapes)
-        return quantized_bytes(quantized, out_rows, nbytes, quantization) + (total - quantized) * nbytes
+        head_rows = self.lm_head_rows if replicate_embeddings else per_rank(self.lm_head_rows, tp_degree)
+        float_head = 0 if self.tied_lm_head else head_rows * self.hidden_size
+        return quantized_bytes(quantized, out_rows, nbytes, quantization) + \
+            quantized_bytes(head_rows * self.hidden_size, head_rows, nbytes, "int8") + \
+            (total - quantized - float_head) * nbytes
 
     def kv_elems(self, batch_size: int, n_positions: int, kv_heads: int | None = None) -> int:
         heads = self.num_kv_heads if kv_heads is None else kv_heads
@@ -345,7 +351,9 @@ def model_footprint(config: Any) -> ModelFootprint:
         max_position_embeddings=getattr(hf, "max_position_embeddings", None),
         sliding_window=getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None,
         q_elems_per_head=q_per_head, kv_elems_per_head=kv_per_head, matrix_shapes=tuple(matrices),
-        embedding_shapes=tuple(embeddings), vector_elems=vectors)
+        embedding_shapes=tuple(embeddings), vector_elems=vectors,
+        lm_head_rows=(draft_vocab or hf.vocab_size) if model.get_output_embeddings() is not None else 0,
+        tied_lm_head=bool(getattr(hf, "tie_word_embeddings", False)) and not draft_vocab)
     assert q_per_head * heads + kv_per_head * kv_heads + vectors + \
         sum(r * c for r, c in matrices + embeddings) == total
     _FOOTPRINTS[key] = fp

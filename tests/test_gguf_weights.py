@@ -125,7 +125,10 @@ def test_int4_and_int8_keep_the_blocks_of_their_own_width(tiny, scheme, keeps, r
             assert torch.equal(layer(x), exact(x)), name
         else:
             assert isinstance(layer, requantized), name
-    assert isinstance(model.lm.lm_head, torch.nn.Linear)               # int4 / int8 leave the LM head alone
+    # the tied head is Q8_0 in the file: both schemes keep its blocks (an 8-bit head), none rounded again
+    head = file_blocks_["lm_head.weight"].to_module(torch.float32)
+    x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(99))
+    assert isinstance(model.lm.lm_head, Q8Linear) and torch.equal(model.lm.lm_head(x), head(x))
 
 
 def test_greedy_speculation_equals_the_gguf_target(tiny, tmp_path_factory):

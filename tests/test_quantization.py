@@ -31,7 +31,8 @@ def dequantize(weight: torch.Tensor, scheme: str) -> torch.Tensor:
 
 
 def dequantized_hf(hf: torch.nn.Module, scheme: str = "int8") -> torch.nn.Module:
-    """A copy of a transformers model whose projections hold their rounded values."""
+    """A copy of a transformers model whose projections hold their rounded values and whose LM head holds
+    its int8 values (its own tensor: a tied embedding keeps the float table)."""
     hf = copy.deepcopy(hf)
     with torch.no_grad():
         for module in hf.modules():
@@ -39,6 +40,8 @@ def dequantized_hf(hf: torch.nn.Module, scheme: str = "int8") -> torch.nn.Module
                 linear = getattr(module, name, None)
                 if isinstance(linear, torch.nn.Linear):
                     linear.weight.copy_(dequantize(linear.weight, scheme))
+        head = hf.get_output_embeddings()
+        head.weight = torch.nn.Parameter(dequantize(head.weight, "int8"))
     return hf
 
 
@@ -91,7 +94,8 @@ def test_quantized_model_equals_transformers_on_the_dequantized_weights(checkpoi
     model = load(ckpt, quantization=scheme)
     layer = model.lm.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, LINEAR[scheme]) and isinstance(layer.mlp.down_proj, LINEAR[scheme])
-    assert isinstance(model.lm.lm_head, torch.nn.Linear)               # the LM head stays as loaded
+    assert isinstance(model.lm.lm_head, Int8Linear)                     # the LM head at 8 bits under both
+    assert isinstance(model.lm.model.embed_tokens, torch.nn.Embedding)
     reference = dequantized_hf(ckpt.hf, scheme)
     prompt = prompt_ids(9, 5)
     out = model.generate([prompt], max_new_tokens=24, eos_token_id=[])[0, len(prompt):].tolist()

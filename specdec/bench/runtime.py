@@ -178,12 +178,13 @@ def measure_bandwidth(gb: float = 1.0, runs: int = 9) -> dict:
 
 def bytes_per_token(config, dtype_name: str, mean_context: float, quantization: str | None = None,
                     weight_bytes: int | None = None) -> dict:
-    """Bytes a decode step must read: all weights (tied embeddings once; int8 projections at 1 byte
-    with ``quantization``; ``weight_bytes`` if given) + the K/V of the context (in ``dtype_name``)."""
+    """Bytes a decode step must read: the weights (``ModelConfig.bytes_read_per_token``: quantized as
+    ``quantization`` stores them, one embedding row; ``weight_bytes`` if given) + the K/V of the context
+    (in ``dtype_name``)."""
     from ..core.config import amp_dtype
 
     dtype = amp_dtype(dtype_name)
-    weights = weight_bytes if weight_bytes is not None else config.weight_bytes(dtype, quantization)
+    weights = weight_bytes if weight_bytes is not None else config.bytes_read_per_token(dtype, quantization)
     itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else dtype.bits // 8
     kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * mean_context * itemsize
     return {"weight_bytes": weights, "kv_bytes": kv, "bytes_per_token": weights + kv}

@@ -113,20 +113,23 @@ class ModelConfig:
 
     def weight_bytes(self, dtype: torch.dtype, quantization: str | None = None) -> int:
         """Bytes of all weights (tied embeddings counted once); with ``quantization`` ("int8", "int4") the
-        attention and MLP projections as ``core.quant`` stores them (``quant.quantized_bytes``)."""
+        attention and MLP projections and the LM head as ``core.quant`` stores them
+        (``quant.quantized_bytes``; the head in int8, a tied embedding's float table kept beside it)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         projections = h * q + 2 * h * kv + q * h + 3 * h * i
         layer = projections + (q + 2 * kv if self.attention_bias else 0) + 2 * h
-        head = 0 if self.tie_word_embeddings else (self.output_vocab_size or v) * h
-        total = self.num_layers * layer + v * h + h + head
+        head_rows = self.output_vocab_size or v
+        float_head = 0 if self.tie_word_embeddings else head_rows * h
+        total = self.num_layers * layer + v * h + h + float_head
         size = torch.finfo(dtype).bits // 8
         if quantization is None:
             return total * size
         from .quant import quantized_bytes
         rows = q + 2 * kv + h + 2 * i + h
         return self.num_layers * quantized_bytes(projections, rows, size, quantization) + \
-            (total - self.num_layers * projections) * size
+            quantized_bytes(head_rows * h, head_rows, size, "int8") + \
+            (total - self.num_layers * projections - float_head) * size
 
     def kv_bytes(self, dtype: torch.dtype, batch_size: int, n_positions: int, kv_cache_dtype: str | None = None) -> int:
         """Bytes of the preallocated KV cache (K and V of every layer, ``batch_size`` rows of ``n_positions``
@@ -138,5 +141,5 @@ class ModelConfig:
     def bytes_read_per_token(self, dtype: torch.dtype, quantization: str | None = None) -> int:
         """Weight bytes a decode step reads: every weight except the embedding table (one row)."""
         h, v = self.hidden_size, self.vocab_size
-        unread = v * h - h if not self.tie_word_embeddings else 0
+        unread = v * h - h if not self.tie_word_embeddings or quantization is not None else 0
         return self.weight_bytes(dtype, quantization) - unread * torch.finfo(dtype).bits // 8

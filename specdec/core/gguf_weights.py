@@ -120,6 +120,10 @@ class Q8Linear(nn.Module):
         self.inner = Int4Linear(codes, torch.cat([16 * d, d], 1), torch.cat([torch.zeros_like(d), 8 * d], 1),
                                 None, dtype)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inner.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(torch.cat([x, x], dim=-1))
 
@@ -130,11 +134,11 @@ def rope_row_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...],
-                           lm_head: bool = True) -> dict[str, BlockWeights]:
-    """HF weight name → ``BlockWeights`` for every projection and (``lm_head``) LM-head tensor of ``path``
-    whose GGML type is in ``keep`` (rows in Hugging Face order). The tied embedding's blocks, if
-    quantized, appear as ``lm_head.weight`` when the config ties the LM head to it."""
+def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...], lm_head: bool = True,
+                           layers: bool = True) -> dict[str, BlockWeights]:
+    """HF weight name → ``BlockWeights`` for every projection (``layers``) and LM-head (``lm_head``) tensor
+    of ``path`` whose GGML type is in ``keep`` (rows in Hugging Face order). The tied embedding's
+    blocks, if quantized, appear as ``lm_head.weight`` when the config ties the LM head to it."""
     from gguf import GGUFReader
 
     found = {}
@@ -143,7 +147,7 @@ def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...],
         if qtype not in keep:
             continue
         parts = tensor.name.split(".")
-        if parts[0] == "blk" and parts[2] in LAYER_TENSORS:
+        if layers and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
             module, permute = LAYER_TENSORS[parts[2]]
             name = f"model.layers.{parts[1]}.{module}.weight"
         elif lm_head and (tensor.name == "output.weight" or
@@ -160,17 +164,20 @@ def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...],
 
 
 # GGML types each scheme keeps as the file stores them (the rest is quantized by ``quant``, or for
-# "gguf" left in the compute dtype); "gguf" also keeps the LM head's blocks
-KEEP = {"gguf": KEPT_TYPES, "int4": ("Q4_0", "Q4_1"), "int8": ("Q8_0",)}
+# "gguf" left in the compute dtype): (projections, LM head); int8 and int4 hold the head at 8 bits
+KEEP = {"gguf": (KEPT_TYPES, KEPT_TYPES), "int4": (("Q4_0", "Q4_1"), ("Q8_0",)), "int8": (("Q8_0",), ("Q8_0",))}
 
 
 def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[str, Shard]) -> None:
     """Replace the layers of ``lm`` (a ``DecoderLM`` whose float weights are loaded) whose GGUF tensors
     are of a type ``scheme`` keeps (``KEEP``) by kernel-backed layers holding the file's blocks (the LM
-    head only for "gguf"); each tensor-parallel rank takes its ``shards`` (scales follow their rows)."""
+    head's own, not a reduced vocabulary's); each tensor-parallel rank takes its ``shards`` (scales follow
+    their rows)."""
     config = lm.config
-    with_head = scheme == "gguf" and not config.output_vocab_size
-    found = gguf_quantized_tensors(path, config, KEEP[scheme], lm_head=with_head)
+    projections, head = KEEP[scheme]
+    found = gguf_quantized_tensors(path, config, projections, lm_head=False)
+    if not config.output_vocab_size:
+        found.update(gguf_quantized_tensors(path, config, head, lm_head=True, layers=False))
     dtype = lm.model.norm.weight.dtype
     for name, weights in found.items():
         shard = shards.get(name)

@@ -17,10 +17,14 @@ PyTorch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``, any float dtype
 kept in the compute dtype), half of int8's bytes. Shapes: out features divisible by 16 and in
 features by 32 (per rank), else a ValueError says to use int8; CPU only.
 
-Quantized (either scheme): every attention and MLP projection (q, k, v, o, gate, up, down). Not quantized (as NxD's
-defaults): embeddings, norms and the LM head. Under tensor parallelism each rank quantizes its own
-shard; a row-parallel layer's rows are split along K, so their maxima are all-reduced over the ranks
-first: a sharded model holds exactly the values of the unsharded one.
+Quantized (either scheme): every attention and MLP projection (q, k, v, o, gate, up, down) with the
+scheme, and the LM head with per-channel int8 under both (the output layer stays at 8 bits, as
+llama.cpp keeps it at >= 6 bits and the embedded GGUF file stores it as Q8_0; at the embedded model's
+49,152 × 576 it is a third of the bf16 bytes a decode step reads). Not quantized: embeddings
+(a tied embedding keeps its float table; a step reads one row of it) and norms. Under tensor
+parallelism each rank quantizes its own shard; a row-parallel layer's rows are split along K, so their
+maxima are all-reduced over the ranks first: a sharded model holds exactly the values of the
+unsharded one (the vocab-parallel LM head is split along rows: its scales are the rank's own).
 """
 from __future__ import annotations
 
@@ -91,6 +95,11 @@ class Int8Linear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (activations, scales, outputs)."""
+        return self.scale.dtype
+
     def dequantized(self) -> torch.Tensor:
         """The weight the layer computes with, [N, K] f32 (``q · scale``)."""
         return self.weight.float() * self.scale.float().unsqueeze(1)
@@ -129,6 +138,11 @@ class Int4Linear(nn.Module):
                              f"{linear.weight.device.type}: use quantization='int8'")
         return cls(*quantize_int4(linear.weight), linear.bias, linear.weight.dtype)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (activations, scales and zeros, outputs)."""
+        return self.scales_and_zeros.dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP, self.scales_and_zeros)
@@ -136,13 +150,25 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def computed_weight(layer: nn.Module) -> torch.Tensor:
+    """The weight [N, K] a linear layer (``nn.Linear`` or a quantized one) computes with, in its compute
+    dtype: an ``nn.Linear``'s own; a quantized layer's as its kernel applies it (its outputs for the
+    identity matrix, less the bias)."""
+    if isinstance(layer, nn.Linear):
+        return layer.weight.detach()
+    eye = torch.eye(layer.in_features, dtype=layer.dtype, device=next(layer.buffers()).device)
+    out = layer(eye)
+    return (out if getattr(layer, "bias", None) is None else out - layer.bias).t().contiguous()
+
+
 def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup()) -> nn.Module:
     """Replace the attention and MLP projections (``PROJECTIONS``) of every decoder layer in ``lm``
-    (a ``DecoderLM``, an EAGLE draft's layer) with quantized ones, in place. Layers already quantized
-    (a GGUF file's own blocks, ``gguf_weights``) are left alone; ``"gguf"`` quantizes nothing more:
-    float tensors stay float."""
+    (a ``DecoderLM``, an EAGLE draft) with quantized ones and its ``lm_head`` with an int8 one, in
+    place. Layers already quantized (a GGUF file's own blocks, ``gguf_weights``) are left alone; ``"gguf"`` quantizes nothing more: float tensors stay float."""
     if scheme in (None, "gguf"):
         return lm
+    if isinstance(getattr(lm, "lm_head", None), nn.Linear):   # a tied head: the embedding keeps its table
+        lm.lm_head = Int8Linear.from_linear(lm.lm_head)
     for block in list(lm.modules()):
         for name in PROJECTIONS:
             linear = getattr(block, name, None)

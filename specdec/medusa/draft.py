@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..core.decoder import DecoderModel
+from ..core.quant import computed_weight
 from ..proposer import Proposal
 from ..tree import TokenTree, tree_buffers
 from ..verify import TREE_ACCEPTANCE, TreeVerifier
@@ -52,7 +53,7 @@ class MedusaDraft:
         a JSON file, a ``TokenTree``, or ``None`` for the checkpoint's ``medusa_tree`` (else
         ``mc_sim_7b_63``)."""
         config = load_medusa_config(path)
-        lm_head = target.lm.lm_head.weight.detach()
+        lm_head = computed_weight(target.lm.lm_head)      # a quantized target's head: the values it applies
         if lm_head.shape[1] != target.config.hidden_size or target.config.output_vocab_size:
             raise ValueError("Medusa needs a target with a full-vocabulary LM head")
         heads = load_heads(path, config, lm_head_weight=lm_head if config.tied_lm_head else None,
