@@ -17,7 +17,7 @@ from conftest import hf_logits, load, prompt_ids  # noqa: E402
 from specdec import DraftModel, PromptLookup, SpeculativeGenerator  # noqa: E402
 from specdec.core.gguf_weights import BlockWeights, Q8Linear, gguf_quantized_tensors, rope_row_order  # noqa: E402
 from specdec.core.parallel import launch  # noqa: E402
-from specdec.core.quant import Int4Linear, Int8Linear  # noqa: E402
+from specdec.core.quant import FUSED, Int4Linear, Int8Linear  # noqa: E402
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
@@ -92,10 +92,22 @@ def tiny(tmp_path_factory):
 
 
 def projections(model):
-    """(HF weight name, the file's GGML type name, the loaded layer) of every projection of the tiny model."""
+    """(HF weight name, the file's GGML type name, the loaded layer computing it, that projection's output
+    columns of the layer) for every projection of the tiny model; a fused layer (``quant.FUSED``) is the
+    layer of each of its parts."""
     for i, types in enumerate(LAYER_TYPES):
         for name, qtype in zip(HF_PROJECTIONS, types):
-            yield f"model.layers.{i}.{name}.weight", qtype.name, model.lm.get_submodule(f"model.layers.{i}.{name}")
+            module, attr = name.rsplit(".", 1)
+            parent = model.lm.get_submodule(f"model.layers.{i}.{module}")
+            if hasattr(parent, attr):
+                layer, columns = getattr(parent, attr), slice(None)
+            else:
+                fused, parts = next((f, p) for f, p in FUSED.items() if attr in p)
+                layer = getattr(parent, fused)
+                sizes = parent.qkv_sizes if fused == "qkv_proj" else [layer.out_features // 2] * 2
+                start = sum(sizes[:parts.index(attr)])
+                columns = slice(start, start + sizes[parts.index(attr)])
+            yield f"model.layers.{i}.{name}.weight", qtype.name, layer, columns
 
 
 def test_gguf_model_keeps_every_block_and_equals_transformers(tiny):
@@ -103,7 +115,7 @@ def test_gguf_model_keeps_every_block_and_equals_transformers(tiny):
 
     target, _ = tiny
     model = load(target, quantization="gguf")
-    assert all(isinstance(layer, (Int4Linear, Q8Linear)) for _, _, layer in projections(model))
+    assert all(isinstance(layer, (Int4Linear, Q8Linear)) for _, _, layer, _ in projections(model))
     assert isinstance(model.lm.lm_head, Q8Linear)                      # the tied Q8_0 embedding's blocks
     hf = AutoModelForCausalLM.from_pretrained(model.path).eval()        # transformers' dequantized conversion
     for seed in range(3):
@@ -118,11 +130,11 @@ def test_int4_and_int8_keep_the_blocks_of_their_own_width(tiny, scheme, keeps, r
     target, _ = tiny
     model = load(target, quantization=scheme)
     file_blocks_ = gguf_quantized_tensors(target, model.config, tuple(QTYPES))
-    for i, (name, qtype, layer) in enumerate(projections(model)):
+    for i, (name, qtype, layer, columns) in enumerate(projections(model)):
         if qtype in keeps:
             exact = file_blocks_[name].to_module(torch.float32)
             x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(i))
-            assert torch.equal(layer(x), exact(x)), name
+            assert torch.equal(layer(x)[:, columns], exact(x)), name
         else:
             assert isinstance(layer, requantized), name
     # the tied head is Q8_0 in the file: both schemes keep its blocks (an 8-bit head), none rounded again

@@ -68,7 +68,7 @@ def test_int4_rounding_error_is_at_most_half_a_step_per_group():
     assert bool((err <= scale.unsqueeze(-1) / 2 + 1e-6).all())
     assert float(err[4, 0].max()) < 1e-6              # a constant group is exact
     x = torch.randn(5, 96, generator=g)
-    layer = Int4Linear(q, scale, zero, None, torch.float32)
+    layer = Int4Linear.from_codes(q, scale, zero, None, torch.float32)
     torch.testing.assert_close(layer(x), x @ dequantize(w, "int4").t(), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="divisible by 16 .* use quantization='int8'"):
         Int4Linear.from_linear(torch.nn.Linear(96, 40))
@@ -88,12 +88,38 @@ def test_int8_linear_computes_with_the_dequantized_weight():
     assert not torch.equal(layer.dequantized(), linear.weight)                  # it is rounded
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4", "q8_0"])
+def test_fused_projections_compute_their_parts(kind):
+    """``cat_rows`` (``fuse_projections``): one layer's output is its parts' outputs side by side, bit for
+    bit (each output row is its own dot product), biases included where some parts have one."""
+    from specdec.core.gguf_weights import BlockWeights
+    g = torch.Generator().manual_seed(3)
+    linears = [torch.nn.Linear(96, rows, bias=bias) for rows, bias in ((128, True), (64, False), (64, True))]
+
+    def layer(linear):
+        if kind == "int8":
+            return Int8Linear.from_linear(linear)
+        if kind == "int4":
+            return Int4Linear.from_linear(linear)
+        q = torch.randint(-128, 128, (linear.out_features, 96), generator=g, dtype=torch.int16)
+        blocks = BlockWeights("Q8_0", q, torch.rand(linear.out_features, 3, generator=g), torch.zeros(1))
+        return blocks.to_module(torch.float32, linear.bias)
+    parts = [layer(linear) for linear in linears]
+    fused = type(parts[0]).cat_rows(parts)
+    x = torch.randn(5, 96, generator=g)
+    assert fused.out_features == 256 and torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_quantized_model_equals_transformers_on_the_dequantized_weights(checkpoint, scheme):
     ckpt = checkpoint("llama")
     model = load(ckpt, quantization=scheme)
     layer = model.lm.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, LINEAR[scheme]) and isinstance(layer.mlp.down_proj, LINEAR[scheme])
+    assert isinstance(layer.self_attn.o_proj, LINEAR[scheme]) and isinstance(layer.mlp.down_proj, LINEAR[scheme])
+    # fused where every part can be concatenated: int8 always; int4 when each part's rows are a
+    # multiple of 64 (gate / up: 128 rows; k / v: 32 rows, so q, k, v stay apart)
+    assert isinstance(layer.mlp.gate_up_proj, LINEAR[scheme]) and not hasattr(layer.mlp, "up_proj")
+    assert (layer.self_attn.qkv_proj is not None) == (scheme == "int8")
     assert isinstance(model.lm.lm_head, Int8Linear)                     # the LM head at 8 bits under both
     assert isinstance(model.lm.model.embed_tokens, torch.nn.Embedding)
     reference = dequantized_hf(ckpt.hf, scheme)
@@ -128,7 +154,7 @@ def test_greedy_speculation_equals_the_quantized_target(checkpoint, scheme):
     prompts = [prompt_ids(5, 1), [5, 6, 7, 5, 6, 7, 5, 6], prompt_ids(12, 3)]
     reference = target.generate(prompts, max_new_tokens=30, eos_token_id=[])
     draft = DraftModel.from_pretrained(checkpoint("llama-draft").path, target)
-    assert isinstance(draft.model.lm.model.layers[0].mlp.up_proj, LINEAR[scheme])   # the draft inherits it
+    assert isinstance(draft.model.lm.model.layers[0].mlp.down_proj, LINEAR[scheme])   # the draft inherits it
     for proposer, k in ((draft, 3), (PromptLookup(target), 4)):
         gen = SpeculativeGenerator(proposer, target, k)
         assert torch.equal(gen.generate(prompts, max_new_tokens=30, eos_token_id=[]), reference)
@@ -173,7 +199,7 @@ def test_tp2_quantized_equals_tp1_quantized(checkpoint):
     assert torch.equal(rank0["scale"], o_int8.scale)
     assert torch.equal(rank0["weight"], o_int8.weight[:, : rank0["weight"].shape[1]])
     half = ckpt.hf.model.layers[0].self_attn.o_proj.weight[:, :32]
-    expected = Int4Linear(*quantize_int4(half), None, torch.float32)
+    expected = Int4Linear.from_codes(*quantize_int4(half), None, torch.float32)
     assert torch.equal(tp2["int4"]["o_proj"]["weight"], expected.weight)
     assert torch.equal(tp2["int4"]["o_proj"]["scales_and_zeros"], expected.scales_and_zeros)
 

@@ -9,7 +9,6 @@ from transformers import LlamaForCausalLM
 
 from test_train import VOCAB, tiny_target  # noqa: F401  (module fixture)
 
-import specdec.core.model as core_model
 from specdec import DecoderModel
 from specdec.train import data as data_mod
 from specdec.train.cli import prepare_data
@@ -132,23 +131,3 @@ def test_cli_data_store_labels_without_generating(generated, tiny_target, tmp_pa
     labelled = prepare_data(args)
     rows = sum(len(s.tokens) for _, s in read_store(store))
     assert labelled == tmp_path / "run" / "labels" and len(load_dataset(labelled)) == rows >= 3
-
-
-@pytest.mark.parametrize("backend", ["eager", "compiled"])
-def test_large_batch_decode_attention_keeps_greedy_tokens(tiny_target, monkeypatch, backend):
-    """Decode steps of >= SDPA_DECODE_MIN_ROWS rows use the fused attention kernel: the same greedy
-    tokens and (f32) logits as the one-token kernel, mixed prompt lengths and finished rows included."""
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(5, VOCAB, (int(n),), generator=g).tolist()
-               for n in torch.randint(1, 12, (16,), generator=g)]
-    outs = []
-    for min_rows in (10**9, 16):
-        monkeypatch.setattr(core_model, "SDPA_DECODE_MIN_ROWS", min_rows)
-        model = DecoderModel.from_pretrained(tiny_target, batch_size=16, n_positions=64, backend=backend,
-                                             kv_buckets=[32, 64], progress=False)
-        outs.append(model.generate(prompts, max_new_tokens=24, eos_token_id=[]))
-        tok = torch.tensor([[p[-1]] for p in prompts])
-        model.set_lengths(torch.tensor([len(p) - 1 for p in prompts]))
-        outs.append(model.step(tok, model.sampling_params(do_sample=False), advance=False).logits)
-    assert torch.equal(outs[0], outs[2])
-    torch.testing.assert_close(outs[1], outs[3], atol=1e-4, rtol=1e-4)

@@ -100,25 +100,40 @@ class BlockWeights:
         d, m = (t[:, block_index.clamp(min=0)] * keep for t in (self.d, self.m))
         return BlockWeights(self.qtype, codes, d, m)
 
-    def to_module(self, dtype: torch.dtype) -> nn.Module:
-        """The kernel-backed layer computing x · Wᵀ with exactly these weights (see the module docstring)."""
+    def to_module(self, dtype: torch.dtype, bias: torch.Tensor | None = None) -> nn.Module:
+        """The kernel-backed layer computing x · Wᵀ (+ ``bias``) with exactly these weights (see the module
+        docstring)."""
         if self.qtype == "Q8_0":
-            return Q8Linear(self, dtype)
+            return Q8Linear.from_blocks(self, dtype, bias)
         zero = self.m + 8 * self.d if self.qtype == "Q4_1" else torch.zeros_like(self.d)
-        return Int4Linear(self.codes.to(torch.int32), self.d, zero, None, dtype)
+        return Int4Linear.from_codes(self.codes, self.d, zero, bias, dtype)
 
 
 class Q8Linear(nn.Module):
     """A Q8_0 matrix [N, K] on the int4 kernel: codes split into high and low nibbles (two groups of 32
     per block, K' = 2K), the input read twice. x [..., K] → [..., N]."""
 
-    def __init__(self, weights: BlockWeights, dtype: torch.dtype):
+    def __init__(self, inner: Int4Linear):
+        """``inner``: the int4 layer over the doubled input [x, x] (K' = 2K)."""
         super().__init__()
+        self.inner = inner
+        self.out_features, self.in_features = inner.out_features, inner.in_features // 2
+
+    @classmethod
+    def from_blocks(cls, weights: BlockWeights, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Q8Linear:
         q, d = weights.codes, weights.d
-        self.out_features, self.in_features = q.shape
-        codes = torch.cat([(q >> 4) + 8, q & 15], dim=1).to(torch.int32)
-        self.inner = Int4Linear(codes, torch.cat([16 * d, d], 1), torch.cat([torch.zeros_like(d), 8 * d], 1),
-                                None, dtype)
+        codes = torch.cat([(q >> 4) + 8, q & 15], dim=1)
+        return cls(Int4Linear.from_codes(codes, torch.cat([16 * d, d], 1),
+                                         torch.cat([torch.zeros_like(d), 8 * d], 1), bias, dtype))
+
+    @classmethod
+    def cat_rows(cls, layers: list[Q8Linear]) -> Q8Linear:
+        """One layer whose output is the layers' outputs concatenated (``Int4Linear.cat_rows``)."""
+        return cls(Int4Linear.cat_rows([layer.inner for layer in layers]))
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.inner.bias
 
     @property
     def dtype(self) -> torch.dtype:
@@ -187,8 +202,4 @@ def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[
             weights = weights.take(shard.dim, list(shard.index))
         *parents, attr, _ = name.split(".")
         parent = lm.get_submodule(".".join(parents))
-        bias = getattr(parent, attr).bias
-        layer = weights.to_module(dtype)
-        if bias is not None:
-            layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
-        setattr(parent, attr, layer)
+        setattr(parent, attr, weights.to_module(dtype, getattr(parent, attr).bias))

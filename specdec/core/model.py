@@ -111,6 +111,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.n_kv * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(width, self.n_kv * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=False)
+        self.qkv_proj = None     # q, k and v in one quantized layer (``quant.fuse_projections``)
+        self.qkv_sizes = (self.n_heads * c.head_dim, self.n_kv * c.head_dim, self.n_kv * c.head_dim)
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_shape = (batch_size, n_positions, self.n_kv, c.head_dim)  # [B, S, Hkv per rank, D]
         self.cache_dtype = dtype if kv_cache_dtype is None else storage_dtype(kv_cache_dtype)
@@ -168,33 +170,22 @@ class Attention(nn.Module):
         """x [b, n, H]; cos/sin [b, n, D]; slots [b, n] cache slots to write; mask [b, 1, n, kv_len];
         seq_ids [b]: the cache row of each input row (None: input row i is cache row i, b = batch)."""
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, n, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.reshape(b, n, self.n_heads, self.head_dim)
+        k = k.reshape(b, n, self.n_kv, self.head_dim)
+        v = v.reshape(b, n, self.n_kv, self.head_dim)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rows = (torch.arange(b, device=x.device) if seq_ids is None else seq_ids).unsqueeze(1)
         keys = self._write_read("k", k, rows, slots, kv_len, seq_ids).transpose(1, 2)  # [b, Hkv, kv_len, D]
         values = self._write_read("v", v, rows, slots, kv_len, seq_ids).transpose(1, 2)
-        if n == 1 and b < SDPA_DECODE_MIN_ROWS:
-            out = one_token_attention(q, keys, values, mask)
-        else:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                                 enable_gqa=self.n_heads != self.n_kv).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             enable_gqa=self.n_heads != self.n_kv).transpose(1, 2)
         out = self.o_proj(out.reshape(b, n, self.n_heads * self.head_dim))
         return all_reduce(out, self.tp) if self.tp.size > 1 else out
-
-
-SDPA_DECODE_MIN_ROWS = 16
-"""Decode steps (one new token per row) of at least this many rows use the fused attention kernel
-(``scaled_dot_product_attention``, as multi-token steps do) instead of ``one_token_attention``.
-
-``one_token_attention`` is a pointwise-and-reduce expression, so Inductor fuses the RoPE of the
-query (cos/sin of the positions included) into its reduction loop and recomputes it for every KV slot.
-At batch 1 that costs little; at batch 128 it made attention 2/3 of a decode step of the embedded
-model (bf16, KV bucket 128, 1 thread: 13 ms per layer against 4.7 ms for all 7 projections), while
-the fused kernel reads the query once (profile in the README, "Draft training data"). The fused
-kernel averages nothing for a row with no visible slot: it returns zeros there (torch >= 2.5)."""
 
 
 def read_slots(buffer: torch.Tensor, seq_ids: torch.Tensor | None, kv_len: int) -> torch.Tensor:
@@ -211,25 +202,6 @@ def index_slots(buffer: torch.Tensor, index: tuple[torch.Tensor, ...]) -> torch.
     return buffer[index]
 
 
-def one_token_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of one new token per row as two fused reductions (a decode step; the compiled kernel
-    costs a quarter of the fused-attention kernel's set-up at this size).
-
-    q [b, 1, Hq, D]; keys / values [b, Hkv, L, D] with Hq = G · Hkv (query head h reads KV head h // G,
-    transformers' ``repeat_kv``); mask [b, 1, 1, L] bool (True: may attend). Returns [b, 1, Hq, D].
-    Scores and softmax in f32; a masked score is f32's minimum, not -inf, so a row with nothing to
-    attend to averages its slots instead of producing NaN.
-    """
-    b, _, hq, d = q.shape
-    hkv = keys.shape[1]
-    grouped = q.view(b, hkv, hq // hkv, 1, d).float()                             # [b, Hkv, G, 1, D]
-    scores = (grouped * keys.unsqueeze(2).float()).sum(-1) * d ** -0.5           # [b, Hkv, G, L]
-    scores = torch.where(mask, scores, torch.finfo(torch.float32).min)
-    weights = scores.softmax(-1).unsqueeze(-1)                                    # [b, Hkv, G, L, 1]
-    out = (weights * values.unsqueeze(2).float()).sum(3)                          # [b, Hkv, G, D]
-    return out.to(q.dtype).view(b, 1, hq, d)
-
-
 class MLP(nn.Module):
     """Column-parallel gate/up, row-parallel down (+ all-reduce); intermediate zero-padded to tp."""
 
@@ -239,9 +211,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, inter, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
+        self.gate_up_proj = None     # gate and up in one quantized layer (``quant.fuse_projections``)
 
     def forward(self, x):
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        out = self.down_proj(F.silu(gate) * up)
         return all_reduce(out, self.tp) if self.tp.size > 1 else out
 
 
