@@ -186,7 +186,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV-cache length: prompt + new tokens (default: 1024)")
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
                    help="weight-only attention and MLP projections: int8 per channel (with --amp bf16 PyTorch's "
-                        "int8 CPU kernel) or int4 in groups of 32 (PyTorch's int4 CPU kernel); gguf (a GGUF "
+                        "int8 CPU kernel) or int4 in groups of 32 (PyTorch's int4 CPU kernel), the LM head int8 "
+                        "under both; gguf (a GGUF "
                         "model, e.g. the embedded one): its own Q4_0 / Q4_1 / Q8_0 blocks, LM head included")
     p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3"],
                    help="8-bit KV cache with an f32 scale per (slot, KV head), dequantized when read "

@@ -758,7 +758,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amp", default="bf16", help="weights/KV dtype: f32, bf16 or f16")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantized projections (from_pretrained(quantization=...)): int8 1 byte, "
-                        "int4 half a byte per weight")
+                        "int4 half a byte per weight; the LM head int8 under both")
     p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3"],
                    help="8-bit KV cache (from_pretrained(kv_cache_dtype=...)): 1 byte per element + a 4-byte "
                         "scale per (slot, KV head)")

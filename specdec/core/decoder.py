@@ -109,9 +109,9 @@ class DecoderModel:
         process for every NeuronCore, one SPMD trace, every rank's shards handed to the program);
         ``gqa_strategy`` ('replicate-to-tp-degree' / 'convert-to-mha', None = automatic) sets how
         query/KV heads are laid out over the ranks (``tp_layout``). ``quantization``: None, or ``"int8"``
-        weight-only per-channel int8 of the attention and MLP projections (NxD Inference's names
-        ``"per_channel_symmetric"``, transformers-neuronx's ``"s8"`` also accepted; see ``quant``),
-        ``"int4"`` group-wise int4, or ``"gguf"`` (a GGUF file only): every Q4_0 / Q4_1 / Q8_0 tensor,
+        weight-only per-channel int8 of the attention and MLP projections and the LM head (NxD
+        Inference's names ``"per_channel_symmetric"``, transformers-neuronx's ``"s8"`` also accepted;
+        see ``quant``), ``"int4"`` group-wise int4 projections (the LM head int8), or ``"gguf"`` (a GGUF file only): every Q4_0 / Q4_1 / Q8_0 tensor,
         LM head included, keeps the file's own blocks (``gguf_weights``). With int4 / int8 a GGUF file's
         Q4_0 / Q4_1 (int4) or Q8_0 (int8) projections keep theirs too instead of being rounded again.
         ``kv_cache_dtype``: None / "auto" (the KV cache in the compute dtype), ``"int8"`` or ``"fp8_e4m3"``
