@@ -149,7 +149,7 @@ class Int4Linear(nn.Module):
         return self.scales_and_zeros.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x.reshape(-1, self.in_features).contiguous()     # the kernel takes contiguous rows only
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP, self.scales_and_zeros)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
