@@ -1,10 +1,12 @@
 """Medusa speculation end to end on tiny models: greedy exactness over several trees (batch 1 and 3,
 mixed prompt lengths, EOS inside accepted paths), KV compaction, lossless sampling on trees
-(chi-square), the lossy typical rule, and errors at the API boundary."""
+(chi-square; float, and int8 / int4 targets with heads quantized as the target), the lossy typical
+rule, and errors at the API boundary."""
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from test_quantization import dequantized_hf
 from test_speculative import lossless_pvalue
 
 from specdec import DecoderModel, shipped
@@ -32,21 +34,22 @@ def token_map_target(seed: int, vocab: int, hidden: int) -> LlamaForCausalLM:
 
 def oracle_heads(hf: LlamaForCausalLM, num_heads: int, noise: float, seed: int) -> MedusaHeads:
     """Heads whose logits are 3 * one-hot(g^(h+2)(token)) + noise * N(0, 1): the right continuation,
-    at rank 0 without noise and at varying ranks with it. Solved exactly (hidden = vocab size, so
-    the tokens' final hidden states [V, H] are invertible); ResBlocks stay the identity."""
-    V = hf.config.vocab_size
+    at rank 0 without noise and at varying ranks with it. Solved exactly (hidden >= vocab size: the
+    tokens' final hidden states [V, H] have full row rank; least squares = the exact solution);
+    ResBlocks stay the identity."""
+    V, H = hf.config.vocab_size, hf.config.hidden_size
     with torch.no_grad():
         out = hf(torch.arange(V).view(V, 1), output_hidden_states=True)
     hidden = out.hidden_states[-1][:, 0].double()                         # [V, H] final-norm states
     nxt = out.logits[:, 0].argmax(-1)                                      # g
     g = torch.Generator().manual_seed(seed)
-    heads = MedusaHeads(V, V, num_heads)
+    heads = MedusaHeads(H, V, num_heads)
     token = nxt.clone()
     for h in range(num_heads):
         token = nxt[token]                                                 # g^(h+2)
         want = 3.0 * torch.nn.functional.one_hot(token, V).double() + noise * torch.randn(V, V, generator=g).double()
         with torch.no_grad():
-            heads.heads[h][-1].weight.copy_((torch.linalg.solve(hidden, want)).T.float())
+            heads.heads[h][-1].weight.copy_(torch.linalg.lstsq(hidden, want).solution.T.float())
     return heads
 
 
@@ -156,34 +159,50 @@ VOCAB = 16
 SMALL_TREE = TokenTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0]], num_heads=2)
 
 
-@pytest.fixture(scope="module")
-def lossless(tmp_path_factory):
+LOSSLESS_HIDDEN = {None: VOCAB, "int8": VOCAB, "int4": 32}   # int4's kernel: in features divisible by 32
+
+
+@pytest.fixture(scope="module", params=[None, "int8", "int4"])
+def lossless(request, tmp_path_factory):
+    """(reference, target at batch 512, heads, float target): the target quantized with the parameter
+    (None: float), the reference the transformers model holding the values it computes with, and
+    oracle heads for it saved in the FasterDecoding layout and loaded by ``MedusaDraft.from_pretrained``
+    (quantized as the target)."""
+    scheme, hidden = request.param, LOSSLESS_HIDDEN[request.param]
     root = tmp_path_factory.mktemp("medusa-lossless")
-    hf = token_map_target(3, VOCAB, VOCAB)
+    hf = token_map_target(3, VOCAB, hidden)
     with torch.no_grad():   # attention matters again: the heads are only approximately right
-        hf.model.layers[0].self_attn.o_proj.weight.copy_(0.15 * torch.randn(VOCAB, VOCAB))
+        hf.model.layers[0].self_attn.o_proj.weight.copy_(0.15 * torch.randn(hidden, hidden))
     hf.save_pretrained(root / "target")
     kw = dict(batch_size=512, n_positions=32, context_buckets=[8], kv_buckets=[32], backend="eager", progress=False)
-    target = DecoderModel.from_pretrained(root / "target", **kw)
-    return hf, target, oracle_heads(hf, 2, 0.5, seed=2)
+    target = DecoderModel.from_pretrained(root / "target", quantization=scheme, **kw)
+    reference = hf if scheme is None else dequantized_hf(hf, scheme)
+    save_heads(oracle_heads(reference, 2, 0.5, seed=2), root / "heads")
+    heads = MedusaDraft.from_pretrained(root / "heads", target, tree=SMALL_TREE).heads
+    assert heads.quantized == (scheme is not None)
+    return reference, target, heads, hf
 
 
 @pytest.mark.parametrize("sample_kwargs", [dict(temperature=0.7), dict(temperature=1.3, top_k=6, top_p=0.9)])
 def test_sampling_is_lossless(lossless, sample_kwargs):
-    hf, target, heads = lossless
+    reference, target, heads, hf = lossless
     gen = SpeculativeGenerator(MedusaDraft(heads, SMALL_TREE, target), target)
-    pvalue = lossless_pvalue(hf, target, gen, sample_kwargs, 3)   # 20,480 samples of 3 tokens
+    pvalue = lossless_pvalue(reference, target, gen, sample_kwargs, 3)   # 20,480 samples of 3 tokens
     assert 0.05 < gen.stats.acceptance_rate < 0.95
     assert gen.stats.per_position_acceptance[1] > 0.01       # depth-2 nodes get accepted too
     assert pvalue > 1e-3
+    if target.settings.quantization == "int4" and "top_k" not in sample_kwargs:
+        # the test tells the quantized target from the float one (int4's rounding shows; int8's, on this
+        # 16-wide model, is below the resolution of 20,480 samples)
+        assert lossless_pvalue(hf, target, gen, sample_kwargs, 3) < 1e-3
 
 
 def test_typical_acceptance_is_not_lossless(lossless):
     """The typical rule accepts any plausible candidate outright: at a high temperature its output
     distribution is measurably not the target's (why it is offered only as an explicit lossy option)."""
-    hf, target, heads = lossless
+    reference, target, heads, _ = lossless
     gen = SpeculativeGenerator(MedusaDraft(heads, SMALL_TREE, target, acceptance="typical"), target)
-    assert lossless_pvalue(hf, target, gen, dict(temperature=1.5), 3, calls=10) < 1e-6
+    assert lossless_pvalue(reference, target, gen, dict(temperature=1.5), 3, calls=10) < 1e-6
 
 
 # ---------------------------------------------------------------- loading and errors

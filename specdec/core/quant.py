@@ -20,13 +20,18 @@ features by 32 (per rank), else a ValueError says to use int8; CPU only.
 Quantized (either scheme): every attention and MLP projection (q, k, v, o, gate, up, down) with the
 scheme, and the LM head with per-channel int8 under both (the output layer stays at 8 bits, as
 llama.cpp keeps it at >= 6 bits and the embedded GGUF file stores it as Q8_0; at the embedded model's
-49,152 × 576 it is a third of the bf16 bytes a decode step reads). Not quantized: embeddings
-(a tied embedding keeps its float table; a step reads one row of it) and norms. Under tensor
+49,152 × 576 it is a third of the bf16 bytes a decode step reads). Drafts, EAGLE heads and Medusa
+heads follow the target's scheme: a Medusa ResBlock's linear with the scheme, each head's vocabulary
+projection (one shared module for tied heads) at per-channel int8, as the LM head
+(``MedusaDraft.from_pretrained``; ``quantize_linears``' ``names`` / ``head_names``). Not quantized:
+embeddings (a tied embedding keeps its float table; a step reads one row of it) and norms. Under tensor
 parallelism each rank quantizes its own shard; a row-parallel layer's rows are split along K, so their
 maxima are all-reduced over the ranks first: a sharded model holds exactly the values of the
 unsharded one (the vocab-parallel LM head is split along rows: its scales are the rank's own).
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -168,7 +173,7 @@ class Int4Linear(nn.Module):
         return self.scales_and_zeros.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x.reshape(-1, self.in_features).contiguous()     # the kernel takes contiguous rows only
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP, self.scales_and_zeros)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
@@ -207,6 +212,12 @@ def fuse_projections(lm: nn.Module) -> None:
                 delattr(block, name)
 
 
+def compute_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype a linear layer (``nn.Linear`` or a quantized one) takes and returns: an ``nn.Linear``'s
+    weight dtype, a quantized layer's ``dtype`` (its scales', not its integer codes')."""
+    return layer.weight.dtype if isinstance(layer, nn.Linear) else layer.dtype
+
+
 def computed_weight(layer: nn.Module) -> torch.Tensor:
     """The weight [N, K] a linear layer (``nn.Linear`` or a quantized one) computes with, in its compute
     dtype: an ``nn.Linear``'s own; a quantized layer's as its kernel applies it (its outputs for the
@@ -218,10 +229,15 @@ def computed_weight(layer: nn.Module) -> torch.Tensor:
     return (out if getattr(layer, "bias", None) is None else out - layer.bias).t().contiguous()
 
 
-def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup()) -> nn.Module:
-    """Replace the attention and MLP projections (``PROJECTIONS``) of every decoder layer in ``lm``
-    (a ``DecoderLM``, an EAGLE draft) with quantized ones and its ``lm_head`` with an int8 one, in
-    place. Layers already quantized (a GGUF file's own blocks, ``gguf_weights``) are left alone; ``"gguf"`` quantizes nothing more: float tensors stay float."""
+def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup(), *,
+                     names: Sequence[str] = PROJECTIONS, head_names: Sequence[str] = ()) -> nn.Module:
+    """Replace the layers named ``names`` (default: the attention and MLP projections ``PROJECTIONS``
+    of every decoder layer) of every submodule of ``lm`` (a ``DecoderLM``, an EAGLE draft, Medusa
+    heads) with ``scheme``'s quantized ones, and its ``lm_head`` and the layers named ``head_names``
+    (output projections, e.g. Medusa's) with per-channel int8 ones, in place. Layers sharing their
+    weight and bias Parameters (tied Medusa projections) become one quantized module they all share.
+    Layers already quantized (a GGUF file's own blocks, ``gguf_weights``) are left alone; ``"gguf"``
+    quantizes nothing more: float tensors stay float."""
     if scheme is None:
         return lm
     if scheme == "gguf":
@@ -229,17 +245,26 @@ def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup())
         return lm
     if isinstance(getattr(lm, "lm_head", None), nn.Linear):   # a tied head: the embedding keeps its table
         lm.lm_head = Int8Linear.from_linear(lm.lm_head)
+    done: dict[tuple[int, int], nn.Module] = {}     # ids of a float layer's weight and bias -> quantized
     for block in list(lm.modules()):
-        for name in PROJECTIONS:
+        for name in (*names, *head_names):
             linear = getattr(block, name, None)
             if not isinstance(linear, nn.Linear):
                 continue
-            if scheme == "int4":     # groups lie within a row and a rank's K range: no cross-rank statistic
-                setattr(block, name, Int4Linear.from_linear(linear))
-                continue
-            row_max = None
-            if name in ROW_PARALLEL and tp.size > 1:
-                row_max = all_reduce_max(linear.weight.detach().float().abs().amax(dim=1), tp)
-            setattr(block, name, Int8Linear.from_linear(linear, row_max))
+            key = (id(linear.weight), id(linear.bias))
+            if key not in done:
+                done[key] = _quantized(linear, "int8" if name in head_names else scheme, name in ROW_PARALLEL, tp)
+            setattr(block, name, done[key])
     fuse_projections(lm)
     return lm
+
+
+def _quantized(linear: nn.Linear, scheme: str, row_parallel: bool, tp: TPGroup) -> nn.Module:
+    """``linear`` [N, K] quantized with ``scheme``; a row-parallel layer's int8 row maxima are
+    all-reduced over the ranks (its rows are split along K at tp > 1)."""
+    if scheme == "int4":     # groups lie within a row and a rank's K range: no cross-rank statistic
+        return Int4Linear.from_linear(linear)
+    row_max = None
+    if row_parallel and tp.size > 1:
+        row_max = all_reduce_max(linear.weight.detach().float().abs().amax(dim=1), tp)
+    return Int8Linear.from_linear(linear, row_max)

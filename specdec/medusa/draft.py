@@ -10,6 +10,10 @@ from the target's hidden state at the position that produced S[-1]:
   3. ``accepted``: the next candidates are the heads applied to the hidden state of the last accepted
      node — from the same forward, no extra target pass.
 When fewer than N slots are left before ``n_positions`` the step is a plain decode step.
+The heads follow the target's weight-only quantization (``from_pretrained``): under "int8" / "int4" the
+ResBlocks take the target's scheme and the vocabulary projections per-channel int8, as the target's LM
+head (``MedusaHeads.quantize``); tied heads start from the head's computed weight (what a quantized
+or GGUF head applies) and, under "int8" / "int4", share one int8 projection; "gguf" leaves them float.
 """
 from __future__ import annotations
 
@@ -51,13 +55,15 @@ class MedusaDraft:
                         acceptance: str = "lossless", **kwargs) -> "MedusaDraft":
         """Load heads in the FasterDecoding/Medusa layout. ``tree``: a built-in name (``builtin_trees()``),
         a JSON file, a ``TokenTree``, or ``None`` for the checkpoint's ``medusa_tree`` (else
-        ``mc_sim_7b_63``)."""
+        ``mc_sim_7b_63``). The heads are loaded in the target's dtype and quantized with the target's
+        scheme (``MedusaHeads.quantize(target.settings.quantization)``; see the module docstring)."""
         config = load_medusa_config(path)
         lm_head = computed_weight(target.lm.lm_head)      # a quantized target's head: the values it applies
         if lm_head.shape[1] != target.config.hidden_size or target.config.output_vocab_size:
             raise ValueError("Medusa needs a target with a full-vocabulary LM head")
         heads = load_heads(path, config, lm_head_weight=lm_head if config.tied_lm_head else None,
                            dtype=target.dtype, device=target.device)
+        heads.quantize(target.settings.quantization)      # as the target: ResBlocks its scheme, projections int8
         if tree is None:
             tree = config.tree if config.tree is not None else "mc_sim_7b_63"
         if not isinstance(tree, TokenTree):

@@ -15,6 +15,11 @@ Reduced, tied heads (our extension, used by the shipped SmolLM2 heads): ``"medus
 means the checkpoint holds no projections: every head projects with the target's LM head, restricted to
 the rows ``token_ids`` (an int64 tensor in the weights file, ``medusa_vocab_size`` entries) when present.
 Logit column c of such a head scores token ``token_ids[c]``; ``MedusaHeads.candidates`` maps back to token ids.
+Quantization: heads follow their target's weight-only scheme (``MedusaDraft.from_pretrained`` calls
+``MedusaHeads.quantize`` with ``target.settings.quantization``): under "int8" / "int4" each ResBlock's
+``linear`` [H, H] takes the scheme and each vocabulary projection [V, H] per-channel int8, as the
+target's LM head (tied heads: one ``Int8Linear`` shared by every head); under "gguf" they stay float.
+The checkpoint always holds float tensors.
 NxD Inference names the same settings ``num_medusa_heads``, ``medusa_speculation_length`` (tree nodes +
 root, e.g. 64 for ``mc_sim_7b_63``) and ``medusa_tree`` (the list of paths); ``MedusaConfig.from_dict``
 reads either naming.
@@ -32,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
+from ..core.quant import compute_dtype, quantize_linears
 from ..tree import TokenTree
 
 __all__ = [
@@ -232,13 +238,36 @@ class MedusaHeads(nn.Module):
         """Columns of each head's logits (a reduced vocabulary's size when ``token_ids`` is set)."""
         return self.heads[0][-1].out_features
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: hidden states are cast to it (a quantized projection's, not its codes')."""
+        return compute_dtype(self.heads[0][-1])
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any ResBlock linear or projection is a quantized layer (``quantize``)."""
+        return any(not isinstance(layer, nn.Linear) for head in self.heads
+                   for layer in (*(block.linear for block in head[:-1]), head[-1]))
+
+    def quantize(self, scheme: str | None) -> MedusaHeads:
+        """Quantize in place as a target quantized with ``scheme`` (canonical name, ``parse_quantization``):
+        "int8" / "int4": each ResBlock's ``linear`` [H, H] with the scheme, each vocabulary projection
+        [V, H] at per-channel int8 (as the target's LM head; tied heads keep one projection, now one
+        ``Int8Linear`` shared by every head); None / "gguf": nothing (float stays float).
+
+        int4 needs H divisible by 32 (and 16): otherwise ``Int4Linear.from_linear``'s ValueError (use
+        int8), not a silent fallback. It cannot fire for heads of a target that int4 quantized itself, as
+        that target's MLP has H as in features of gate/up and out features of down.
+        """
+        return quantize_linears(self, scheme, names=("linear",), head_names=(str(self.num_layers),))
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, n, H] (final-norm hidden states) → logits [B, n, num_heads, V] float32.
 
         logits[b, t, h] scores token t + h + 2 (column c: token ``token_ids[c]`` when reduced). Any
         leading dims work ([..., H] → [..., num_heads, V]).
         """
-        x = hidden.to(self.heads[0][-1].weight.dtype)
+        x = hidden.to(self.dtype)
         if self.tied:   # one matmul with the shared projection for all heads
             blocks = torch.stack([head[:-1](x) for head in self.heads], dim=-2)
             return self.heads[0][-1](blocks).float()
@@ -342,6 +371,9 @@ def save_heads(heads: MedusaHeads, directory: str | os.PathLike, config: MedusaC
 
     ``config`` (e.g. to record the tree) defaults to the heads' own counts and must agree with them.
     """
+    if heads.quantized:
+        raise ValueError("quantized Medusa heads cannot be saved in the FasterDecoding/Medusa layout (float "
+                         "tensors): save the float heads; loading them for a quantized target quantizes them")
     token_ids = getattr(heads, "token_ids", None)
     if config is None:
         config = MedusaConfig(heads.num_heads, heads.num_layers, tied_lm_head=heads.tied,
