@@ -220,6 +220,20 @@ def test_quantized_graphs_export_and_compile(checkpoint, scheme, kernel):
     assert float((a - b).abs().mean()) < 0.03
 
 
+@pytest.mark.parametrize("variant", ["llama", "llama-tied"])
+def test_bytes_a_step_reads_are_the_weights_but_the_embedding_table(checkpoint, variant):
+    """``ModelConfig.bytes_read_per_token`` (the benchmark's read bound): all weights the quantized
+    model holds, except the embedding table beyond one row — also when tied, since the int8 head is
+    its own tensor beside the float table."""
+    ckpt = checkpoint(variant)
+    for scheme in SCHEMES:
+        model = load(ckpt, amp="bf16", quantization=scheme)
+        table = model.lm.model.embed_tokens.weight
+        expected = module_bytes(model.lm) - (table.numel() - table.shape[1]) * table.element_size()
+        assert model.config.bytes_read_per_token(torch.bfloat16, scheme) == expected
+        assert model.config.weight_bytes(torch.bfloat16, scheme) == module_bytes(model.lm)
+
+
 def test_planner_counts_quantized_bytes_as_the_runtime_holds_them(checkpoint):
     from specdec.plan import plan_capacity
     ckpt = checkpoint("llama")
