@@ -146,11 +146,13 @@ def run(args: argparse.Namespace) -> dict:
         return dict(do_sample=t > 0, temperature=t) if t > 0 else dict(do_sample=False)
 
     runs: dict[str, dict] = {}
-    # warm-up (graph building / compilation) on the first prompt, not timed
+    # warm-up (graph building / compilation), not timed: every call once, so the prefill graphs of
+    # every context bucket (long prompts: summarization, RAG) are built before any system is timed
     for t in temps:
-        target.generate([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
-        for system in systems.values():
-            system.make().generate([prompts[0]], max_new_tokens=8, eos_token_id=[], **sampling(t))
+        for batch in calls:
+            target.generate(batch, max_new_tokens=8, eos_token_id=[], **sampling(t))
+            for system in systems.values():
+                system.make().generate(batch, max_new_tokens=8, eos_token_id=[], **sampling(t))
     jobs = [(t, None, "specdec-target") for t in temps]
     jobs += [(t, system.k, name) for t in temps for name, system in systems.items()]
     if hf is not None:
