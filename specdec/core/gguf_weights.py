@@ -149,24 +149,24 @@ def rope_row_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...], lm_head: bool = True,
-                           layers: bool = True) -> dict[str, BlockWeights]:
-    """HF weight name → ``BlockWeights`` for every projection (``layers``) and LM-head (``lm_head``) tensor
-    of ``path`` whose GGML type is in ``keep`` (rows in Hugging Face order). The tied embedding's
-    blocks, if quantized, appear as ``lm_head.weight`` when the config ties the LM head to it."""
+def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...],
+                           head_keep: tuple[str, ...] | None = None) -> dict[str, BlockWeights]:
+    """HF weight name → ``BlockWeights`` for every projection tensor of ``path`` whose GGML type is in
+    ``keep`` and its LM-head tensor if its type is in ``head_keep`` (default: ``keep``; () for none),
+    rows in Hugging Face order. The tied embedding's blocks, if quantized, appear as ``lm_head.weight``
+    when the config ties the LM head to it."""
     from gguf import GGUFReader
 
+    head_keep = keep if head_keep is None else head_keep
     found = {}
     for tensor in GGUFReader(str(path)).tensors:
         qtype = tensor.tensor_type.name
-        if qtype not in keep:
-            continue
         parts = tensor.name.split(".")
-        if layers and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
+        if parts[0] == "blk" and parts[2] in LAYER_TENSORS and qtype in keep:
             module, permute = LAYER_TENSORS[parts[2]]
             name = f"model.layers.{parts[1]}.{module}.weight"
-        elif lm_head and (tensor.name == "output.weight" or
-                          (tensor.name == "token_embd.weight" and config.tie_word_embeddings)):
+        elif qtype in head_keep and (tensor.name == "output.weight" or
+                                     (tensor.name == "token_embd.weight" and config.tie_word_embeddings)):
             name, permute = "lm_head.weight", None
         else:
             continue
@@ -190,9 +190,7 @@ def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[
     their rows)."""
     config = lm.config
     projections, head = KEEP[scheme]
-    found = gguf_quantized_tensors(path, config, projections, lm_head=False)
-    if not config.output_vocab_size:
-        found.update(gguf_quantized_tensors(path, config, head, lm_head=True, layers=False))
+    found = gguf_quantized_tensors(path, config, projections, () if config.output_vocab_size else head)
     dtype = lm.model.norm.weight.dtype
     for name, weights in found.items():
         shard = shards.get(name)

@@ -230,11 +230,12 @@ def computed_weight(layer: nn.Module) -> torch.Tensor:
 
 
 def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup(), *,
-                     names: Sequence[str] = PROJECTIONS, head_names: Sequence[str] = ()) -> nn.Module:
+                     names: Sequence[str] = PROJECTIONS, head_names: Sequence[str] = ("lm_head",)) -> nn.Module:
     """Replace the layers named ``names`` (default: the attention and MLP projections ``PROJECTIONS``
     of every decoder layer) of every submodule of ``lm`` (a ``DecoderLM``, an EAGLE draft, Medusa
-    heads) with ``scheme``'s quantized ones, and its ``lm_head`` and the layers named ``head_names``
-    (output projections, e.g. Medusa's) with per-channel int8 ones, in place. Layers sharing their
+    heads) with ``scheme``'s quantized ones, and the layers named ``head_names`` (output projections:
+    default the ``lm_head``; Medusa's) with per-channel int8 ones, in place (a tied ``lm_head`` gets
+    its own int8 tensor; the embedding keeps its table). Layers sharing their
     weight and bias Parameters (tied Medusa projections) become one quantized module they all share.
     Layers already quantized (a GGUF file's own blocks, ``gguf_weights``) are left alone; ``"gguf"``
     quantizes nothing more: float tensors stay float."""
@@ -243,8 +244,6 @@ def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup(),
     if scheme == "gguf":
         fuse_projections(lm)
         return lm
-    if isinstance(getattr(lm, "lm_head", None), nn.Linear):   # a tied head: the embedding keeps its table
-        lm.lm_head = Int8Linear.from_linear(lm.lm_head)
     done: dict[tuple[int, int], nn.Module] = {}     # ids of a float layer's weight and bias -> quantized
     for block in list(lm.modules()):
         for name in (*names, *head_names):

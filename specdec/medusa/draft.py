@@ -58,11 +58,11 @@ class MedusaDraft:
         ``mc_sim_7b_63``). The heads are loaded in the target's dtype and quantized with the target's
         scheme (``MedusaHeads.quantize(target.settings.quantization)``; see the module docstring)."""
         config = load_medusa_config(path)
-        lm_head = computed_weight(target.lm.lm_head)      # a quantized target's head: the values it applies
-        if lm_head.shape[1] != target.config.hidden_size or target.config.output_vocab_size:
+        if target.lm.lm_head.in_features != target.config.hidden_size or target.config.output_vocab_size:
             raise ValueError("Medusa needs a target with a full-vocabulary LM head")
-        heads = load_heads(path, config, lm_head_weight=lm_head if config.tied_lm_head else None,
-                           dtype=target.dtype, device=target.device)
+        # tied heads project with the target's head: a quantized one's values as it applies them
+        lm_head = computed_weight(target.lm.lm_head) if config.tied_lm_head else None
+        heads = load_heads(path, config, lm_head_weight=lm_head, dtype=target.dtype, device=target.device)
         heads.quantize(target.settings.quantization)      # as the target: ResBlocks its scheme, projections int8
         if tree is None:
             tree = config.tree if config.tree is not None else "mc_sim_7b_63"
