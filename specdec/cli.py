@@ -192,6 +192,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3"],
                    help="8-bit KV cache with an f32 scale per (slot, KV head), dequantized when read "
                         "(default: the --amp dtype); drafts use it too")
+    p.add_argument("--autotune", action="store_true",
+                   help="--backend compiled on the CPU: freeze the weights into each graph and pick every matmul's "
+                        "kernel by timing (Inductor's C++ GEMM templates vs ATen): faster decoding at every "
+                        "precision, a longer first compile, and with bf16 / int8 weights a copy of the weights "
+                        "per graph (README: Autotuned graphs)")
 
 
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
@@ -413,7 +418,7 @@ def generate_on_rank(args: argparse.Namespace) -> int:
     target = DecoderModel.from_pretrained(args.model, n_positions=args.n_positions, amp=args.amp,
                                           backend=args.backend, sampling=sampling, tp_degree=args.tp_degree,
                                           gqa_strategy=args.gqa_strategy, quantization=args.quantization,
-                                          kv_cache_dtype=args.kv_cache_dtype)
+                                          kv_cache_dtype=args.kv_cache_dtype, autotune=args.autotune)
     rank0 = target.tp.rank == 0
     ids = prompt_ids_of(args, target)
     n_pos = args.n_positions

@@ -119,7 +119,7 @@ def test_bench_systems_default_excludes_the_optional_systems():
     parser = argparse.ArgumentParser()
     runtime.add_arguments(parser)
     default = parser.parse_args([]).systems
-    assert runtime.OPTIONAL == ("specdec-xla-f32", "llamacpp-gguf")
+    assert runtime.OPTIONAL == ("specdec-xla-f32", "llamacpp-gguf", *runtime.TUNED)
     assert all(s in runtime.SYSTEMS and s not in default for s in runtime.OPTIONAL)
     assert default == [s for s in runtime.SYSTEMS if s not in runtime.OPTIONAL]
     assert parser.parse_args(["--systems", "all"]).systems == list(runtime.SYSTEMS)
@@ -129,7 +129,9 @@ def test_bench_systems_default_excludes_the_optional_systems():
         parser.parse_args(["--systems", "llamacpp"])
     assert runtime.system_info("llamacpp-gguf")["impl"] == "llamacpp"
     assert runtime.system_info("specdec-xla-f32") == {"impl": "specdec", "backend": "xla", "compiled": True,
-                                                      "dtype": "f32", "quantization": None}
+                                                      "dtype": "f32", "quantization": None, "autotune": False}
+    assert runtime.system_info("specdec-tuned-int4") == {"impl": "specdec", "backend": "compiled", "compiled": True,
+                                                         "dtype": "bf16", "quantization": "int4", "autotune": True}
 
 
 def test_llamacpp_skipped_with_a_note_when_not_importable_or_not_gguf(monkeypatch):
@@ -179,7 +181,7 @@ def test_bench_run_reports_llamacpp_skipped_and_does_not_fail(embedded_model, si
     assert rc == 0
     assert result["systems"]["llamacpp-gguf"] == {
         "impl": "llamacpp", "backend": None, "compiled": False, "dtype": "gguf", "quantization": "gguf",
-        "skipped": "llama-cpp-python is not installed: pip install llama-cpp-python",
+        "autotune": False, "skipped": "llama-cpp-python is not installed: pip install llama-cpp-python",
         "worker_wall_s": result["systems"]["llamacpp-gguf"]["worker_wall_s"]}
     assert "| llamacpp-gguf | skipped: llama-cpp-python is not installed" in table
 

@@ -15,6 +15,9 @@ Systems:
   specdec-compiled-int8/int4 the same, bf16 activations, weight-only int8 / int4 projections
   specdec-compiled-gguf  the same, ``quantization="gguf"``: the GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks,
                          LM head included (skipped with a note when ``--model`` is no .gguf file)
+  specdec-tuned-bf16/int8/int4/gguf  the compiled systems with ``autotune=True`` (weights frozen into
+                         the graphs, each matmul's kernel chosen by timing); run only when named or ``all``
+                         (minutes of autotuning per cold compile)
   specdec-xla-f32        specdec, ``xla`` backend on the process's PJRT device (XLA:CPU unless PJRT_DEVICE says
                          otherwise): needs torch-xla (``pip install "specdec[xla]"``, the ``.venv-xla`` of
                          ``.ci/run``), run only when named or ``all``; skipped with a note without torch_xla.
@@ -48,10 +51,13 @@ from .prompts import add_prompt_arguments, int_list, load_questions, resolve_pro
 
 SYSTEMS = ("hf-eager-f32", "hf-compile-f32", "specdec-eager-f32", "specdec-eager-bf16",
            "specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8", "specdec-compiled-int4",
-           "specdec-compiled-gguf", "specdec-xla-f32", "llamacpp-gguf")
-GGUF_SYSTEMS = ("specdec-compiled-gguf", "llamacpp-gguf")          # they read the --model's GGUF file
-# run only when named (or with ``all``): they need packages specdec does not install
-OPTIONAL = ("specdec-xla-f32", "llamacpp-gguf")
+           "specdec-compiled-gguf", "specdec-tuned-bf16", "specdec-tuned-int8", "specdec-tuned-int4",
+           "specdec-tuned-gguf", "specdec-xla-f32", "llamacpp-gguf")
+GGUF_SYSTEMS = ("specdec-compiled-gguf", "specdec-tuned-gguf", "llamacpp-gguf")   # they read the --model's GGUF file
+TUNED = ("specdec-tuned-bf16", "specdec-tuned-int8", "specdec-tuned-int4", "specdec-tuned-gguf")
+# run only when named (or with ``all``): they need packages specdec does not install, or (TUNED) minutes of
+# autotuning per cold compile
+OPTIONAL = ("specdec-xla-f32", "llamacpp-gguf", *TUNED)
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in OPTIONAL)
 LLAMACPP_MISSING = "llama-cpp-python is not installed: pip install llama-cpp-python"
 XLA_MISSING = ("torch_xla is not installed: pip install 'specdec[xla]' (torch==2.9.0, torch-xla==2.9.0), "
@@ -59,7 +65,7 @@ XLA_MISSING = ("torch_xla is not installed: pip install 'specdec[xla]' (torch==2
 BASELINE = "hf-eager-f32"
 # systems timed twice, in fresh processes: empty Inductor cache (cold), then reusing it (cached)
 COLD_CACHED = ("specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8", "specdec-compiled-int4",
-               "specdec-compiled-gguf")
+               "specdec-compiled-gguf", *TUNED)
 
 
 def package_parent() -> Path:
@@ -69,16 +75,19 @@ def package_parent() -> Path:
 
 def system_info(name: str) -> dict:
     """{"impl": "hf"|"specdec"|"llamacpp", "backend": "eager"|"compiled"|"xla"|None, "compiled": bool,
-    "dtype": "f32"|"bf16"|"gguf", "quantization": None|"int8"|"int4"|"gguf"} (``backend``: specdec's;
-    ``int8`` / ``int4``: bf16 activations, weight-only quantized projections; ``gguf``: the GGUF file's own
-    tensor types, in specdec or llama.cpp)."""
+    "dtype": "f32"|"bf16"|"gguf", "quantization": None|"int8"|"int4"|"gguf", "autotune": bool}
+    (``backend``: specdec's; ``tuned``: the compiled backend with ``autotune=True``; ``int8`` / ``int4``:
+    bf16 activations, weight-only quantized projections; ``gguf``: the GGUF file's own tensor types, in
+    specdec or llama.cpp)."""
     if name == "llamacpp-gguf":
-        return {"impl": "llamacpp", "backend": None, "compiled": False, "dtype": "gguf", "quantization": "gguf"}
+        return {"impl": "llamacpp", "backend": None, "compiled": False, "dtype": "gguf", "quantization": "gguf",
+                "autotune": False}
     impl, mode, dtype = name.split("-")
     quantization = dtype if dtype in ("int8", "int4", "gguf") else None
-    return {"impl": impl, "backend": mode if impl == "specdec" else None,
-            "compiled": mode in ("compile", "compiled", "xla"), "dtype": "bf16" if quantization else dtype,
-            "quantization": quantization}
+    backend = "compiled" if mode == "tuned" else mode
+    return {"impl": impl, "backend": backend if impl == "specdec" else None,
+            "compiled": backend in ("compile", "compiled", "xla"), "dtype": "bf16" if quantization else dtype,
+            "quantization": quantization, "autotune": mode == "tuned"}
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -258,7 +267,7 @@ class _HFRunner:
 
 
 class _SpecdecRunner:
-    def __init__(self, job: dict, amp: str, backend: str, quantization: str | None = None):
+    def __init__(self, job: dict, amp: str, backend: str, quantization: str | None = None, autotune: bool = False):
         from ..core.decoder import DecoderModel
 
         self.compiled = backend != "eager"
@@ -266,7 +275,7 @@ class _SpecdecRunner:
         self.model = DecoderModel.from_pretrained(
             source, n_positions=job["n_positions"], amp=amp, context_buckets=job["context_buckets"],
             kv_buckets=job["kv_buckets"], backend=backend, progress=False,
-            quantization=quantization, kv_cache_dtype=job.get("kv_cache_dtype"))
+            quantization=quantization, kv_cache_dtype=job.get("kv_cache_dtype"), autotune=autotune)
         self.describe = {"context_buckets": self.model.context_buckets, "kv_buckets": self.model.kv_buckets,
                          "n_positions": self.model.n_positions, "backend": self.model.settings.backend}
 
@@ -410,7 +419,7 @@ def run_worker(system: str, job: dict, compile_only: bool = False, progress: boo
     elif info["impl"] == "llamacpp":
         runner = _LlamaCppRunner(job, torch.get_num_threads())
     else:
-        runner = _SpecdecRunner(job, info["dtype"], info["backend"], info["quantization"])
+        runner = _SpecdecRunner(job, info["dtype"], info["backend"], info["quantization"], info["autotune"])
     res["load_s"] = time.perf_counter() - t
     res["rss_after_load_mb"] = _rss_mb()
     res["peak_rss_load_mb"] = _peak_rss_mb()

@@ -89,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
     parser.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
                         help="the target's weights (DecoderModel.from_pretrained(quantization=...)); drafts inherit it")
+    parser.add_argument("--autotune", action="store_true",
+                        help="compiled backend: autotuned graphs (DecoderModel.from_pretrained(autotune=True))")
     parser.add_argument("--n-positions", type=int, default=384,
                         help="cache slots; must hold the longest prompt + max-new-tokens + max(ks) + 1")
     parser.add_argument("--fused", default="off", choices=["off", "on", "both"],
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     kw = dict(n_positions=args.n_positions, amp=args.amp, backend=args.backend, progress=False,
-              kv_buckets=[args.n_positions])
+              kv_buckets=[args.n_positions], autotune=args.autotune)
     B = args.batch_size
     target = DecoderModel.from_pretrained(None, batch_size=B, quantization=args.quantization, **kw)
     systems, draft_module = speculative_systems(args, target)   # name -> System
@@ -140,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
     if hf is not None:
         hf.generation_config.eos_token_id = None
     assistant = None if hf is None else HFAdapter(
-        DecoderModel.from_pretrained(embedded_draft_path(), **{**kw, "backend": "eager", "amp": "f32"}))
+        DecoderModel.from_pretrained(embedded_draft_path(), **{**kw, "backend": "eager", "amp": "f32", "autotune": False}))
 
     def sampling(t):
         return dict(do_sample=t > 0, temperature=t) if t > 0 else dict(do_sample=False)
@@ -213,7 +215,8 @@ def run(args: argparse.Namespace) -> dict:
         if key.split("@")[0] in systems and hf_best:
             e["speedup_vs_hf_assisted"] = e["tokens_per_s"] / hf_best
     return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
-                       "quantization": args.quantization, "fused": args.fused, "adaptive": args.adaptive,
+                       "quantization": args.quantization, "autotune": args.autotune, "fused": args.fused,
+                       "adaptive": args.adaptive,
                        "num_prompts": len(prompts), "prompts": str(resolve_prompts(args.prompts).name),
                        "question_ids": [q for q, _, _ in records], "max_new_tokens": n_new, "systems": list(systems),
                        "temperatures": temps, "threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -54,6 +54,7 @@ class RuntimeSettings:
     quantization: str | None = None
     kv_cache_dtype: str | None = None      # None: the compute dtype; "int8" / "fp8_e4m3" (``kv_quant``)
     feature_layers: tuple[int, ...] = ()   # layers whose input hidden states graphs also return (EAGLE-3)
+    autotune: bool = False                 # compiled, CPU: weights frozen in, kernels chosen by timing
 
 
 @dataclass
@@ -100,7 +101,8 @@ class DecoderModel:
                         context_buckets: list[int] | None = None, kv_buckets: list[int] | None = None,
                         sampling: SamplingConfig | None = None, backend: str = "compiled", device: str | None = None,
                         quantization: str | None = None, kv_cache_dtype: str | None = None,
-                        feature_layers: tuple[int, ...] | list[int] = (), progress: bool = True) -> "DecoderModel":
+                        feature_layers: tuple[int, ...] | list[int] = (), autotune: bool = False,
+                        progress: bool = True) -> "DecoderModel":
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, or (``None``) the embedded
         SmolLM2-135M-Instruct. Graphs are built lazily on first use, or all at once by ``compile()``.
 
@@ -120,16 +122,26 @@ class DecoderModel:
         ``feature_layers``: every graph also returns the hidden states entering these layers
         (``StepOutput.aux_hidden``; EAGLE-3 drafts set them with ``use_feature_layers``).
         ``backend``: one of ``BACKENDS`` (``graphs``); ``device``: default the XLA device for ``xla``,
-        the CPU otherwise."""
+        the CPU otherwise. ``autotune`` (``compiled`` backend on the CPU): each graph is compiled with
+        its weights frozen in and every matmul's kernel chosen by timing Inductor's C++ GEMM templates
+        against ATen's (``graphs.AUTOTUNE_OPTIONS``): faster steps at every precision, at the cost of a
+        longer first compile and, for bf16 and int8 weights, a re-blocked copy of the weights per graph
+        (see the README's "Autotuned graphs")."""
         gqa = parse_gqa(gqa_strategy)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")
         device = backend_device(backend, device)
+        if not isinstance(autotune, bool):
+            raise ValueError(f"autotune must be True or False, got {autotune!r}")
+        if autotune and (backend != "compiled" or torch.device(device).type != "cpu"):
+            raise ValueError(f"autotune=True tunes the 'compiled' backend's CPU kernels; this model is "
+                             f"backend={backend!r} on device={device!r}: use backend='compiled' on the CPU, "
+                             "or autotune=False")
         quantization = parse_quantization(quantization)
         kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
         settings = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa and gqa.value, context_buckets,
                                    kv_buckets, sampling or SamplingConfig(), backend, device, quantization,
-                                   kv_cache_dtype)   # feature_layers: set once the config is read
+                                   kv_cache_dtype, autotune=autotune)   # feature_layers: set once the config is read
         dtype = amp_dtype(amp)
         if backend == "neuron":   # one process traces for every NeuronCore (SPMD)
             from .neuron import check_tp_degree
@@ -230,7 +242,7 @@ class DecoderModel:
                                  "time, so call to_neuron() with the shapes the run needs (spec_tokens, "
                                  "prompt_length, max_length, single_row, compaction_slots)")
             self._graphs[key] = build_graph(self.graph_module(key), self.settings.backend, self.batch_size,
-                                            key.describe())
+                                            key.describe(), self.settings.autotune)
         return self._graphs[key]
 
     def graph_keys(self, do_sample: bool | None = None, spec_tokens: tuple[int, ...] = (),

@@ -221,10 +221,36 @@ def own_frame(graph: nn.Module):
     return run
 
 
-def build_graph(graph: nn.Module, backend: str, batch_size: int, name: str | None = None):
+AUTOTUNE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                    "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+"""Inductor settings of ``autotune`` graphs (the ``compiled`` backend on the CPU): the weights are frozen
+into the graph as constants, so the compiler may re-block them for oneDNN's or its own C++ GEMM
+templates (AMX / AVX-512 micro-kernels for bf16, int8 and int4 weights), each matmul's kernel chosen
+against ATen's by timing both on the graph's shapes; no autotuning tables printed."""
+
+
+def autotuned(compiled):
+    """``compiled`` (a ``torch.compile`` callable) whose compilation, on its first call, runs under
+    ``AUTOTUNE_OPTIONS`` (``freezing`` is read from Inductor's global config, not from
+    ``torch.compile``'s options); later calls run the compiled code as it is."""
+    first = True
+
+    def run(*inputs):
+        nonlocal first
+        if not first:
+            return compiled(*inputs)
+        with torch._inductor.config.patch(AUTOTUNE_OPTIONS):
+            out = compiled(*inputs)
+        first = False
+        return out
+    return run
+
+
+def build_graph(graph: nn.Module, backend: str, batch_size: int, name: str | None = None, autotune: bool = False):
     """A callable running the graph module ``graph`` on ``backend`` (``batch_size``: the rows of a
     model compiled for that batch, for backends that trace ``graph.example_inputs(batch_size)``;
-    ``name``: the graph's label in the backend's logs and artifacts, default the module's class name)."""
+    ``name``: the graph's label in the backend's logs and artifacts, default the module's class name;
+    ``autotune``: ``compiled`` only, compile with ``AUTOTUNE_OPTIONS``)."""
     if backend == "eager":
         return graph
     name = name or type(graph).__name__
@@ -233,9 +259,10 @@ def build_graph(graph: nn.Module, backend: str, batch_size: int, name: str | Non
         mode = "reduce-overhead" if graph_device(graph).type == "cuda" else None
         # size_asserts off: the generated code would check the size and stride of every input (each
         # weight, ~1,000 checks, ~0.5 ms a decode step); the runtime passes fixed shapes by construction
-        return torch.compile(own_frame(graph), fullgraph=True, dynamic=False, mode=mode,
-                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                                      "size_asserts": False})
+        compiled = torch.compile(own_frame(graph), fullgraph=True, dynamic=False, mode=mode,
+                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                          "size_asserts": False})
+        return autotuned(compiled) if autotune else compiled
     if backend == "xla":
         from .xla import build_xla_graph
         return build_xla_graph(graph, name)

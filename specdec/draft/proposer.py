@@ -50,6 +50,8 @@ class DraftModel:
         applies to a GGUF draft; a checkpoint-directory draft then stays in ``amp``."""
         settings = {**asdict(target.settings), "sampling": target.settings.sampling, "gqa_strategy": None,
                     **overrides}
+        if settings["backend"] != "compiled" and "autotune" not in overrides:
+            settings["autotune"] = False         # tunes the compiled backend only
         if settings["quantization"] == "gguf" and gguf_source(path) is None:
             settings["quantization"] = None      # "gguf" keeps what a file stores: a checkpoint directory's floats
         model = DecoderModel.from_pretrained(path, **settings)

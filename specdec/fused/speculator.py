@@ -100,7 +100,9 @@ class FusedSpeculator(Speculator):
         if key not in self.graphs or self.graphs[key][0].lm is not self.target.lm:
             module = FusedStep(self.target.lm, self.proposer.fused_drafter(key), key,
                                self.target.settings.sampling.global_topk)
-            self.graphs[key] = module, build_graph(module, self.target.settings.backend, self.target.batch_size)
+            settings = self.target.settings
+            self.graphs[key] = module, build_graph(module, settings.backend, self.target.batch_size,
+                                                   autotune=settings.autotune)
         return self.graphs[key]
 
     def step(self, tail: torch.Tensor, lengths: torch.Tensor, active: torch.Tensor, params: torch.Tensor,

@@ -90,13 +90,14 @@ def load_engine(args: argparse.Namespace, progress: bool = False) -> Engine:
     say = log_event if log_here else (lambda event, **fields: None)
     start = time.perf_counter()
     kv_cache_dtype = getattr(args, "kv_cache_dtype", None)     # (bench-serve's namespaces have none)
+    autotune = getattr(args, "autotune", False)
     say("loading", model=args.model or EMBEDDED_NAME, amp=args.amp, quantization=args.quantization,
-        kv_cache_dtype=kv_cache_dtype, backend=args.backend, batch_size=args.batch_size,
+        kv_cache_dtype=kv_cache_dtype, autotune=autotune, backend=args.backend, batch_size=args.batch_size,
         n_positions=args.n_positions, tp_degree=args.tp_degree, draft=args.draft, threads=torch.get_num_threads())
     target = DecoderModel.from_pretrained(args.model, batch_size=args.batch_size, n_positions=args.n_positions,
                                           amp=args.amp, backend=args.backend, tp_degree=args.tp_degree,
                                           quantization=args.quantization, kv_cache_dtype=kv_cache_dtype,
-                                          progress=progress)
+                                          autotune=autotune, progress=progress)
     proposer = make_proposer(args, target)
     gen = None
     if proposer is not None:
