@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -239,7 +240,9 @@ def autotuned(compiled):
         nonlocal first
         if not first:
             return compiled(*inputs)
-        with torch._inductor.config.patch(AUTOTUNE_OPTIONS):
+        with torch._inductor.config.patch(AUTOTUNE_OPTIONS), warnings.catch_warnings():
+            # Inductor's autotuner reads a tensor's TypedStorage (its own deprecation warning, not ours)
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
             out = compiled(*inputs)
         first = False
         return out
