@@ -256,7 +256,7 @@ def test_lazy_compile_says_so_once_per_graph(checkpoint, monkeypatch, capfd):
     import specdec.core.decoder as decoder
     from conftest import load
 
-    monkeypatch.setattr(decoder, "build_graph", lambda graph, backend, batch_size, name: graph)   # no real compile
+    monkeypatch.setattr(decoder, "build_graph", lambda graph, backend, batch_size, name, autotune: graph)   # no real compile
     model = load(checkpoint("llama"), backend="compiled", progress=True)
     p = prompt_ids(9, seed=5)
     model.generate([p], max_new_tokens=4, eos_token_id=[])

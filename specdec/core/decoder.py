@@ -242,7 +242,7 @@ class DecoderModel:
                                  "time, so call to_neuron() with the shapes the run needs (spec_tokens, "
                                  "prompt_length, max_length, single_row, compaction_slots)")
             self._graphs[key] = build_graph(self.graph_module(key), self.settings.backend, self.batch_size,
-                                            key.describe(), self.settings.autotune)
+                                            key.describe(), autotune=self.settings.autotune)
         return self._graphs[key]
 
     def graph_keys(self, do_sample: bool | None = None, spec_tokens: tuple[int, ...] = (),
