@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.compiler._cache import CacheArtifactManager
 
 from conftest import checkpoint, hf_greedy, load, prompt_ids  # noqa: F401  (fixture)
 from specdec import DecoderModel, DraftModel, PromptLookup, SpeculativeGenerator
@@ -19,10 +20,14 @@ PROMPTS = [prompt_ids(9, seed=81), [5, 6, 7, 5, 6, 7, 5, 6, 7]]
 
 @pytest.fixture
 def cold_cache(tmp_path, monkeypatch):
-    """An empty compile cache: every graph is compiled (and its kernels tuned) in the test."""
+    """An empty compile cache: every graph is compiled (and its kernels tuned) in the test; afterwards
+    the process's record of compiled artifacts (what ``save`` writes) forgets them again."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    CacheArtifactManager.clear()
 
 
 def test_autotune_errors(checkpoint):
