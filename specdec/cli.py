@@ -16,10 +16,13 @@ import torch
 
 from .core.graphs import BACKENDS
 
-STRATEGIES = ("none", "model", "eagle", "eagle-tree", "medusa", "lookup", "lookup+model", "lookup+eagle",
-              "lookup+eagle-tree")
-SHIPPED_KIND = {"model": "draft", "eagle": "eagle", "eagle-tree": "eagle-tree", "medusa": "medusa"}   # --draft -> shipped()
-DEFAULT_K = {"model": 4, "eagle": 5, "lookup": 4, "lookup+model": 4, "lookup+eagle": 5}   # trees: their depth
+STRATEGIES = ("none", "model", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "medusa", "lookup", "lookup+model",
+              "lookup+eagle", "lookup+eagle-tree", "lookup+eagle3", "lookup+eagle3-tree")
+SHIPPED_KIND = {"model": "draft", "eagle": "eagle", "eagle-tree": "eagle-tree", "eagle3": "eagle3",
+                "eagle3-tree": "eagle3-tree", "medusa": "medusa"}   # --draft -> shipped()
+TREE_KINDS = ("eagle-tree", "eagle3-tree")   # EAGLE heads drafting EAGLE-2 dynamic trees
+DEFAULT_K = {"model": 4, "eagle": 5, "eagle3": 5, "lookup": 4, "lookup+model": 4, "lookup+eagle": 5,
+             "lookup+eagle3": 5}   # trees: their depth
 LOOKUP_AND = "lookup+"     # --draft lookup+X: prompt lookup where an n-gram matches, X elsewhere (LookupOrDraft);
                            # lookup+eagle-tree: the lookup continuation grafted onto each tree (LookupBranch)
 EMBEDDED_NAME = "smollm2-135m-instruct"
@@ -203,7 +206,8 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--draft", default="none", choices=STRATEGIES,
                    help="none = target only (default); model = a draft model, eagle = an EAGLE head "
-                        "(chains), eagle-tree = an EAGLE head drafting EAGLE-2 dynamic trees, medusa = Medusa "
+                        "(chains), eagle-tree = an EAGLE head drafting EAGLE-2 dynamic trees, eagle3 / eagle3-tree = "
+                        "the same with the shipped EAGLE-3 head, medusa = Medusa "
                         "heads: the shipped weights for the embedded model, or --draft-path for another target; "
                         "lookup = prompt lookup (n-grams of the prompt, no weights); lookup+model / lookup+eagle "
                         "= prompt lookup where the sequence repeats a 2-gram, the model / EAGLE draft elsewhere "
@@ -287,16 +291,16 @@ def check_speculation_arguments(args: argparse.Namespace) -> None:
     d = args.draft
     if d == "none" and args.k is not None:
         raise CLIError("--k needs --draft (model, eagle, medusa, lookup, lookup+model or lookup+eagle)")
-    if getattr(args, "adaptive_k", False) and (d in ("none", "medusa", "eagle-tree", "lookup+eagle-tree")
+    if getattr(args, "adaptive_k", False) and (d.removeprefix(LOOKUP_AND) in ("none", "medusa", *TREE_KINDS)
                                                  or getattr(args, "fused", False)):
         raise CLIError("--adaptive-k needs an unfused chain --draft (model, eagle, lookup, lookup+model, lookup+eagle)")
     d = d.removeprefix(LOOKUP_AND)         # the model part of lookup+X
     if args.draft_path is not None and d not in SHIPPED_KIND:
-        raise CLIError(f"--draft-path needs --draft model, eagle, eagle-tree or medusa (or lookup+model, "
+        raise CLIError(f"--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa (or lookup+model, "
                        f"lookup+eagle; not {d})")
-    if args.tree is not None and d not in ("medusa", "eagle-tree"):
-        raise CLIError("--tree is for --draft medusa or eagle-tree")
-    if args.tree is not None and d == "eagle-tree":
+    if args.tree is not None and d not in ("medusa", *TREE_KINDS):
+        raise CLIError("--tree is for --draft medusa, eagle-tree or eagle3-tree")
+    if args.tree is not None and d in TREE_KINDS:
         from .eagle.tree import DynamicTree
         try:
             DynamicTree.parse(args.tree)
@@ -332,15 +336,16 @@ def make_proposer(args: argparse.Namespace, target):
         return PromptLookup(target)
     if d.startswith(LOOKUP_AND):
         model = make_proposer(argparse.Namespace(**{**vars(args), "draft": d.removeprefix(LOOKUP_AND)}), target)
-        if d == "lookup+eagle-tree":
+        if d.removeprefix(LOOKUP_AND) in TREE_KINDS:
             return LookupBranch(PromptLookup(target), model, model.depth)
         return LookupOrDraft(PromptLookup(target), model)
     kw = {"tree": args.tree} if d == "medusa" else {}
-    if d == "eagle-tree" and args.tree is not None:
+    if d in TREE_KINDS and args.tree is not None:
         kw = {"tree": DynamicTree.parse(args.tree)}
     if args.draft_path is None:
         return shipped(SHIPPED_KIND[d], target, **kw)
-    cls = {"model": DraftModel, "eagle": EagleDraft, "eagle-tree": EagleTreeDraft, "medusa": MedusaDraft}[d]
+    cls = {"model": DraftModel, "eagle": EagleDraft, "eagle-tree": EagleTreeDraft, "eagle3": EagleDraft,
+           "eagle3-tree": EagleTreeDraft, "medusa": MedusaDraft}[d]
     return cls.from_pretrained(args.draft_path, target, **kw)
 
 

@@ -164,7 +164,8 @@ def test_stats_without_speculation(checkpoint, capsys):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize("draft", ["none", "model", "lookup", "eagle", "medusa", "eagle-tree", "lookup+eagle-tree"])
+@pytest.mark.parametrize("draft", ["none", "model", "lookup", "eagle", "medusa", "eagle-tree", "lookup+eagle-tree",
+                                   "lookup+eagle3-tree"])
 def test_precompile_builds_every_graph_the_request_uses(checkpoint, eagle_models, medusa_models, draft, temperature):
     """``precompile`` (what ``--backend compiled`` runs before the timed request) leaves no graph to be
     built mid-request: the eager backend builds the same keys cheaply, so compare the key sets."""
@@ -172,7 +173,7 @@ def test_precompile_builds_every_graph_the_request_uses(checkpoint, eagle_models
     paths = {"none": (checkpoint("llama").path, None), "lookup": (checkpoint("llama").path, None),
              "model": (checkpoint("llama").path, checkpoint("llama-draft").path),
              "eagle": eagle_models, "medusa": medusa_models, "eagle-tree": eagle_models,
-             "lookup+eagle-tree": eagle_models}
+             "lookup+eagle-tree": eagle_models, "lookup+eagle3-tree": eagle_models}
     target_path, draft_path = paths[draft]
     # 256 positions: KV buckets [128, 256]; the prompt + 117 tokens end near the first bucket's edge,
     # so the last verify steps reach into the second
@@ -235,7 +236,7 @@ def test_bad_arguments_exit_2_with_one_line(checkpoint, tmp_path, capsys):
         (generate_args(target, PROMPT, 8, 64, "--draft", "lookup", "--tree", "chain_4"),
          "--tree is for --draft medusa"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "lookup", "--draft-path", tmp_path),
-         "--draft-path needs --draft model, eagle, eagle-tree or medusa"),
+         "--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa"),
         (generate_args(target, list(range(3, 70)), 8, 64), "the prompt has 67 tokens: --n-positions 64 leaves no room"),
         (generate_args(target, PROMPT, 8, 1000), "n_positions=1000 exceeds the model's max_position_embeddings=256"),
         (generate_args(target, [5, 999], 8, 64), "prompt 0 has token id 999 outside the vocabulary [0, 160)"),

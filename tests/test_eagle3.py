@@ -328,7 +328,7 @@ def test_unrolled_training_forward_equals_runtime_drafting(tiny_target, tmp_path
                 step = draft.step(tokens[:, pos + 2:pos + 3], params, features=step.hidden)
 
 
-def test_training_exports_the_public_layout_and_speculates_exactly(data_dir, tiny_target, tmp_path):  # noqa: F811
+def test_training_exports_the_public_layout_and_speculates_exactly(data_dir, tiny_target, tmp_path, monkeypatch):  # noqa: F811
     from specdec.train.data import load_dataset
     out = train_eagle(data_dir, tmp_path / "train", tiny_target, EagleTrainConfig(**TRAIN3), progress=False,
                       log=lambda m: None)
@@ -370,4 +370,25 @@ def test_training_exports_the_public_layout_and_speculates_exactly(data_dir, tin
     reference = target.generate(prompts, max_new_tokens=30, eos_token_id=[])
     for k in (1, 3):
         assert torch.equal(SpeculativeGenerator(draft, target, k).sample(prompts, max_new_tokens=30, eos_token_id=[]),
+                           reference)
+
+    # the int8-packed ship (half of bf16's bytes) expands into the same layout and speculates exactly
+    from specdec.core.ship import SCALE_SUFFIX
+    from specdec.eagle.smollm2 import embedded_eagle_path
+    packed = export_eagle(out / "ckpt.pt", tmp_path / "ship8", dtype=torch.float32, int8=True)
+    stored = load_file(packed / "model.safetensors")
+    assert stored["lm_head.weight"].dtype == torch.int8 and "fc.weight" + SCALE_SUFFIX in stored
+    assert stored["norm.weight"].dtype == torch.float32 and stored["d2t"].dtype == torch.int64
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    expanded = embedded_eagle_path(packed)
+    draft8 = EagleDraft.from_pretrained(expanded, target, progress=False)
+    for name, w in load_file(ship / "model.safetensors").items():
+        got8 = load_file(expanded / "model.safetensors")[name]
+        if w.dim() == 2:   # half a quantization step per weight at most
+            step = w.abs().amax(1, keepdim=True) / 127
+            assert bool(((got8.float() - w).abs() <= step / 2 + 1e-3 * step + 1e-6).all()), name
+        else:
+            assert torch.equal(got8, w), name
+    for k in (1, 3):
+        assert torch.equal(SpeculativeGenerator(draft8, target, k).sample(prompts, max_new_tokens=30, eos_token_id=[]),
                            reference)

@@ -222,3 +222,10 @@ def test_bench_spec_builds_tree_systems_from_a_strategy_list(saved, monkeypatch)
     assert isinstance(systems["specdec-lookup+eagle-tree-3x2x4"].make().proposer, LookupBranch)
     with pytest.raises(SystemExit):
         parser.parse_args(["--strategy", "eagle,nope"])
+    # --eagle DIR: that head for every EAGLE strategy (a loadable checkpoint is used as it is)
+    monkeypatch.setattr(specdec, "shipped", None)
+    args = parser.parse_args(["--strategy", "eagle3-tree,lookup+eagle3", "--ks", "2", "--dynamic-trees", "3x2x4",
+                              "--eagle", str(eagle_dir)])
+    systems, _ = bench.speculative_systems(args, target)
+    assert list(systems) == ["specdec-eagle3-tree-3x2x4", "specdec-lookup+eagle3-k2"]
+    assert isinstance(systems["specdec-eagle3-tree-3x2x4"].make().proposer, EagleTreeDraft)

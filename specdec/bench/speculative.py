@@ -6,6 +6,8 @@ In one process run, for each temperature (greedy and 0.7) and each k:
                       ``--strategy`` s: ``draft`` (the vanilla draft model) or ``eagle`` (the EAGLE head);
                       ``--strategy`` takes a comma list, every strategy's systems run in the same process
   specdec-{s}-fused-k{k}  the same with ``fused=True`` (one graph per step; ``--fused on`` or ``both``)
+  specdec-eagle3[-tree]-...    ``--strategy eagle3`` / ``eagle3-tree`` (and ``lookup+`` them): the same with the
+                      shipped EAGLE-3 head (``--eagle DIR``: another EAGLE head for the eagle strategies)
   specdec-eagle-tree-{DxKxN}  ``--strategy eagle-tree``: the shipped EAGLE head drafting EAGLE-2 dynamic
                       trees of each ``--dynamic-trees`` shape (depth x top-k x nodes); k = the depth
   specdec-{s}-adaptive-k{k}  ``--adaptive``: the same with ``adaptive=True`` (per-row k <= k, HF's heuristic
@@ -54,7 +56,9 @@ from . import runtime
 from .prompts import add_prompt_arguments, int_list, load_records, resolve_prompts
 
 
-STRATEGIES = ("draft", "eagle", "eagle-tree", "medusa", "lookup", "lookup+draft", "lookup+eagle", "lookup+eagle-tree")
+STRATEGIES = ("draft", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "medusa", "lookup", "lookup+draft",
+              "lookup+eagle", "lookup+eagle-tree", "lookup+eagle3", "lookup+eagle3-tree")
+TREE_KINDS = ("eagle-tree", "eagle3-tree")
 
 
 def strategy_list(text: str) -> list[str]:
@@ -79,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trees", default="chain_4,mc_sim_7b_63,shipped",
                         help="medusa: comma list of trees (built-in names, JSON files, 'shipped')")
     parser.add_argument("--heads", default=None, help="medusa: heads directory (default: the shipped heads)")
+    parser.add_argument("--eagle", default=None,
+                        help="eagle strategies: an EAGLE draft directory, a checkpoint or a `train-eagle --ship` "
+                             "directory (default: the shipped head)")
     parser.add_argument("--per-category", type=int, default=None, metavar="N",
                         help="the first N prompts of every category of --prompts instead of --num-prompts; tokens/s "
                              "and τ are also reported per category (batch 1, or calls within one category)")
@@ -247,7 +254,8 @@ def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, Sys
     """``{name: System}`` for every ``--strategy`` and the first one's drafting module (for its
     weight-read cost). The shipped proposers take the target's runtime settings (batch size, buckets,
     amp, backend)."""
-    if args.adaptive and (set(args.strategy) & {"medusa", "eagle-tree", "lookup+eagle-tree"} or args.fused != "off"):
+    if args.adaptive and ({s.removeprefix("lookup+") for s in args.strategy} & {"medusa", *TREE_KINDS}
+                          or args.fused != "off"):
         raise ValueError("--adaptive applies to chain strategies (draft, eagle, lookup, lookup+draft, lookup+eagle) "
                          "with --fused off")
     systems, modules = {}, []
@@ -256,6 +264,16 @@ def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, Sys
         systems.update(found)
         modules.append(module)
     return systems, next((m for m in modules if m is not None), None)
+
+
+def strategy_model(kind: str, args: argparse.Namespace, target, **kwargs):
+    """The shipped ``kind`` model (``specdec.shipped.SHIPPED``), or for EAGLE kinds the ``--eagle`` one."""
+    from .. import EagleDraft, EagleTreeDraft, shipped
+    from ..eagle.smollm2 import embedded_eagle_path
+    if args.eagle is None or kind == "draft":
+        return shipped(kind, target, **kwargs)
+    cls = EagleTreeDraft if kind in TREE_KINDS else EagleDraft
+    return cls.from_pretrained(embedded_eagle_path(args.eagle), target, **kwargs)
 
 
 def strategy_systems(strategy: str, args: argparse.Namespace, target) -> tuple[dict[str, System], torch.nn.Module]:
@@ -274,10 +292,10 @@ def strategy_systems(strategy: str, args: argparse.Namespace, target) -> tuple[d
                                                     lambda d=d: SpeculativeGenerator(d, target, None))
                    for t, d in drafts.items()}
         return systems, next(iter(drafts.values())).module
-    if strategy in ("eagle-tree", "lookup+eagle-tree"):     # the lookup branch: as deep as the tree
-        drafts = {shape: shipped("eagle-tree", target, tree=DynamicTree.parse(shape))
+    if strategy.removeprefix("lookup+") in TREE_KINDS:     # the lookup branch: as deep as the tree
+        drafts = {shape: strategy_model(strategy.removeprefix("lookup+"), args, target, tree=DynamicTree.parse(shape))
                   for shape in args.dynamic_trees.split(",")}
-        branch = strategy != "eagle-tree"
+        branch = strategy.startswith("lookup+")
 
         def make(d):
             return SpeculativeGenerator(LookupBranch(PromptLookup(target), d, d.depth) if branch else d, target)
@@ -288,11 +306,11 @@ def strategy_systems(strategy: str, args: argparse.Namespace, target) -> tuple[d
         return {f"{spec}{adaptive}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(
             PromptLookup(target), target, k, adaptive=args.adaptive)) for k in args.ks}, None
     if strategy.startswith("lookup+"):   # fresh lookup state per generator, one shipped model
-        model = shipped(strategy.removeprefix("lookup+"), target)
+        model = strategy_model(strategy.removeprefix("lookup+"), args, target)
         return {f"{spec}{adaptive}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(
             LookupOrDraft(PromptLookup(target), model), target, k, adaptive=args.adaptive))
             for k in args.ks}, model.module
-    draft = shipped(strategy, target)   # "draft" or "eagle"
+    draft = strategy_model(strategy, args, target)   # "draft", "eagle" or "eagle3"
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.fused]
     return {f"{spec}{'-fused' if fused else ''}{adaptive}-k{k}":
             System(k, k + 1, lambda k=k, fused=fused: SpeculativeGenerator(draft, target, k, fused=fused,

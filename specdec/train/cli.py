@@ -46,6 +46,13 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of answers sampled at --answer-temperature (the rest greedy)")
     g.add_argument("--answer-temperature", type=float, default=d.answer_temperature)
     g.add_argument("--gen-backend", default=d.backend, choices=["eager", "compiled"])
+    g.add_argument("--prompts", default=d.prompts, choices=["topics", "tasks"],
+                   help="request mix (specdec.train.prompts): topic questions the target writes, or tasks over "
+                        "passages it writes (summaries, QA, RAG, translation, rewriting) and math problems")
+    g.add_argument("--max-question-tokens", type=int, default=d.max_question_tokens,
+                   help="length of the target's meta-replies (its questions or passages)")
+    g.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+                   help="requests longer than this (chat template included) are cut")
 
 
 def add_optim_arguments(p: argparse.ArgumentParser, cfg) -> argparse._ArgumentGroup:
@@ -57,13 +64,14 @@ def add_optim_arguments(p: argparse.ArgumentParser, cfg) -> argparse._ArgumentGr
     g.add_argument("--lr", type=float, default=cfg.lr)
     g.add_argument("--save-every", type=int, default=cfg.save_every)
     g.add_argument("--eval-every", type=int, default=cfg.eval_every)
+    g.add_argument("--max-len", type=int, default=cfg.max_len, help="rows are cut to this many tokens")
     return g
 
 
 def optim_settings(args: argparse.Namespace) -> dict:
     """The ``OptimConfig`` fields set on the command line (``add_optim_arguments`` + ``--seed``)."""
     return dict(steps=args.steps, batch_rows=args.batch_rows, lr=args.lr, seed=args.seed,
-                save_every=args.save_every, eval_every=args.eval_every)
+                save_every=args.save_every, eval_every=args.eval_every, max_len=args.max_len)
 
 
 def ship_bytes(ship_dir: str | Path) -> int:
@@ -82,7 +90,9 @@ def prepare_data(args: argparse.Namespace) -> Path:
                                progress=not args.no_progress)
     dcfg = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch_size,
                       max_new_tokens=args.max_new_tokens, sample_fraction=args.sample_fraction,
-                      answer_temperature=args.answer_temperature, seed=args.seed, backend=args.gen_backend)
+                      answer_temperature=args.answer_temperature, seed=args.seed, backend=args.gen_backend,
+                      prompts=args.prompts, max_question_tokens=args.max_question_tokens,
+                      max_prompt_tokens=args.max_prompt_tokens)
     with torch.no_grad():
         return generate_data(Path(args.data) if args.data else Path(args.out) / "data", dcfg,
                              resolve_target(args), progress=not args.no_progress, store=args.store)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,63 +28,8 @@ from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
 from .distill import save_atomic
+from .prompts import build_requests, plan_rows
 from .store import Shard, read_shard, shard_name, write_shard
-
-# (category, instruction template for the meta-prompt, topics). Generic topics, not MT-Bench questions.
-TASKS: list[tuple[str, str, list[str]]] = [
-    ("writing", "Write a request a user might send to an AI assistant asking it to write {t}.", [
-        "a short story about a lighthouse keeper", "a blog post about learning to cook", "a poem about autumn",
-        "a cover letter for a nursing job", "a product description for a reusable water bottle",
-        "a speech for a friend's wedding", "a persuasive essay on public libraries", "a haiku about the sea",
-        "an email asking a landlord to fix the heating", "a travel blog post about a mountain village",
-        "a review of a fictional restaurant", "a thank-you note to a teacher", "a limerick about a cat",
-        "a newsletter introduction for a gardening club", "a dialogue between two robots"]),
-    ("roleplay", "Write a request a user might send to an AI assistant asking it to pretend to be {t} and answer a question.", [
-        "a pirate captain", "a medieval knight", "a famous detective", "a friendly tour guide in Rome",
-        "a personal fitness coach", "a wise old wizard", "a startup founder pitching an idea",
-        "a nutritionist", "a museum curator", "a sports commentator", "a time traveller from the future",
-        "a customer support agent"]),
-    ("reasoning", "Write a logic or reasoning puzzle a user might ask an AI assistant to solve, about {t}.", [
-        "people sitting around a table", "the ages of three siblings", "a race between runners",
-        "coloured balls in a box", "days of the week", "a family tree", "weights on a balance",
-        "trains leaving two stations", "truth-tellers and liars", "ordering books on a shelf",
-        "a clock's hands", "sharing apples among friends"]),
-    ("math", "Write a math question a user might ask an AI assistant about {t}.", [
-        "solving a linear equation", "the area of a triangle", "percentages and discounts",
-        "probability of rolling dice", "prime numbers", "compound interest", "the Pythagorean theorem",
-        "fractions", "derivatives of polynomials", "the sum of an arithmetic series", "averages",
-        "unit conversion", "the volume of a cylinder", "simple integrals"]),
-    ("coding", "Write a programming question a user might ask an AI assistant about {t}.", [
-        "reversing a string in Python", "sorting a list of dictionaries", "reading a CSV file",
-        "binary search", "a Python class for a bank account", "JavaScript promises", "SQL joins",
-        "recursion and the Fibonacci sequence", "removing duplicates from a list", "writing a unit test",
-        "regular expressions", "a linked list in C", "HTML forms", "counting words in a text file",
-        "finding the largest number in an array"]),
-    ("extraction", "Write a request a user might send to an AI assistant asking it to extract or summarise information from {t}.", [
-        "a short news article", "a list of products with prices", "a meeting transcript",
-        "a restaurant menu", "a job advertisement", "a paragraph about a historical event",
-        "customer reviews of a phone", "a recipe", "a company's quarterly report", "an email thread"]),
-    ("stem", "Write a science or technology question a user might ask an AI assistant about {t}.", [
-        "photosynthesis", "black holes", "how vaccines work", "climate change", "the water cycle",
-        "DNA replication", "electric circuits", "machine learning", "plate tectonics", "the immune system",
-        "renewable energy", "the speed of light", "chemical bonds", "how the internet works",
-        "antibiotics"]),
-    ("humanities", "Write a question a user might ask an AI assistant about {t}.", [
-        "the French Revolution", "supply and demand", "the philosophy of Socrates", "the Renaissance",
-        "the causes of World War I", "inflation", "democracy in ancient Athens", "Shakespeare's plays",
-        "the Silk Road", "impressionist painting", "the Industrial Revolution", "ethics of artificial intelligence",
-        "the Roman Empire", "learning a second language", "the history of jazz"]),
-    ("advice", "Write a question a user might ask an AI assistant for advice about {t}.", [
-        "saving money", "staying productive at home", "preparing for a job interview", "sleeping better",
-        "starting to run", "making friends in a new city", "planning a trip to Japan", "caring for a puppy",
-        "reducing stress", "studying for exams", "choosing a laptop", "healthy breakfast ideas"]),
-]
-
-
-def all_topics() -> list[tuple[str, str]]:
-    """(category, meta-prompt) for every topic."""
-    return [(cat, tmpl.format(t=t) + " Reply with the request only.") for cat, tmpl, ts in TASKS for t in ts]
-
 
 @dataclass
 class DataConfig:
@@ -100,20 +44,13 @@ class DataConfig:
     amp: str = "bf16"
     backend: str = "compiled"   # batch-128 bf16 decoding (AMX on this CPU class)
     global_topk: int = 1024   # sampled rows draw from the target's top-1024 (see SamplingConfig)
+    prompts: str = "topics"   # the request mix (specdec.train.prompts): "topics" or "tasks"
+    max_prompt_tokens: int = 200   # longer requests are cut to fit (chat template included)
 
 
-def clean_question(text: str) -> str:
-    """The request inside the model's reply: a quoted part if there is one, else the reply without
-    a leading "A user might ask:"-style line."""
-    quoted = [q for q in re.findall(r'"([^"]{15,})"', text)]
-    if quoted:
-        return quoted[0].strip()
-    text = text.strip()
-    first, _, rest = text.partition("\n")
-    if first.rstrip().endswith(":") and rest.strip():
-        text = rest.strip()
-    text = re.sub(r"^(a user might ask|request|question|user)\s*:\s*", "", text, flags=re.I)
-    return text.strip().strip('"').strip()
+ADDED_LATER = {"prompts": "topics", "max_prompt_tokens": 200}
+"""``DataConfig`` fields added after the first store was made, left out of a shard's settings at these
+(their first) values so older shards keep matching."""
 
 
 TOPK = 16
@@ -185,21 +122,19 @@ def labelled_batch(model, tokens: list[torch.Tensor], prompt_lens: list[int], sa
 
 def generate_tokens(model, cfg: DataConfig, index: int) -> Shard:
     """One batch of synthetic prompts + the target's answers, as token rows (deterministic in seed and
-    index): a ``store.Shard`` whose meta holds the categories and the requests' text."""
+    index): a ``store.Shard`` whose meta holds the categories and the requests' text. The requests come
+    from ``cfg.prompts``' mix (``specdec.train.prompts``): the target first answers each row's
+    meta-prompt (sampled, up to ``max_question_tokens``), which becomes the request."""
     tok = model.tokenizer
     rng = random.Random(cfg.seed * 1_000_003 + index)
-    topics = all_topics()
     n = min(cfg.batch_size, cfg.num_prompts - index * cfg.batch_size)
-    picks = [topics[rng.randrange(len(topics))] for _ in range(n)]
-    metas = [chat_ids(tok, meta) for _, meta in picks]
+    plans = plan_rows(cfg.prompts, rng, n)
+    metas = [chat_ids(tok, p.meta) for p in plans]
     qs = model.generate(metas, max_new_tokens=cfg.max_question_tokens, do_sample=True,
                         temperature=cfg.question_temperature, top_p=0.95, seed=rng.randrange(2**31))
     width = max(len(m) for m in metas)
-    questions = []
-    for i in range(n):
-        text = clean_question(tok.decode(qs[i, width:], skip_special_tokens=True))
-        questions.append(text if len(text) >= 8 else picks[i][1].split(" about ")[-1].rstrip("."))
-    prompts = [torch.tensor(chat_ids(tok, q)[: 200]) for q in questions]
+    questions = build_requests(plans, [tok.decode(qs[i, width:], skip_special_tokens=True) for i in range(n)])
+    prompts = [torch.tensor(fit_request(tok, q, cfg.max_prompt_tokens)) for q in questions]
     sampled = [rng.random() < cfg.sample_fraction for _ in range(n)]
     temps = [cfg.answer_temperature if s else 0.0 for s in sampled] + [0.0] * (model.batch_size - n)
     out = model.generate(prompts, max_new_tokens=cfg.max_new_tokens, do_sample=any(sampled),
@@ -212,7 +147,17 @@ def generate_tokens(model, cfg: DataConfig, index: int) -> Shard:
         cut = next((j + 1 for j, t in enumerate(ans) if t in eos), len(ans))
         rows.append(torch.cat([prompts[i], torch.tensor(ans[:cut], dtype=torch.long)]))
         prompt_lens.append(len(prompts[i]))
-    return Shard(rows, prompt_lens, sampled, {"categories": [c for c, _ in picks], "questions": questions})
+    return Shard(rows, prompt_lens, sampled, {"categories": [p.category for p in plans], "questions": questions})
+
+
+def fit_request(tok, request: str, limit: int) -> list[int]:
+    """The chat-template ids of ``request``, its text cut (by tokens, from the end) until they fit ``limit``."""
+    ids = chat_ids(tok, request)
+    if len(ids) <= limit:
+        return ids
+    body = tok.encode(request, add_special_tokens=False)
+    ids = chat_ids(tok, tok.decode(body[: max(len(body) - (len(ids) - limit) - 2, 1)]))
+    return ids[: limit - 1] + ids[-1:] if len(ids) > limit else ids
 
 
 def generate_batch(model, cfg: DataConfig, index: int) -> dict:
@@ -224,7 +169,8 @@ def generate_batch(model, cfg: DataConfig, index: int) -> dict:
 
 def token_settings(cfg: DataConfig) -> dict:
     """The ``DataConfig`` fields generated tokens depend on (a store's shards must agree on them)."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("num_prompts", "backend")}
+    return {k: v for k, v in asdict(cfg).items()
+            if k not in ("num_prompts", "backend") and not (k in ADDED_LATER and v == ADDED_LATER[k])}
 
 
 def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progress: bool = True,
@@ -252,10 +198,11 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
     todo = [i for i in range(n_batches) if not (out_dir / f"batch_{i:05d}.pt").is_file()]
     if not todo:
         return out_dir
-    n_pos = 256 + cfg.max_new_tokens
+    prompt_room = max(256, cfg.max_prompt_tokens)
+    n_pos = prompt_room + cfg.max_new_tokens
     model = DecoderModel.from_pretrained(target_path, batch_size=cfg.batch_size, n_positions=n_pos, amp=cfg.amp,
                                          backend=cfg.backend, progress=False,
-                                         context_buckets=[64, 128, 256],
+                                         context_buckets=sorted({64, 128, 256, prompt_room}),
                                          # KV buckets every 64 slots: at batch 128 a decode step reads
                                          # 23 KB of K/V per row and slot (1.5 GB at 512), more than the
                                          # weights, so a tight bucket matters (README, draft training data)

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from ..core.ship import pack_int8
 from ..core.model import apply_rope, rms_norm, rope_inv_freq, rope_tables, split_hidden
 from ..eagle.checkpoint import EAGLE3_ARCHITECTURE, aux_layer_ids
 from .distill import (OptimConfig, load_target_state, lr_at, make_optimizer, run_steps, save_atomic, split_rows,
@@ -311,7 +312,8 @@ def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
     return out_dir
 
 
-def export_eagle(ckpt_file: str | Path, ship_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_eagle(ckpt_file: str | Path, ship_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+                 int8: bool = False) -> Path:
     """Ship directory of a training checkpoint, loadable by ``EagleDraft.from_pretrained``.
 
     EAGLE-1 layout: config.json (one-layer Llama config with ``eagle_input_norm`` and
@@ -319,7 +321,9 @@ def export_eagle(ckpt_file: str | Path, ship_dir: str | Path, dtype: torch.dtype
     ``copy_lm_head`` adds the target's rows). EAGLE-3: the public layout (``specdec.eagle.checkpoint``):
     config.json with ``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``,
     ``target_hidden_size`` and ``eagle_config.eagle_aux_hidden_state_layer_ids``; fc, ``midlayer.*``,
-    norm, lm_head (rows in target-id order), ``d2t``, ``t2d``; no embedding."""
+    norm, lm_head (rows in target-id order), ``d2t``, ``t2d``; no embedding.
+    ``int8``: matrices stored as int8 with per-row scales (``specdec.core.ship.pack_int8``; half the
+    bytes of bf16), a packed file that ``unpack_int8`` expands into the layout above before loading."""
     ckpt = torch.load(ckpt_file, weights_only=False)
     ship_dir = Path(ship_dir)
     ship_dir.mkdir(parents=True, exist_ok=True)
@@ -340,7 +344,7 @@ def export_eagle(ckpt_file: str | Path, ship_dir: str | Path, dtype: torch.dtype
     else:
         tensors["output_token_ids"] = ids
         cfg.update(architectures=["LlamaForCausalLM"], eagle_input_norm=True)
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    tensors = {k: v.contiguous() for k, v in (pack_int8(tensors) if int8 else tensors).items()}
     cfg.pop("_name_or_path", None)
     save_file(tensors, ship_dir / "model.safetensors", metadata={"format": "pt", "step": str(ckpt["step"])})
     (ship_dir / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--aux-layers", type=_layers, default=c.aux_layers,
                    help="eagle3: comma-separated target layers whose input hidden states the draft reads "
                         "(default 2,L//2,L-3)")
+    g.add_argument("--ship-int8", action="store_true",
+                   help="export the matrices as int8 with per-row scales (half of bf16's bytes; expanded on load "
+                        "by specdec.eagle.smollm2)")
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -60,6 +63,6 @@ def run(args: argparse.Namespace) -> int:
     train_eagle(data, out / "train", resolve_target(args), cfg, progress=not args.no_progress,
                 log=lambda m: print(m, file=sys.stderr))
     times["train_s"] = time.perf_counter() - start
-    export_eagle(out / "train" / "ckpt.pt", ship)
+    export_eagle(out / "train" / "ckpt.pt", ship, int8=args.ship_int8)
     print(json.dumps({"ship": str(ship), "ship_bytes": ship_bytes(ship), **times}))
     return 0
