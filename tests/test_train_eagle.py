@@ -117,21 +117,25 @@ def test_training_reduces_loss_resumes_exactly_and_exports(data_dir, tiny_target
 
 
 @pytest.mark.slow
-def test_shipped_smollm2_eagle_is_exact():
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_shipped_smollm2_eagle_is_exact(kind):
+    """The shipped EAGLE-1 and EAGLE-3 heads: small, exact, and they get runs accepted."""
     pytest.importorskip("gguf")
     from specdec.core.paths import embedded_gguf_path
     from specdec import shipped
-    from specdec.eagle.smollm2 import SHIPPED_EAGLE
+    from specdec.eagle.smollm2 import SHIPPED_EAGLE, SHIPPED_EAGLE3
     try:
         embedded_gguf_path()
     except FileNotFoundError:
         pytest.skip("embedded model not installed")
-    size = sum(f.stat().st_size for f in SHIPPED_EAGLE.iterdir())
+    ship = SHIPPED_EAGLE3 if kind == "eagle3" else SHIPPED_EAGLE
+    size = sum(f.stat().st_size for f in ship.iterdir())
     assert size <= 15 * 2**20, size
     # f32: bf16 near-ties flip between the decode and verify graphs (rounding, not speculation)
     target = DecoderModel.from_pretrained(None, batch_size=3, n_positions=256, amp="f32", backend="eager",
                                           progress=False)
-    draft = shipped("eagle", target, progress=False)
+    draft = shipped(kind, target, progress=False)
+    assert (target.lm.feature_layers != ()) == (kind == "eagle3")   # EAGLE-3 reads three target layers
     tok = target.tokenizer
     questions = ["Give me three tips for learning to cook.", "What is 17 times 23?",
                  "Write a haiku about the sea."]
