@@ -287,4 +287,7 @@ def _worker(rank: int, fn, args, kwargs, world: int, port: int, backend: str, ti
         raise
     if rank == 0:
         torch.save(result, Path(tmp) / "result.pt")
+    # every rank finishes its last collective before any tears the group down: a rank that closed its
+    # connections while another was still reading from them aborted it (gloo; seen once in CI, tp serve)
+    dist.barrier()
     dist.destroy_process_group()
