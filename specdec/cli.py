@@ -20,7 +20,6 @@ STRATEGIES = ("none", "model", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "
               "lookup+eagle", "lookup+eagle-tree", "lookup+eagle3", "lookup+eagle3-tree")
 SHIPPED_KIND = {"model": "draft", "eagle": "eagle", "eagle-tree": "eagle-tree", "eagle3": "eagle3",
                 "eagle3-tree": "eagle3-tree", "medusa": "medusa"}   # --draft -> shipped()
-TREE_KINDS = ("eagle-tree", "eagle3-tree")   # EAGLE heads drafting EAGLE-2 dynamic trees
 DEFAULT_K = {"model": 4, "eagle": 5, "eagle3": 5, "lookup": 4, "lookup+model": 4, "lookup+eagle": 5,
              "lookup+eagle3": 5}   # trees: their depth
 LOOKUP_AND = "lookup+"     # --draft lookup+X: prompt lookup where an n-gram matches, X elsewhere (LookupOrDraft);
@@ -288,6 +287,7 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
 
 def check_speculation_arguments(args: argparse.Namespace) -> None:
     """--draft / --draft-path / --k / --tree combinations, checked before any model loads."""
+    from .shipped import TREE_KINDS
     d = args.draft
     if d == "none" and args.k is not None:
         raise CLIError("--k needs --draft (model, eagle, medusa, lookup, lookup+model or lookup+eagle)")
@@ -329,6 +329,7 @@ def make_proposer(args: argparse.Namespace, target):
     """The proposer --draft / --draft-path / --tree ask for (None for --draft none)."""
     from . import (DraftModel, DynamicTree, EagleDraft, EagleTreeDraft, LookupBranch, LookupOrDraft, MedusaDraft,
                    PromptLookup, shipped)
+    from .shipped import TREE_KINDS
     d = args.draft
     if d == "none":
         return None

@@ -27,6 +27,7 @@ from .medusa.draft import MedusaDraft
 from .medusa.smollm2 import SHIPPED_MEDUSA
 
 SHIPPED = ("draft", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "medusa")
+TREE_KINDS = ("eagle-tree", "eagle3-tree")   # the EAGLE heads drafting EAGLE-2 dynamic trees
 
 
 def shipped(kind: str, target: DecoderModel, **kwargs) -> DraftModel | EagleDraft | EagleTreeDraft | MedusaDraft:
@@ -35,7 +36,7 @@ def shipped(kind: str, target: DecoderModel, **kwargs) -> DraftModel | EagleDraf
         return DraftModel.from_pretrained(embedded_draft_path(), target, **kwargs)
     if kind in ("eagle", "eagle-tree", "eagle3", "eagle3-tree"):
         path = embedded_eagle_path(SHIPPED_EAGLE3 if kind.startswith("eagle3") else SHIPPED_EAGLE)
-        return (EagleTreeDraft if kind.endswith("-tree") else EagleDraft).from_pretrained(path, target, **kwargs)
+        return (EagleTreeDraft if kind in TREE_KINDS else EagleDraft).from_pretrained(path, target, **kwargs)
     if kind == "medusa":
         return MedusaDraft.from_pretrained(SHIPPED_MEDUSA, target, **kwargs)
     raise ValueError(f"no shipped strategy {kind!r}; choose one of {', '.join(SHIPPED)}")

@@ -11,7 +11,7 @@ from specdec import DecoderModel
 from specdec.draft.assemble import assemble
 from specdec import SpeculativeGenerator
 from specdec.train.data import DataConfig, generate_data, load_dataset
-from specdec.train.distill import DraftSpec, TrainConfig, train_draft
+from specdec.train.distill import DraftSpec, TrainConfig, split_rows, train_draft
 from specdec.train.export import export_draft
 
 VOCAB = 160
@@ -78,6 +78,23 @@ def test_data_shapes_and_masks(data_dir):
 
 def log_of(out):
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_split_keeps_each_row_on_its_side_when_the_data_grows():
+    """Held-out rows are chosen by their tokens alone: reordered, grown data keeps every old row where it
+    was, the share is near the fraction, and another seed splits differently."""
+    g = torch.Generator().manual_seed(0)
+    rows = [{"tokens": torch.randint(0, 1000, (int(n),), generator=g)} for n in torch.randint(3, 30, (600,), generator=g)]
+    train, held = split_rows(rows[:400], 0.1, seed=3)
+    assert sorted(train + held) == list(range(400)) and not set(train) & set(held)
+    assert 20 <= len(held) <= 60                      # Binomial(400, 0.1): mean 40, sd 6
+    grown = rows[400:500] + rows[:400][::-1] + rows[500:]
+    train2, held2 = split_rows(grown, 0.1, seed=3)
+    key = lambda r: tuple(r["tokens"].tolist())  # noqa: E731
+    assert {key(rows[i]) for i in held} <= {key(grown[i]) for i in held2}
+    assert {key(rows[i]) for i in train} <= {key(grown[i]) for i in train2}
+    assert set(split_rows(rows[:400], 0.1, seed=4)[1]) != set(held)
+    assert len(split_rows(rows[:2], 0.01, seed=3)[1]) == 1   # two rows or more: at least one held out
 
 
 def test_training_reduces_loss_and_resumes_exactly(data_dir, tiny_target, tmp_path):

@@ -116,6 +116,26 @@ def test_training_reduces_loss_resumes_exactly_and_exports(data_dir, tiny_target
                            reference)
 
 
+def test_init_starts_a_new_run_from_an_earlier_checkpoint(data_dir, tiny_target, tmp_path):  # noqa: F811
+    """``init``: the new run's step 0 scores the earlier run's final weights (same vocabulary), then trains
+    on with its own schedule; a checkpoint of another shape is refused."""
+    quiet = dict(progress=False, log=lambda m: None)
+    first, second = tmp_path / "first", tmp_path / "second"
+    train_eagle(data_dir, first, tiny_target, EagleTrainConfig(**TRAIN), **quiet)
+    cfg = EagleTrainConfig(**{**TRAIN, "steps": 4, "lr": 1e-3})
+    train_eagle(data_dir, second, tiny_target, cfg, init=first / "ckpt.pt", **quiet)
+    before, after = log_of(first)[-1], log_of(second)
+    assert after[0]["init"] == str(first / "ckpt.pt")
+    for name in ("loss", "agree_step1", "train_probe_loss"):
+        assert after[0][name] == pytest.approx(before[name], rel=1e-5), name
+    a, b = (torch.load(d / "ckpt.pt", weights_only=False) for d in (first, second))
+    assert b["step"] == 4 and torch.equal(a["output_token_ids"], b["output_token_ids"])
+    assert any(not torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    with pytest.raises(ValueError, match="--init.*draft_vocab"):
+        train_eagle(data_dir, tmp_path / "third", tiny_target, EagleTrainConfig(**{**TRAIN, "draft_vocab_size": 40}),
+                    init=first / "ckpt.pt", **quiet)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_shipped_smollm2_eagle_is_exact(kind):

@@ -52,13 +52,13 @@ from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
 from ..core.config import module_bytes
+from ..shipped import TREE_KINDS
 from . import runtime
 from .prompts import add_prompt_arguments, int_list, load_records, resolve_prompts
 
 
 STRATEGIES = ("draft", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "medusa", "lookup", "lookup+draft",
               "lookup+eagle", "lookup+eagle-tree", "lookup+eagle3", "lookup+eagle3-tree")
-TREE_KINDS = ("eagle-tree", "eagle3-tree")
 
 
 def strategy_list(text: str) -> list[str]:

@@ -9,6 +9,8 @@ checkpoint (e.g. ``specdec.eagle.smollm2.embedded_eagle_path``), which every loa
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from .quant import quantize_int8
@@ -27,8 +29,9 @@ def pack_int8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def is_packed(tensors: dict[str, torch.Tensor]) -> bool:
-    return any(name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in tensors for name in tensors)
+def is_packed(names: Collection[str]) -> bool:
+    """Whether a checkpoint with these tensor names (a state dict's keys, or the dict) is ``pack_int8``'s."""
+    return any(name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in names for name in names)
 
 
 def unpack_int8(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:

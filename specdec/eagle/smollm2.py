@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..core.paths import cache_dir, resolve_model_path
@@ -36,20 +37,21 @@ def embedded_eagle_path(ship_dir: str | Path | None = None) -> Path:
     weights = ship_dir / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"no EAGLE weights at {weights}; train them with `specdec train-eagle --ship {ship_dir}`")
-    tensors = load_file(weights)
-    if not is_packed(tensors) and "lm_head.weight" in tensors:
+    with safe_open(weights, "pt") as f:
+        names = set(f.keys())
+    if not is_packed(names) and "lm_head.weight" in names:
         return ship_dir   # loadable as it is
     digest = hashlib.sha256(weights.read_bytes() + (ship_dir / "config.json").read_bytes()).hexdigest()[:16]
     out = cache_dir() / "eagle" / f"smollm2-135m-instruct-{digest}"
     if not (out / "model.safetensors").is_file():
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_packed(tensors):
+        if is_packed(names):
             tmp.mkdir(parents=True)
             dtype = getattr(torch, json.loads((ship_dir / "config.json").read_text()).get("dtype", "bfloat16"))
-            save_file(unpack_int8(tensors, dtype), tmp / "model.safetensors", metadata={"format": "pt"})
+            save_file(unpack_int8(load_file(weights), dtype), tmp / "model.safetensors", metadata={"format": "pt"})
             shutil.copy(ship_dir / "config.json", tmp / "config.json")
-        if "lm_head.weight" not in tensors:
+        if "lm_head.weight" not in names:
             copy_lm_head(tmp if tmp.is_dir() else ship_dir, resolve_model_path(None), tmp)
         tmp.replace(out)
     return out

@@ -16,9 +16,9 @@ uninterrupted one does.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -161,12 +161,22 @@ class DraftTrainer(torch.nn.Module):
 
 
 # ----------------------------------------------------------------------------- batches
-def split_rows(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
-    n_held = max(1, int(len(rows) * fraction)) if len(rows) > 1 else 0
-    held = sorted(order[:n_held])
-    return [rows[i] for i in sorted(order[n_held:])], [rows[i] for i in held]
+def split_rows(rows: list[dict], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Indices of the training rows and of the held-out rows (each ascending).
+
+    A row is held out when a seeded hash of its tokens falls in the lowest ``fraction`` of the hash
+    range, so where a row goes does not depend on the other rows: when the data grows (a token store
+    gains shards) every held-out row stays held out, and a run continued on the grown data (``--init``)
+    is still measured on rows it was never trained on. With two rows or more at least one is held out
+    (the lowest hash)."""
+    key = seed.to_bytes(8, "little", signed=True)
+    hashes = [int.from_bytes(hashlib.blake2b(r["tokens"].to(torch.int64).numpy().tobytes(), digest_size=8,
+                                             key=key).digest(), "little") / 2.0 ** 64 for r in rows]
+    held = [i for i, h in enumerate(hashes) if h < fraction]
+    if not held and len(rows) > 1 and fraction > 0:
+        held = [min(range(len(rows)), key=hashes.__getitem__)]
+    held_set = set(held)
+    return [i for i in range(len(rows)) if i not in held_set], held
 
 
 def make_batch(rows: list[dict], index_of: torch.Tensor, max_len: int, soft: bool = False):
@@ -341,7 +351,8 @@ def train_draft(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
     rows = [r for r in load_dataset(data_dir) if len(r["tokens"]) > r["prompt_len"]]
     if not rows:
         raise ValueError(f"no training rows in {data_dir}")
-    train_rows, held = split_rows(rows, cfg.heldout_fraction, cfg.seed)
+    train_idx, held_idx = split_rows(rows, cfg.heldout_fraction, cfg.seed)
+    train_rows, held = [rows[i] for i in train_idx], [rows[i] for i in held_idx]
     target_cfg = json.loads((target_dir / "config.json").read_text())
     vocab_size = target_cfg["vocab_size"]
     target_state = load_target_state(target_dir)

@@ -258,29 +258,51 @@ def init_state(target_state: dict, target_cfg: dict, cfg: EagleTrainConfig, g: t
     return state
 
 
+def init_checkpoint(path: str | Path, cfg: EagleTrainConfig, target_cfg: dict,
+                    aux_layers: tuple[int, ...]) -> tuple[dict, torch.Tensor]:
+    """The weights and draft vocabulary (``output_token_ids``) of the training checkpoint ``path``;
+    ValueError unless it is a draft of the same architecture, aux layers and draft vocabulary size for a
+    target of this shape."""
+    ckpt = torch.load(path, weights_only=False)
+    theirs = dict(arch=ckpt["config"]["arch"], aux_layers=tuple(ckpt["aux_layers"]),
+                  draft_vocab=len(ckpt["output_token_ids"]),
+                  target=[ckpt["target_config"][k] for k in ("hidden_size", "vocab_size", "num_hidden_layers")])
+    ours = dict(arch=cfg.arch, aux_layers=aux_layers, draft_vocab=cfg.draft_vocab_size,
+                target=[target_cfg[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers")])
+    if theirs != ours:
+        raise ValueError(f"--init {path}: a draft with {theirs}, this run trains one with {ours} "
+                         "(target: hidden size, vocabulary, layers); start from a matching checkpoint")
+    return ckpt["model"], ckpt["output_token_ids"]
+
+
 @torch.enable_grad()
 def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Path, cfg: EagleTrainConfig,
-                progress: bool = True, log=print, stop_after: int | None = None) -> Path:
-    """Train (or resume) an EAGLE draft; ``out_dir/ckpt.pt``, ``out_dir/train_log.jsonl``."""
+                progress: bool = True, log=print, stop_after: int | None = None,
+                init: str | Path | None = None) -> Path:
+    """Train (or resume) an EAGLE draft; ``out_dir/ckpt.pt``, ``out_dir/train_log.jsonl``. ``init``: a new
+    run starts from that checkpoint's weights and draft vocabulary (``init_checkpoint``) with a fresh
+    optimiser and schedule, e.g. to go on training on a grown token store; a resumed run ignores it."""
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = training_rows(data_dir)
     target_cfg = json.loads((target_dir / "config.json").read_text())
     aux_layers = resolve_aux_layers(cfg, target_cfg)
     feats = load_features(rows, target_dir, out_dir / "features.pt", progress=progress, feature_layers=aux_layers)
-    train_idx, held_idx = split_rows(list(range(len(rows))), cfg.heldout_fraction, cfg.seed)
+    train_idx, held_idx = split_rows(rows, cfg.heldout_fraction, cfg.seed)
     target_state = load_target_state(target_dir)
     ckpt_file = out_dir / "ckpt.pt"
     ckpt = torch.load(ckpt_file, weights_only=False) if ckpt_file.is_file() else None
     if ckpt is not None:
         check_resume_settings(ckpt, cfg, ckpt_file)
-        token_ids = ckpt["output_token_ids"]
+        start, token_ids = ckpt["model"], ckpt["output_token_ids"]
+    elif init is not None:
+        start, token_ids = init_checkpoint(init, cfg, target_cfg, aux_layers)
     else:
-        token_ids = target_vocab([rows[i] for i in train_idx], target_dir, cfg.draft_vocab_size)
+        start, token_ids = None, target_vocab([rows[i] for i in train_idx], target_dir, cfg.draft_vocab_size)
     g = torch.Generator().manual_seed(cfg.seed)
     embed = target_state["model.embed_tokens.weight"]
     head = target_state.get("lm_head.weight", embed)[token_ids]
-    trainable = ckpt["model"] if ckpt is not None else init_state(target_state, target_cfg, cfg, g, head)
+    trainable = start if start is not None else init_state(target_state, target_cfg, cfg, g, head)
     trainer = EagleTrainer(target_cfg, trainable, embed, head)
     params = list(trainer.params.values())
     opt, step = make_optimizer(params, cfg, ckpt)
@@ -298,7 +320,7 @@ def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
 
     if ckpt is None:
         record({"step": 0, "train_rows": len(train_idx), "heldout_rows": len(held_idx), "vocab": len(token_ids),
-                **scores()})
+                **({"init": str(init)} if init is not None else {}), **scores()})
 
     def batch_loss(step: int):
         index = step_rows(step, train_idx, cfg)

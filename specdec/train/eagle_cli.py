@@ -1,14 +1,16 @@
 """``specdec train-eagle``: data generation → target features → EAGLE training → export, resumable.
 
     specdec train-eagle --out DIR [--data DIR] [--steps 600] [--unroll 3] [--seed 0] [--threads 2] [--ship DIR]
-                        [--arch eagle1|eagle3] [--aux-layers 2,15,27]
+                        [--arch eagle1|eagle3] [--aux-layers 2,15,27] [--init CKPT]
 
 The data is the same as ``train-draft``'s (``--data`` reuses an existing run's batches). ``DIR/train``
 holds the target features, the checkpoint and the log; the draft is exported to ``--ship`` (default
 ``DIR/ship``; the packaged one lives in ``specdec/eagle/weights/smollm2-135m-instruct``) in the EAGLE-1
 layout, or with ``--arch eagle3`` in the public EAGLE-3 layout (``--aux-layers``: the target layers
 whose input hidden states the draft reads; default (2, L//2, L-3)).
-Re-running the same command after an interruption continues where it stopped.
+Re-running the same command after an interruption continues where it stopped; ``--init`` starts a new
+run from an earlier one's weights (e.g. after the token store grew). Held-out rows are chosen by a hash of
+their tokens, so rows held out before stay held out when the data grows.
 """
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--aux-layers", type=_layers, default=c.aux_layers,
                    help="eagle3: comma-separated target layers whose input hidden states the draft reads "
                         "(default 2,L//2,L-3)")
+    g.add_argument("--init", default=None, metavar="CKPT",
+                   help="start a new run from an earlier run's checkpoint (OUT/train/ckpt.pt): its weights and draft "
+                        "vocabulary, a fresh optimiser and schedule; e.g. to go on training on a grown token store")
     g.add_argument("--ship-int8", action="store_true",
                    help="export the matrices as int8 with per-row scales (half of bf16's bytes; expanded on load "
                         "by specdec.eagle.smollm2)")
@@ -61,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                            aux_layers=args.aux_layers, **optim_settings(args))
     start = time.perf_counter()
     train_eagle(data, out / "train", resolve_target(args), cfg, progress=not args.no_progress,
-                log=lambda m: print(m, file=sys.stderr))
+                log=lambda m: print(m, file=sys.stderr), init=args.init)
     times["train_s"] = time.perf_counter() - start
     export_eagle(out / "train" / "ckpt.pt", ship, int8=args.ship_int8)
     print(json.dumps({"ship": str(ship), "ship_bytes": ship_bytes(ship), **times}))

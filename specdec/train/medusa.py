@@ -166,7 +166,7 @@ def load_data(data_dir: str | Path, out_dir: Path, target_dir: Path, cfg: Medusa
     rows = training_rows(data_dir)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     feats = load_features(rows, Path(target_dir), Path(out_dir) / "features.pt", progress=progress)
-    return MedusaData(rows, feats, *split_rows(list(range(len(rows))), cfg.heldout_fraction, cfg.seed))
+    return MedusaData(rows, feats, *split_rows(rows, cfg.heldout_fraction, cfg.seed))
 
 
 def link_features(source: str | Path, out_dir: str | Path) -> Path:
