@@ -215,9 +215,14 @@ def test_ratios_are_taken_against_every_reference_that_ran():
 
 
 def test_coverage_analysis_counts_oov_prompt_lookup_and_larger_vocabularies():
-    from specdec.bench.coverage import analyse, shipped_vocabularies
+    from safetensors import safe_open
+
+    from specdec.bench.coverage import analyse, shipped_vocabularies, table
+    from specdec.eagle.smollm2 import SHIPPED_EAGLE3
     vocabs = shipped_vocabularies()
-    assert {len(v) for v in vocabs.values()} == {8192}
+    assert {k: len(v) for k, v in vocabs.items()} == {"draft": 8192, "eagle": 8192, "medusa": 8192, "eagle3": 12288}
+    with safe_open(str(SHIPPED_EAGLE3 / "model.safetensors"), "pt") as f:
+        assert torch.equal(vocabs["eagle3"], f.get_tensor("t2d").nonzero()[:, 0])   # d2t and t2d agree
     small = {"a": torch.tensor([0, 1, 2, 3]), "b": torch.tensor([3, 2, 1, 0])}
     rows = [{"set": "s", "category": "x", "prompt": [9, 7], "output": [0, 7, 8, 7, 1, 8]},
             {"set": "s", "category": "y", "prompt": [1], "output": [8, 8, 2, 6]}]
@@ -235,3 +240,8 @@ def test_coverage_analysis_counts_oov_prompt_lookup_and_larger_vocabularies():
     assert cov["other_categories"]["6"] == 4 / 6                             # + 8, 6 (y's)
     assert cov["merge_rank"]["10"] == 1.0
     assert res["categories"]["s/ALL"]["tokens"] == 10
+    wide = analyse(rows, {**small, "c": torch.tensor([0, 1, 2, 3, 7, 8])}, [4, 6], vocab_size=10, hidden=2)
+    assert not wide["drafts_share_one_vocabulary"] and wide["categories"]["s/x"]["drafts"]["c"]["oov"] == 0
+    header, _, row_x = table(wide).splitlines()[:3]
+    assert "OOV c (6)" in header and "OOV b" not in header                 # b shares a's vocabulary
+    assert row_x.startswith("| s/x | 6 | 0.667 | 0.50 | 0.75 | 0.000 | ")

@@ -1,15 +1,16 @@
 """Coverage of the shipped drafts' reduced vocabulary on the target's own greedy outputs.
 
-The three shipped drafts for the embedded model (``specdec/draft``, ``specdec/eagle``, ``specdec/medusa``
-weights) propose only from 8,192 tokens (``output_token_ids`` / ``token_ids``); a target token outside
-that set can never be drafted. For each prompt category (MT-Bench first turns, and each category of the
+The shipped drafts for the embedded model propose only from a reduced vocabulary: 8,192 tokens for the
+draft model, the EAGLE-1 head and the Medusa heads (``specdec/draft``, ``specdec/eagle``, ``specdec/medusa``
+weights: ``output_token_ids`` / ``token_ids``), 12,288 for the EAGLE-3 head (its ``d2t``); a target token
+outside that set can never be drafted. For each prompt category (MT-Bench first turns, and each category of the
 varied set) this reports, on the target's greedy outputs (``--max-new-tokens``, EOS off):
 
 - ``oov``: the share of output tokens outside each draft's vocabulary;
 - ``oov_in_prompt``: of those, the share that occur in the row's own prompt (prompt lookup could propose
   them), and ``oov_in_context`` (in the prompt or earlier in the output: n-gram lookup over the context);
-- ``coverage``: the share inside larger vocabularies V (16k / 24k / 32k / full), each = the shipped 8,192
-  tokens + the next V - 8,192 tokens in one of three orders:
+- ``coverage``: the share inside larger vocabularies V (16k / 24k / 32k / full), each = the first draft's
+  8,192 tokens + the next V - 8,192 tokens in one of three orders:
     * ``merge_rank``: the lowest token ids not yet in (the tokenizer's BPE merge order, i.e. the frequency
       structure of the tokenizer's own training corpus; data-free);
     * ``other_categories``: the tokens by frequency in the target's outputs on every *other* category
@@ -52,18 +53,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def shipped_vocabularies() -> dict[str, torch.Tensor]:
-    """The reduced vocabularies of the three shipped drafts (token ids, as shipped)."""
+    """The reduced vocabularies of the shipped drafts (token ids): the 8,192 of the draft model, the EAGLE-1
+    head and the Medusa heads (``output_token_ids`` / ``token_ids``), and the EAGLE-3 head's 12,288
+    (draft index i proposes target id i + ``d2t[i]``)."""
     from safetensors import safe_open
 
     from ..draft.smollm2 import SHIPPED_DRAFT
-    from ..eagle.smollm2 import SHIPPED_EAGLE
+    from ..eagle.smollm2 import SHIPPED_EAGLE, SHIPPED_EAGLE3
     from ..medusa.smollm2 import SHIPPED_MEDUSA
     out = {}
     for name, path, key in (("draft", SHIPPED_DRAFT / "draft.safetensors", "output_token_ids"),
                             ("eagle", SHIPPED_EAGLE / "model.safetensors", "output_token_ids"),
-                            ("medusa", SHIPPED_MEDUSA / "medusa_lm_head.safetensors", "token_ids")):
+                            ("medusa", SHIPPED_MEDUSA / "medusa_lm_head.safetensors", "token_ids"),
+                            ("eagle3", SHIPPED_EAGLE3 / "model.safetensors", "d2t")):
         with safe_open(str(path), "pt") as f:
-            out[name] = f.get_tensor(key).long()
+            ids = f.get_tensor(key).long()
+        out[name] = ids + torch.arange(len(ids)) if key == "d2t" else ids
     return out
 
 
@@ -173,16 +178,22 @@ def analyse(rows: list[dict], vocabs: dict[str, torch.Tensor], sizes: list[int],
 
 
 def table(result: dict) -> str:
+    """Markdown: per category, the first draft's OOV (with the shares lookup could copy), the OOV of each
+    draft with a vocabulary of another size, and the coverage of the larger vocabularies."""
     sizes = list(result["lm_head_bytes_per_draft_token_bf16"])
-    lines = ["| category | tokens | OOV (8k) | OOV in prompt | OOV in context | " +
+    vocab = result["draft_vocab_sizes"]
+    first, *rest = vocab
+    others = [d for d in rest if vocab[d] != vocab[first]]
+    lines = [f"| category | tokens | OOV {first} ({vocab[first]:,}) | OOV in prompt | OOV in context | " +
+             "".join(f"OOV {d} ({vocab[d]:,}) | " for d in others) +
              " | ".join(f"{int(s) // 1024}k merge / other / oracle" if s != sizes[-1] else f"full {int(s):,}" for s in sizes[1:]) + " |",
-             "|---|---:|---:|---:|---:|" + "---|" * (len(sizes) - 1)]
+             "|---|---:|---:|---:|---:|" + "---:|" * len(others) + "---|" * (len(sizes) - 1)]
     for name, e in result["categories"].items():
-        d = next(iter(e["drafts"].values()))
+        d = e["drafts"][first]
         cells = [" / ".join(f"{e['coverage'][st][s]:.3f}" for st in ("merge_rank", "other_categories", "oracle"))
                  for s in sizes[1:]]
         lines.append(f"| {name} | {e['tokens']} | {d['oov']:.3f} | {d['oov_in_prompt']:.2f} | {d['oov_in_context']:.2f} | "
-                     + " | ".join(cells) + " |")
+                     + "".join(f"{e['drafts'][o]['oov']:.3f} | " for o in others) + " | ".join(cells) + " |")
     lines.append("")
     lines.append("LM-head bytes per draft token (bf16): " + ", ".join(
         f"{int(s)}: {b / 1e6:.1f} MB" for s, b in result["lm_head_bytes_per_draft_token_bf16"].items()))
