@@ -73,6 +73,7 @@ Limitations
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -87,6 +88,10 @@ from .buckets import default_buckets
 from .decoder import DecoderModel
 
 __all__ = ["AdapterStats", "HFAdapter", "StaticCacheView", "as_hf"]
+
+# The name ``generate`` passes the cache under, in the model kwargs and the forward's output: ``cache``
+# from transformers 5.24 on, ``past_key_values`` before.
+CACHE_KEY = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
 @dataclass
@@ -233,23 +238,22 @@ class HFAdapter(PreTrainedModel, GenerationMixin):
         """Install a :class:`StaticCacheView` instead of HF's ``DynamicCache``/``StaticCache``."""
         if generation_config.use_cache is False:
             return
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_KEY)
         if isinstance(cache, StaticCacheView) and cache._adapter is self:
             cache._is_user_defined = True
             return
         if cache is not None:
             warnings.warn(f"HFAdapter keeps its own static KV cache; the given {type(cache).__name__} is ignored",
                           stacklevel=3)
-        model_kwargs["past_key_values"] = StaticCacheView(self)
+        model_kwargs[CACHE_KEY] = StaticCacheView(self)
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
-                                      attention_mask=None, inputs_embeds=None, is_first_iteration=False,
-                                      **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
         """Always pass the full ``input_ids`` and 2-D ``attention_mask``: the forward diffs the
         sequence against its own cache record (``next_sequence_length`` is ignored)."""
         if inputs_embeds is not None and is_first_iteration:
             raise NotImplementedError("HFAdapter needs input_ids; inputs_embeds is not supported")
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "past_key_values": past_key_values}
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, CACHE_KEY: kwargs.get(CACHE_KEY)}
         for key in ("logits_to_keep", "use_cache", "output_attentions", "output_hidden_states"):
             if key in kwargs:
                 inputs[key] = kwargs[key]
@@ -260,8 +264,9 @@ class HFAdapter(PreTrainedModel, GenerationMixin):
                 past_key_values: Cache | None = None, logits_to_keep: int | None = None,
                 use_cache: bool | None = None, return_dict: bool | None = None,
                 output_attentions: bool | None = None, output_hidden_states: bool | None = None,
-                **kwargs) -> CausalLMOutputWithPast:
-        """Logits of the last ``logits_to_keep`` columns of ``input_ids`` (see the module docstring)."""
+                cache: Cache | None = None, **kwargs) -> CausalLMOutputWithPast:
+        """Logits of the last ``logits_to_keep`` columns of ``input_ids`` (see the module docstring).
+        The cache comes as ``cache`` (transformers >= 5.24) or ``past_key_values`` (before)."""
         if input_ids is None:
             raise ValueError("HFAdapter.forward needs input_ids (inputs_embeds is not supported)")
         if output_attentions or output_hidden_states:
@@ -311,11 +316,12 @@ class HFAdapter(PreTrainedModel, GenerationMixin):
 
         n_cols = min(keep if keep is not None else ran, width)
         logits = self._gather(pieces, cum[:, width - n_cols:])
-        if isinstance(past_key_values, StaticCacheView) and past_key_values._adapter is self:
-            past_key_values.columns = width
+        view = cache if cache is not None else past_key_values
+        if isinstance(view, StaticCacheView) and view._adapter is self:
+            view.columns = width
         else:
-            past_key_values = None
-        out = CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+            view = None
+        out = CausalLMOutputWithPast(logits=logits, **{CACHE_KEY: view})
         return out if return_dict is not False else out.to_tuple()
 
     # ------------------------------------------------------------------ internals
