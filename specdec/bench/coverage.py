@@ -59,16 +59,17 @@ def shipped_vocabularies() -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     from ..draft.smollm2 import SHIPPED_DRAFT
+    from ..eagle.checkpoint import eagle3_token_ids
     from ..eagle.smollm2 import SHIPPED_EAGLE, SHIPPED_EAGLE3
     from ..medusa.smollm2 import SHIPPED_MEDUSA
     out = {}
     for name, path, key in (("draft", SHIPPED_DRAFT / "draft.safetensors", "output_token_ids"),
                             ("eagle", SHIPPED_EAGLE / "model.safetensors", "output_token_ids"),
-                            ("medusa", SHIPPED_MEDUSA / "medusa_lm_head.safetensors", "token_ids"),
-                            ("eagle3", SHIPPED_EAGLE3 / "model.safetensors", "d2t")):
+                            ("medusa", SHIPPED_MEDUSA / "medusa_lm_head.safetensors", "token_ids")):
         with safe_open(str(path), "pt") as f:
-            ids = f.get_tensor(key).long()
-        out[name] = ids + torch.arange(len(ids)) if key == "d2t" else ids
+            out[name] = f.get_tensor(key).long()
+    config = json.loads((SHIPPED_EAGLE3 / "config.json").read_text())
+    out["eagle3"] = eagle3_token_ids(SHIPPED_EAGLE3, config["vocab_size"], config["draft_vocab_size"])
     return out
 
 

@@ -18,12 +18,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..core.paths import cache_dir, resolve_model_path
 from ..core.ship import is_packed, unpack_int8
-from .checkpoint import copy_lm_head
+from .checkpoint import copy_lm_head, tensor_names
 
 SHIPPED_EAGLE = Path(__file__).parent / "weights" / "smollm2-135m-instruct"
 SHIPPED_EAGLE3 = Path(__file__).parent / "weights" / "smollm2-135m-instruct-eagle3"
@@ -37,8 +36,7 @@ def embedded_eagle_path(ship_dir: str | Path | None = None) -> Path:
     weights = ship_dir / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"no EAGLE weights at {weights}; train them with `specdec train-eagle --ship {ship_dir}`")
-    with safe_open(weights, "pt") as f:
-        names = set(f.keys())
+    names = tensor_names(ship_dir)
     if not is_packed(names) and "lm_head.weight" in names:
         return ship_dir   # loadable as it is
     digest = hashlib.sha256(weights.read_bytes() + (ship_dir / "config.json").read_bytes()).hexdigest()[:16]
