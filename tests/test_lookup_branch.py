@@ -94,3 +94,18 @@ def test_errors(saved):
         LookupBranch(PromptLookup(target), draft, 4)
     with pytest.raises(ValueError, match="grafts onto a dynamic tree proposer"):
         LookupBranch(PromptLookup(target), PromptLookup(target))
+
+
+def test_bench_clock_times_the_draft_graphs_behind_the_lookup_branch(saved):
+    """bench-spec's graph clock finds the EAGLE network behind a LookupBranch (its draft graphs count as
+    graph time, not host time) and nothing behind prompt lookup alone."""
+    from specdec.bench.speculative import GraphClock, drafting_model
+    target_dir, eagle_dir = saved
+    target = load_target(target_dir)
+    gen = branch_generator(target, eagle_dir)
+    assert drafting_model(gen.proposer) is gen.proposer.draft.model
+    assert drafting_model(PromptLookup(target)) is None
+    clock = GraphClock()
+    clock.watch(gen.engine, [drafting_model(gen.proposer)])        # the draft network alone
+    gen.generate(REPEATS, max_new_tokens=12, eos_token_id=[])
+    assert clock.steps > 0 and clock.graph_s > 0

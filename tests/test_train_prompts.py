@@ -10,8 +10,10 @@ from test_train import tiny_target  # noqa: F401  (module fixture)
 
 from specdec import DecoderModel
 from specdec.core.chat import chat_ids
-from specdec.train.data import DataConfig, fit_request, generate_tokens, token_settings
-from specdec.train.prompts import KIND_WEIGHTS, LANGUAGES, TASKS, build_requests, math_problem, plan_rows
+from specdec.bench.prompts import load_records, resolve_prompts
+from specdec.train.data import DataConfig, fit_request, generate_data, generate_tokens, token_settings
+from specdec.train.prompts import (KIND_WEIGHTS, LANGUAGES, TASKS, build_requests, math_problem, plan_rows,
+                                   written_digest, written_requests)
 from specdec.train.store import EMBEDDED_STORE, read_shard, shard_files
 
 
@@ -51,7 +53,7 @@ def test_tasks_mix_wraps_the_targets_passages():
             assert "Passage" not in request and any(ch.isdigit() for ch in request)
         if plan.kind == "question":
             assert request == replies[i] and plan.category in {c for c, _, _ in TASKS}
-    with pytest.raises(ValueError, match="'topics' or 'tasks'"):
+    with pytest.raises(ValueError, match="'topics', 'tasks', 'written'"):
         plan_rows("mt-bench", rng, 3)
 
 
@@ -96,3 +98,74 @@ def test_generate_tokens_with_the_tasks_mix(tiny_target):  # noqa: F811
     for t, p, q in zip(shard.tokens, shard.prompt_lens, shard.meta["questions"]):
         assert torch.equal(t[:p], torch.tensor(fit_request(model.tokenizer, q, 60)))
         assert 0 < len(t) - p <= 8
+
+
+def test_written_mix_answers_each_request_once_per_seed():
+    found = written_requests()
+    assert len(found) >= 500 and len({t for _, t in found}) == len(found)      # no request twice
+    cats = Counter(c for c, _ in found)
+    for needed in ("writing", "math", "coding", "summarization", "translation", "rag", "context_qa", "stem"):
+        assert cats[needed] >= 20, cats
+    orders = {}
+    for seed in (0, 1):
+        plans = [p for first in range(0, len(found) + 100, 100)       # batches of 100, the last one short
+                 for p in plan_rows("written", random.Random(first), 100, first=first, seed=seed)]
+        assert sorted((p.category, p.template) for p in plans) == sorted(found)   # each once
+        assert all(p.kind == "written" and p.meta == "" for p in plans)
+        assert build_requests(plans, [""] * len(plans)) == [p.template for p in plans]   # taken as written
+        orders[seed] = [p.template for p in plans]
+    assert orders[0] != orders[1]
+
+
+def test_written_requests_stay_apart_from_the_evaluation_prompts():
+    """No written request shares an 8-word run with an MT-Bench question or a varied-set prompt."""
+    def shingles(text):
+        words = re.findall(r"\w+", text.lower())
+        return {tuple(words[i:i + 8]) for i in range(len(words) - 7)}
+    evaluation = set()
+    for name in ("mt-bench", "varied"):
+        for _, _, text in load_records(resolve_prompts(name)):
+            evaluation |= shingles(text)
+    shared = [t[:60] for _, t in written_requests() if shingles(t) & evaluation]
+    assert not shared, shared
+
+
+def test_written_requests_file_errors_name_the_line(tmp_path):
+    bad = tmp_path / "requests.jsonl"
+    bad.write_text('{"category": "qa", "text": "Why is the sky blue?"}\n{"category": "qa"}\n')
+    with pytest.raises(ValueError, match=r"requests.jsonl:2: expected a JSON object"):
+        written_requests(bad)
+    bad.write_text('{"category": "qa", "text": "  "}\n')
+    with pytest.raises(ValueError, match=r":1: empty request"):
+        written_requests(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        written_requests(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize("own_file", [False, True])
+def test_generate_tokens_with_the_written_mix(tiny_target, tmp_path, own_file):  # noqa: F811
+    """The rows answer the requests in the seed's order, as written (the shipped file or the user's)."""
+    requests = None
+    if own_file:
+        requests = tmp_path / "mine.jsonl"
+        requests.write_text("".join(f'{{"category": "c{i % 3}", "text": "Question number {i}?"}}\n' for i in range(7)))
+    model = DecoderModel.from_pretrained(tiny_target, batch_size=4, n_positions=200, backend="eager", amp="f32",
+                                         progress=False)
+    cfg = DataConfig(num_prompts=7, batch_size=4, backend="eager", amp="f32", max_new_tokens=6,
+                     prompts="written", max_prompt_tokens=120, seed=3, requests_file=requests and str(requests))
+    shards = [generate_tokens(model, cfg, i) for i in (0, 1)]
+    plans = plan_rows("written", random.Random(0), 7, seed=3, requests=requests)
+    assert {p.template for p in plans} <= {t for _, t in written_requests(requests)}
+    for shard, batch in zip(shards, (plans[:4], plans[4:])):
+        assert shard.meta["questions"] == [p.template for p in batch]
+        assert shard.meta["categories"] == [p.category for p in batch]
+        for t, p, q in zip(shard.tokens, shard.prompt_lens, shard.meta["questions"]):
+            assert torch.equal(t[:p], torch.tensor(fit_request(model.tokenizer, q, 120)))
+            assert 0 < len(t) - p <= 6
+    assert len(shards[1].tokens) == 3
+    assert token_settings(cfg)["requests"] == written_digest(requests) and "requests_file" not in token_settings(cfg)
+    assert "requests" not in token_settings(DataConfig(prompts="tasks"))
+    too_many = DataConfig(num_prompts=len(written_requests(requests)) + 1, prompts="written",
+                          requests_file=requests and str(requests))
+    with pytest.raises(ValueError, match="written mix holds"):
+        generate_data(tmp_path / "data", too_many, target_path=tiny_target, progress=False)

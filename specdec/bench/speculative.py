@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> dict:
                 clock.add_wall(dt)
             elif name in systems:
                 gen = systems[name].make()
-                clock.watch(gen.engine, [target, getattr(gen.proposer, "model", None), gen.speculator])
+                clock.watch(gen.engine, [target, drafting_model(gen.proposer), gen.speculator])
                 _, dt = _timed(lambda: gen.generate(batch, max_new_tokens=n_new, eos_token_id=[], seed=seed,
                                                     **sampling(t)))
                 clock.add_wall(dt)
@@ -316,6 +316,12 @@ def strategy_systems(strategy: str, args: argparse.Namespace, target) -> tuple[d
             System(k, k + 1, lambda k=k, fused=fused: SpeculativeGenerator(draft, target, k, fused=fused,
                                                                            adaptive=args.adaptive))
             for k in args.ks for fused in modes}, draft.module
+
+
+def drafting_model(proposer):
+    """The draft network whose graphs ``proposer`` runs (through a prompt-lookup combination:
+    ``LookupBranch`` / ``LookupOrDraft`` hold it in ``draft``); None for prompt lookup alone."""
+    return getattr(getattr(proposer, "draft", proposer), "model", None)
 
 
 class GraphClock:

@@ -23,6 +23,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     """Target, working directory, seed, threads and the data-generation options (shared with
     ``train-eagle``)."""
     from .data import DataConfig
+    from .prompts import MIXES
     d = DataConfig()
     p.add_argument("--model", default=None, help="target checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="working directory (data, checkpoints)")
@@ -46,9 +47,13 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of answers sampled at --answer-temperature (the rest greedy)")
     g.add_argument("--answer-temperature", type=float, default=d.answer_temperature)
     g.add_argument("--gen-backend", default=d.backend, choices=["eager", "compiled"])
-    g.add_argument("--prompts", default=d.prompts, choices=["topics", "tasks"],
-                   help="request mix (specdec.train.prompts): topic questions the target writes, or tasks over "
-                        "passages it writes (summaries, QA, RAG, translation, rewriting) and math problems")
+    g.add_argument("--prompts", default=d.prompts, choices=list(MIXES),
+                   help="request mix (specdec.train.prompts): topic questions the target writes, tasks over "
+                        "passages it writes (summaries, QA, RAG, translation, rewriting) and math problems, or "
+                        "the written requests shipped with specdec (specdec/train/requests.jsonl)")
+    g.add_argument("--requests", default=None,
+                   help="--prompts written: a JSON-lines file of {\"category\", \"text\"} requests (default: "
+                        "specdec/train/requests.jsonl)")
     g.add_argument("--max-question-tokens", type=int, default=d.max_question_tokens,
                    help="length of the target's meta-replies (its questions or passages)")
     g.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
@@ -92,7 +97,7 @@ def prepare_data(args: argparse.Namespace) -> Path:
                       max_new_tokens=args.max_new_tokens, sample_fraction=args.sample_fraction,
                       answer_temperature=args.answer_temperature, seed=args.seed, backend=args.gen_backend,
                       prompts=args.prompts, max_question_tokens=args.max_question_tokens,
-                      max_prompt_tokens=args.max_prompt_tokens)
+                      max_prompt_tokens=args.max_prompt_tokens, requests_file=args.requests)
     with torch.no_grad():
         return generate_data(Path(args.data) if args.data else Path(args.out) / "data", dcfg,
                              resolve_target(args), progress=not args.no_progress, store=args.store)

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
 from .distill import save_atomic
-from .prompts import build_requests, plan_rows
+from .prompts import build_requests, plan_rows, written_digest, written_requests
 from .store import Shard, read_shard, shard_name, write_shard
 
 @dataclass
@@ -44,8 +44,9 @@ class DataConfig:
     amp: str = "bf16"
     backend: str = "compiled"   # batch-128 bf16 decoding (AMX on this CPU class)
     global_topk: int = 1024   # sampled rows draw from the target's top-1024 (see SamplingConfig)
-    prompts: str = "topics"   # the request mix (specdec.train.prompts): "topics" or "tasks"
+    prompts: str = "topics"   # the request mix (specdec.train.prompts): "topics", "tasks" or "written"
     max_prompt_tokens: int = 200   # longer requests are cut to fit (chat template included)
+    requests_file: str | None = None   # the "written" mix's requests (None: specdec/train/requests.jsonl)
 
 
 ADDED_LATER = {"prompts": "topics", "max_prompt_tokens": 200}
@@ -124,16 +125,20 @@ def generate_tokens(model, cfg: DataConfig, index: int) -> Shard:
     """One batch of synthetic prompts + the target's answers, as token rows (deterministic in seed and
     index): a ``store.Shard`` whose meta holds the categories and the requests' text. The requests come
     from ``cfg.prompts``' mix (``specdec.train.prompts``): the target first answers each row's
-    meta-prompt (sampled, up to ``max_question_tokens``), which becomes the request."""
+    meta-prompt (sampled, up to ``max_question_tokens``), which becomes the request; the "written" mix's
+    requests are taken as they are."""
     tok = model.tokenizer
     rng = random.Random(cfg.seed * 1_000_003 + index)
     n = min(cfg.batch_size, cfg.num_prompts - index * cfg.batch_size)
-    plans = plan_rows(cfg.prompts, rng, n)
-    metas = [chat_ids(tok, p.meta) for p in plans]
-    qs = model.generate(metas, max_new_tokens=cfg.max_question_tokens, do_sample=True,
-                        temperature=cfg.question_temperature, top_p=0.95, seed=rng.randrange(2**31))
-    width = max(len(m) for m in metas)
-    questions = build_requests(plans, [tok.decode(qs[i, width:], skip_special_tokens=True) for i in range(n)])
+    plans = plan_rows(cfg.prompts, rng, n, first=index * cfg.batch_size, seed=cfg.seed, requests=cfg.requests_file)
+    replies = [""] * n
+    if cfg.prompts != "written":
+        metas = [chat_ids(tok, p.meta) for p in plans]
+        qs = model.generate(metas, max_new_tokens=cfg.max_question_tokens, do_sample=True,
+                            temperature=cfg.question_temperature, top_p=0.95, seed=rng.randrange(2**31))
+        width = max(len(m) for m in metas)
+        replies = [tok.decode(qs[i, width:], skip_special_tokens=True) for i in range(n)]
+    questions = build_requests(plans, replies)
     prompts = [torch.tensor(fit_request(tok, q, cfg.max_prompt_tokens)) for q in questions]
     sampled = [rng.random() < cfg.sample_fraction for _ in range(n)]
     temps = [cfg.answer_temperature if s else 0.0 for s in sampled] + [0.0] * (model.batch_size - n)
@@ -169,8 +174,11 @@ def generate_batch(model, cfg: DataConfig, index: int) -> dict:
 
 def token_settings(cfg: DataConfig) -> dict:
     """The ``DataConfig`` fields generated tokens depend on (a store's shards must agree on them)."""
-    return {k: v for k, v in asdict(cfg).items()
-            if k not in ("num_prompts", "backend") and not (k in ADDED_LATER and v == ADDED_LATER[k])}
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("num_prompts", "backend", "requests_file")
+                and not (k in ADDED_LATER and v == ADDED_LATER[k])}
+    if cfg.prompts == "written":      # the file's content (not its path) decides what each row answered
+        settings["requests"] = written_digest(cfg.requests_file)
+    return settings
 
 
 def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progress: bool = True,
@@ -185,10 +193,14 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
 
     out_dir = Path(out_dir)
     store = Path(store) if store is not None else out_dir / "tokens"
+    if cfg.prompts == "written" and cfg.num_prompts > len(written_requests(cfg.requests_file)):
+        raise ValueError(f"num_prompts={cfg.num_prompts}, but the written mix holds "
+                         f"{len(written_requests(cfg.requests_file))} requests (each seed answers each once): "
+                         "pass at most that many, and another seed for more")
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = out_dir / "data_config.json"
     if meta.is_file():
-        old = json.loads(meta.read_text())
+        old = {**asdict(DataConfig()), **json.loads(meta.read_text())}   # fields added since: their defaults
         if {k: v for k, v in old.items() if k != "num_prompts"} != \
                 {k: v for k, v in asdict(cfg).items() if k != "num_prompts"}:
             raise ValueError(f"{out_dir} holds data made with other settings ({old}); use another --out "

@@ -1,7 +1,8 @@
-"""Synthetic user requests for draft training data, in two mixes (``DataConfig.prompts``).
+"""User requests for draft training data, in three mixes (``DataConfig.prompts``).
 
 Every row of a generation batch gets a :class:`RowPlan`: a *meta-prompt* the target answers first (with
-sampling), and a rule that turns the target's reply into the user request the target then answers.
+sampling), and a rule that turns the target's reply into the user request the target then answers (a
+written request needs neither).
 
 - ``"topics"`` (the first store's mix): the target writes a question about a topic of an MT-Bench-like
   category (writing, roleplay, reasoning, math, coding, extraction, STEM, humanities, advice; none of
@@ -12,6 +13,12 @@ sampling), and a rule that turns the target's reply into the user request the ta
   such documents (RAG-style, up to ~500 prompt tokens), translate part of it, rewrite or extract from
   it. Arithmetic word problems are drawn from templates with random numbers (their meta-reply is
   unused), and a share of topic questions stays in the mix.
+- ``"written"``: requests written out in full, not by the target: a JSON-lines file of
+  ``{"category", "text"}`` (``DataConfig.requests_file``; default ``requests.jsonl`` next to this module:
+  chat and instructions of every category above, summaries, extraction, context QA and RAG over passages
+  written with them, translation into and out of English, rewriting; ``requests-2.jsonl`` a second set),
+  e.g. a service's own traffic. No meta-prompt: the request is the row's prompt. Each seed takes every
+  request of the file once, in its own order (``written_order``); a batch takes the next ``batch_size``.
 
 None of this is tuned to a benchmark: the categories follow what users ask (MT-Bench's categories plus
 translation, summarisation, QA, math and long-context RAG); the evaluation prompts
@@ -19,9 +26,13 @@ translation, summarisation, QA, math and long-context RAG); the evaluation promp
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import re
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 # (category, instruction template for the meta-prompt, topics). Generic topics, not MT-Bench questions.
 TASKS: list[tuple[str, str, list[str]]] = [
@@ -123,7 +134,8 @@ KIND_WEIGHTS = {"question": 0.24, "summarize": 0.16, "context_qa": 0.14, "rag": 
 @dataclass
 class RowPlan:
     """One row's request recipe: ``category`` (a topic category or a task kind), the ``meta`` prompt the
-    target answers first, and for task rows the ``kind`` and its drawn settings."""
+    target answers first (empty for a written request: kind "written", its text in ``template``), and
+    for task rows the ``kind`` and its drawn settings."""
 
     category: str
     meta: str
@@ -144,13 +156,62 @@ def passage_meta(rng: random.Random) -> str:
             "Write only the text.")
 
 
-def plan_rows(mix: str, rng: random.Random, n: int) -> list[RowPlan]:
-    """``n`` row plans of the ``mix`` ("topics" or "tasks"), drawn from ``rng``."""
+WRITTEN = Path(__file__).with_name("requests.jsonl")
+MIXES = ("topics", "tasks", "written")
+
+
+def written_requests(path: str | Path | None = None) -> tuple[tuple[str, str], ...]:
+    """(category, request) of every line of a written requests file (default ``WRITTEN``; JSON lines
+    with "category" and "text"); ValueError naming the first malformed line."""
+    path = Path(path or WRITTEN).resolve()
+    if not path.is_file():
+        raise ValueError(f"requests file {path} does not exist")
+    stat = path.stat()
+    return _read_requests(path, stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=16)
+def _read_requests(path: Path, mtime_ns: int, size: int) -> tuple[tuple[str, str], ...]:
+    """The parsed file, cached per version (modification time and size)."""
+    found = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            category, text = row["category"], row["text"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{path}:{i}: expected a JSON object with 'category' and 'text'") from None
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{path}:{i}: empty request")
+        found.append((str(category), text))
+    return tuple(found)
+
+
+def written_digest(path: str | Path | None = None) -> str:
+    """A short hash of a written requests file (default ``WRITTEN``; a shard of the "written" mix records
+    it: the file and the seed decide which request each row answered)."""
+    return hashlib.blake2b(Path(path or WRITTEN).read_bytes(), digest_size=8).hexdigest()
+
+
+def written_order(seed: int, path: str | Path | None = None) -> list[int]:
+    """The order in which seed ``seed`` takes the requests of ``path``: a permutation of their indices."""
+    n = len(written_requests(path))
+    return random.Random(f"written-{seed}").sample(range(n), n)
+
+
+def plan_rows(mix: str, rng: random.Random, n: int, first: int = 0, seed: int = 0,
+              requests: str | Path | None = None) -> list[RowPlan]:
+    """``n`` row plans of the ``mix`` (one of ``MIXES``): "topics" and "tasks" drawn from ``rng``;
+    "written": requests ``first .. first + n - 1`` of ``written_order(seed, requests)`` (fewer past the end)."""
     topics = all_topics()
     if mix == "topics":
         return [RowPlan(*topics[rng.randrange(len(topics))]) for _ in range(n)]
+    if mix == "written":
+        found = written_requests(requests)
+        return [RowPlan(found[j][0], "", "written", found[j][1]) for j in written_order(seed, requests)[first:first + n]]
     if mix != "tasks":
-        raise ValueError(f"prompts={mix!r}: use 'topics' or 'tasks'")
+        raise ValueError(f"prompts={mix!r}: use one of {', '.join(map(repr, MIXES))}")
     kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
     plans = []
     for _ in range(n):
@@ -188,9 +249,13 @@ def first_sentences(text: str, n: int) -> str:
 
 def build_requests(plans: list[RowPlan], replies: list[str]) -> list[str]:
     """The user request of every row from its plan and the target's meta-replies (all rows' replies: a
-    RAG row reads the passages of the next passage rows as its other documents)."""
+    RAG row reads the passages of the next passage rows as its other documents; a written request is
+    its own text)."""
     out = []
     for i, (plan, reply) in enumerate(zip(plans, replies)):
+        if plan.kind == "written":
+            out.append(plan.template)
+            continue
         if plan.kind == "question":
             text = clean_question(reply)
             out.append(text if len(text) >= 8 else plan.meta.split(" about ")[-1].rstrip("."))
