@@ -12,7 +12,7 @@ from specdec import DecoderModel
 from specdec.core.chat import chat_ids
 from specdec.bench.prompts import load_records, resolve_prompts
 from specdec.train.data import DataConfig, fit_request, generate_data, generate_tokens, token_settings
-from specdec.train.prompts import (KIND_WEIGHTS, LANGUAGES, TASKS, build_requests, math_problem, plan_rows,
+from specdec.train.prompts import (KIND_WEIGHTS, LANGUAGES, TASKS, WRITTEN, build_requests, math_problem, plan_rows,
                                    written_digest, written_requests)
 from specdec.train.store import EMBEDDED_STORE, read_shard, shard_files
 
@@ -118,7 +118,8 @@ def test_written_mix_answers_each_request_once_per_seed():
 
 
 def test_written_requests_stay_apart_from_the_evaluation_prompts():
-    """No written request shares an 8-word run with an MT-Bench question or a varied-set prompt."""
+    """No written request (of any shipped file) shares an 8-word run with an MT-Bench question or a
+    varied-set prompt, and none is in two files."""
     def shingles(text):
         words = re.findall(r"\w+", text.lower())
         return {tuple(words[i:i + 8]) for i in range(len(words) - 7)}
@@ -126,8 +127,12 @@ def test_written_requests_stay_apart_from_the_evaluation_prompts():
     for name in ("mt-bench", "varied"):
         for _, _, text in load_records(resolve_prompts(name)):
             evaluation |= shingles(text)
-    shared = [t[:60] for _, t in written_requests() if shingles(t) & evaluation]
+    files = sorted(WRITTEN.parent.glob("requests*.jsonl"))
+    assert WRITTEN in files
+    shared = [(f.name, t[:60]) for f in files for _, t in written_requests(f) if shingles(t) & evaluation]
     assert not shared, shared
+    texts = [t for f in files for _, t in written_requests(f)]
+    assert len(set(texts)) == len(texts)          # no request in two files
 
 
 def test_written_requests_file_errors_name_the_line(tmp_path):
