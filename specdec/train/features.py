@@ -14,6 +14,7 @@ the target features cache, the per-step row selection and the run bookkeeping.
 """
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -28,9 +29,11 @@ def compute_features(rows: list[dict], target_dir: Path, out_file: Path, amp: st
                      batch_rows: int = 32, progress: bool = True,
                      feature_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """The target's final-norm hidden states [len, H] of every row (runtime forward in ``amp``), with A
-    ``feature_layers`` followed by the hidden states entering them: [len, H·(1+A)]; cached in ``out_file``."""
+    ``feature_layers`` followed by the hidden states entering them: [len, H·(1+A)]; cached in ``out_file``
+    and read back from it memory-mapped (several GB for a large store: pages the OS can drop and
+    re-read, not process memory)."""
     if out_file.is_file():
-        return torch.load(out_file, weights_only=True)
+        return torch.load(out_file, weights_only=True, mmap=True)
     from ..core.decoder import DecoderModel
     from .data import prefill_hidden
     longest = max(len(r["tokens"]) for r in rows)
@@ -40,7 +43,9 @@ def compute_features(rows: list[dict], target_dir: Path, out_file: Path, amp: st
     for i, hidden in prefill_hidden(model, [r["tokens"] for r in rows], progress, "target features"):
         feats[i] = hidden.clone()
     save_atomic(feats, out_file)
-    return feats
+    del feats, model
+    gc.collect()
+    return torch.load(out_file, weights_only=True, mmap=True)
 
 
 def training_rows(data_dir: str | Path) -> list[dict]:
