@@ -193,10 +193,10 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
 
     out_dir = Path(out_dir)
     store = Path(store) if store is not None else out_dir / "tokens"
-    if cfg.prompts == "written" and cfg.num_prompts > len(written_requests(cfg.requests_file)):
-        raise ValueError(f"num_prompts={cfg.num_prompts}, but the written mix holds "
-                         f"{len(written_requests(cfg.requests_file))} requests (each seed answers each once): "
-                         "pass at most that many, and another seed for more")
+    available = len(written_requests(cfg.requests_file)) if cfg.prompts == "written" else None
+    if available is not None and cfg.num_prompts > available:
+        raise ValueError(f"num_prompts={cfg.num_prompts}, but the written mix holds {available} requests (each "
+                         "seed answers each once): pass at most that many, and another seed for more")
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = out_dir / "data_config.json"
     if meta.is_file():
