@@ -394,44 +394,54 @@ def accept_tree_sampled(tree_tokens: torch.Tensor, target_probs: torch.Tensor, c
     restarts from the new last token. By induction the emitted sequence has exactly the target's
     distribution, whatever the tree and the proposals.
 
-    Fixed shapes: loops over the D depths (uniform's dim 1) and the C = child_nodes.shape[1] sibling slots,
-    tensor ops only. uniform [B, D, C] (``draw_tree_uniforms``, D >= 1 the tree's max depth),
-    residual_uniform [B]. Other shapes:
-    see the tree section above → (num_accepted [B], best_node [B], out_tokens [B, D+1]).
+    Vectorised: the sibling tries never touch the vocabulary. With p the target distribution at the
+    current node (total mass s = sum(p), 1 up to rounding) and its children's tokens x_1..x_C, the
+    residual before child j has lost the mass of the distinct tokens among x_1..x_{j-1}, so
+        sum(r) before j = s - sum_{i<j, x_i new} p(x_i),   r(x_j) = p(x_j) if x_j is new, else 0,
+    and the first j with u[d, j] * sum(r) < r(x_j) is the accepted child (the sequential walk stops at
+    it). Only p at the children's tokens ([B, N+1, C]) is gathered; the final draw reads one full row,
+    p at the last node with all its children's tokens removed (it tried them all, or has none).
+
+    Fixed shapes: a loop over the D depths (uniform's dim 1), tensor ops over the C =
+    child_nodes.shape[-1] sibling slots. uniform [B, D, C] (``draw_tree_uniforms``, D >= 1 the tree's max
+    depth), residual_uniform [B]. Other shapes: see the tree section above → (num_accepted [B],
+    best_node [B], out_tokens [B, D+1]).
     """
     B, _, V = target_probs.shape
-    child_nodes = _per_row(child_nodes, B, 2)
+    child_nodes = _per_row(child_nodes, B, 2)                                            # [B, N+1, C]
     D, C = uniform.shape[1], child_nodes.shape[2]
     dt = torch.promote_types(target_probs.dtype, torch.float32)
     u = uniform.to(dt)
-
-    def probs_at(node):
-        return target_probs.gather(1, node.view(B, 1, 1).expand(B, 1, V)).squeeze(1).to(dt)
+    has = child_nodes >= 0
+    kid_tokens = tree_tokens.gather(1, child_nodes.clamp(min=0).flatten(1)).view_as(child_nodes)   # [B, N+1, C]
+    p_kid = target_probs.gather(2, kid_tokens).to(dt)                                     # p_node(child token)
+    earlier = torch.ones(C, C, dtype=torch.bool, device=has.device).tril(-1)              # [j, i]: i < j
+    repeat = ((kid_tokens.unsqueeze(-1) == kid_tokens.unsqueeze(-2)) & earlier & has.unsqueeze(-2)).any(-1)
+    fresh = has & ~repeat                                                                # first try of a token
+    r_kid = torch.where(fresh, p_kid, 0.0)
+    mass_before = target_probs.sum(-1, dtype=dt).unsqueeze(-1) - (r_kid.cumsum(-1) - r_kid)    # sum(r) before j
+    ok = has & (r_kid > 0)
 
     node = torch.zeros(B, dtype=torch.long, device=tree_tokens.device)
-    residual = probs_at(node)
     walking = torch.ones(B, dtype=torch.bool, device=tree_tokens.device)
     n = torch.zeros_like(node)
     accepted_tokens = []
     for d in range(D):
-        kids = _gather_nodes(child_nodes, node.view(B, 1)).squeeze(1)                  # [B, C]
-        moved = torch.zeros_like(walking)
-        nxt = node
-        for j in range(C):
-            child = kids[:, j]
-            x = tree_tokens.gather(1, child.clamp(min=0).view(B, 1))               # [B, 1]
-            r_x = residual.gather(1, x).squeeze(1)
-            tried = walking & ~moved & (child >= 0)
-            take = tried & (u[:, d, j] * residual.sum(-1) < r_x)
-            residual = torch.where((tried & ~take).view(B, 1), residual.scatter(1, x, 0.0), residual)
-            nxt = torch.where(take, child, nxt)
-            moved = moved | take
-        node = nxt
+        here = node.view(B, 1, 1).expand(B, 1, C)
+        take = ok.gather(1, here).squeeze(1) & (u[:, d] * mass_before.gather(1, here).squeeze(1)
+                                                < r_kid.gather(1, here).squeeze(1))      # [B, C]
+        moved = walking & take.any(-1)
+        child = child_nodes.gather(1, here).squeeze(1).gather(1, take.long().argmax(-1, keepdim=True)).squeeze(1)
+        node = torch.where(moved, child, node)
         accepted_tokens.append(tree_tokens.gather(1, node.view(B, 1)).squeeze(1))
-        residual = torch.where(moved.view(B, 1), probs_at(node), residual)
         n = n + moved.to(n.dtype)
         walking = moved
-    weights = torch.where((residual.sum(-1) > 0).view(B, 1), residual, probs_at(node))
+    p_last = target_probs.gather(1, node.view(B, 1, 1).expand(B, 1, V)).squeeze(1).to(dt)     # [B, V]
+    last_kids = kid_tokens.gather(1, node.view(B, 1, 1).expand(B, 1, C)).squeeze(1)
+    tried = has.gather(1, node.view(B, 1, 1).expand(B, 1, C)).squeeze(1)
+    removed = torch.zeros_like(p_last).scatter_add_(1, last_kids, tried.to(dt)) > 0     # repeats add up
+    residual = p_last.masked_fill(removed, 0.0)
+    weights = torch.where((residual.sum(-1) > 0).view(B, 1), residual, p_last)
     y = inverse_cdf(weights, residual_uniform.reshape(B).to(dt))
     return n, node, _assemble(torch.stack(accepted_tokens, dim=1), n, y, pad_token_id)
 
