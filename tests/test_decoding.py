@@ -167,3 +167,21 @@ def test_multi_token_chain_equals_single_steps(ckpt):
     assert out.tokens[0].tolist() == cont[1:5]
     out = model.step(torch.tensor([[cont[4]]]), params)
     torch.testing.assert_close(out.logits[0, 0], ref[len(p) + 4], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("b,H,Hkv,n,L,mask_dims", [(3, 9, 3, 1, 40, 4), (2, 8, 2, 5, 17, 4), (1, 6, 3, 7, 7, 2),
+                                                   (2, 4, 4, 3, 11, 4)])
+def test_grouped_query_attention_is_repeat_kv_attention(b, H, Hkv, n, L, mask_dims):
+    """The grouped form (query heads of a KV head as extra query rows) equals attention over K / V repeated
+    to every query head (HF's repeat_kv), f32, for per-row [b, 1, n, L] and shared [n, L] masks."""
+    from specdec.core.model import grouped_query_attention
+    g = torch.Generator().manual_seed(b * 100 + n)
+    q, k, v = (torch.randn(b, h, m, 16, generator=g) for h, m in ((H, n), (Hkv, L), (Hkv, L)))
+    mask = torch.rand(b if mask_dims == 4 else 1, 1, n, L, generator=g) > 0.4
+    mask[..., 0] = True
+    if mask_dims == 2:
+        mask = mask[0, 0]
+    rep = H // Hkv
+    scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) / 16 ** 0.5
+    expected = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(rep, 1)
+    torch.testing.assert_close(grouped_query_attention(q, k, v, mask), expected, atol=1e-5, rtol=1e-5)

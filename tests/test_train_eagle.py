@@ -136,6 +136,34 @@ def test_init_starts_a_new_run_from_an_earlier_checkpoint(data_dir, tiny_target,
                     init=first / "ckpt.pt", **quiet)
 
 
+@pytest.mark.parametrize("arch,int8", [("eagle1", False), ("eagle3", False), ("eagle3", True)])
+def test_init_from_a_shipped_draft(data_dir, tiny_target, tmp_path, arch, int8):  # noqa: F811
+    """``init`` also takes a shipped directory (``export_eagle``'s, bf16 or int8-packed, e.g. the packaged
+    head when the run that made it is gone): the new run's step 0 scores the shipped weights, within their
+    rounding of the checkpoint's; a ship of another architecture is refused."""
+    quiet = dict(progress=False, log=lambda m: None)
+
+    def config(arch: str, **more) -> EagleTrainConfig:
+        return EagleTrainConfig(**{**TRAIN, "arch": arch, "aux_layers": (0, 1, 2) if arch == "eagle3" else (), **more})
+
+    cfg = config(arch)
+    first = tmp_path / "first"
+    train_eagle(data_dir, first, tiny_target, cfg, **quiet)
+    ship = export_eagle(first / "ckpt.pt", tmp_path / "ship", int8=int8)
+    second = tmp_path / "second"
+    train_eagle(data_dir, second, tiny_target, config(arch, steps=2), init=ship, **quiet)
+    before, after = log_of(first)[-1], log_of(second)[0]
+    assert after["init"] == str(ship)
+    assert after["loss"] == pytest.approx(before["loss"], rel=0.02)
+    a, b = (torch.load(d / "ckpt.pt", weights_only=False) for d in (first, second))
+    assert sorted(a["output_token_ids"].tolist()) == b["output_token_ids"].tolist() if arch == "eagle3" else \
+        torch.equal(a["output_token_ids"], b["output_token_ids"])
+    assert set(a["model"]) == set(b["model"])
+    other = "eagle1" if arch == "eagle3" else "eagle3"
+    with pytest.raises(ValueError, match="--init.*arch"):
+        train_eagle(data_dir, tmp_path / "third", tiny_target, config(other), init=ship, **quiet)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_shipped_smollm2_eagle_is_exact(kind):
@@ -165,3 +193,25 @@ def test_shipped_smollm2_eagle_is_exact(kind):
         gen = SpeculativeGenerator(draft, target, k)
         assert torch.equal(gen.sample(prompts, max_new_tokens=48), reference)
     assert gen.last_stats.mean_acceptance_length > 1.5   # the trained head does get runs accepted
+
+
+def test_a_run_from_init_reads_a_token_store_without_labels(data_dir, tiny_target, tmp_path):  # noqa: F811
+    """With ``init``, the rows come straight from the token store (``store_rows``: load_dataset's rows and
+    order, no labels): the same step-0 scores as from the labelled batches; a new run on an unlabelled
+    store is refused (it chooses its vocabulary from labels)."""
+    from specdec.train.data import store_rows
+    quiet = dict(progress=False, log=lambda m: None)
+    store = data_dir / "tokens"
+    labelled, unlabelled = load_dataset(data_dir), store_rows(store)
+    assert [(r["tokens"].tolist(), r["prompt_len"], r["sampled"]) for r in labelled] == \
+        [(r["tokens"].tolist(), r["prompt_len"], r["sampled"]) for r in unlabelled]
+    assert "labels" not in unlabelled[0]
+    first = tmp_path / "first"
+    train_eagle(data_dir, first, tiny_target, EagleTrainConfig(**TRAIN), **quiet)
+    cfg = EagleTrainConfig(**{**TRAIN, "steps": 2})
+    for data, out in ((data_dir, tmp_path / "a"), (store, tmp_path / "b")):
+        train_eagle(data, out, tiny_target, cfg, init=first / "ckpt.pt", **quiet)
+    a, b = log_of(tmp_path / "a")[0], log_of(tmp_path / "b")[0]
+    assert a["loss"] == b["loss"] and a["agree_step1"] == b["agree_step1"]
+    with pytest.raises(ValueError, match="without labels"):
+        train_eagle(store, tmp_path / "c", tiny_target, cfg, **quiet)

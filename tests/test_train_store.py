@@ -108,8 +108,8 @@ def test_generation_appends_shards_and_reuses_kept_ones(generated, tiny_target, 
     first = (store / "answers-s5-00000.npz").read_bytes()
     # a run for more prompts with the same store: only batch 1 is generated, batch 0 is read back
     calls = []
-    real = data_mod.generate_tokens
-    monkeypatch.setattr(data_mod, "generate_tokens", lambda m, c, i: calls.append(i) or real(m, c, i))
+    real = data_mod.plan_batch
+    monkeypatch.setattr(data_mod, "plan_batch", lambda m, c, i: calls.append(i) or real(m, c, i))
     out2 = generate_data(tmp_path / "d2", DataConfig(**{**DATA, "num_prompts": 6}), tiny_target, progress=False,
                          store=store)
     assert calls == [1]
@@ -126,8 +126,40 @@ def test_generation_appends_shards_and_reuses_kept_ones(generated, tiny_target, 
 
 def test_cli_data_store_labels_without_generating(generated, tiny_target, tmp_path, monkeypatch):
     _, store = generated
-    monkeypatch.setattr(data_mod, "generate_tokens", lambda *a: pytest.fail("generated"))
+    monkeypatch.setattr(data_mod, "plan_batch", lambda *a: pytest.fail("generated"))
     args = argparse.Namespace(data=str(store), out=str(tmp_path / "run"), model=str(tiny_target), no_progress=True)
     labelled = prepare_data(args)
     rows = sum(len(s.tokens) for _, s in read_store(store))
     assert labelled == tmp_path / "run" / "labels" and len(load_dataset(labelled)) == rows >= 3
+
+
+def test_answer_stream_refills_rows_and_each_answer_is_the_rows_own(tiny_target, monkeypatch):  # noqa: F811
+    """While jobs wait, every step runs a full batch (finished rows are refilled at once), and every
+    answer equals the same prompt answered alone (f32): greedy and sampled rows, prompts of different
+    lengths, EOS inside answers."""
+    from specdec.core.engine import Engine
+
+    model = DecoderModel.from_pretrained(tiny_target, batch_size=2, n_positions=64, backend="eager", amp="f32",
+                                         progress=False)
+    g = torch.Generator().manual_seed(3)
+    jobs = [(torch.randint(3, VOCAB, (n,), generator=g), t, 100 + i)
+            for i, (n, t) in enumerate([(5, 0.0), (9, 0.8), (3, 0.0), (12, 1.0), (7, 0.0), (4, 0.0)])]
+    taken, steps = [], []
+
+    def feed():
+        for job in jobs:
+            taken.append(job)
+            yield job
+
+    real_step = Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self: steps.append((len(self.active_rows), len(taken))) or real_step(self))
+    answers = list(data_mod.answer_stream(model, feed(), max_new_tokens=12))
+    assert sorted(i for i, _ in answers) == list(range(len(jobs)))
+    assert steps and all(active == 2 for active, n in steps if n < len(jobs))
+    eos = set(model.config.eos_token_ids)
+    for i, answer in answers:
+        prompt, t, seed = jobs[i]
+        alone = model.generate([prompt], max_new_tokens=12, do_sample=t > 0, temperature=t or None, seed=seed)
+        expected = alone[0, len(prompt):].tolist()
+        cut = next((j + 1 for j, tok in enumerate(expected) if tok in eos), len(expected))
+        assert answer == expected[:cut], i

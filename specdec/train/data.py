@@ -22,6 +22,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -121,11 +122,32 @@ def labelled_batch(model, tokens: list[torch.Tensor], prompt_lens: list[int], sa
             "greedy_label_agreement": sum(greedy_agree) / max(len(greedy_agree), 1)}
 
 
-def generate_tokens(model, cfg: DataConfig, index: int) -> Shard:
-    """One batch of synthetic prompts + the target's answers, as token rows (deterministic in seed and
-    index): a ``store.Shard`` whose meta holds the categories and the requests' text. The requests come
-    from ``cfg.prompts``' mix (``specdec.train.prompts``): the target first answers each row's
-    meta-prompt (sampled, up to ``max_question_tokens``), which becomes the request; the "written" mix's
+@dataclass
+class BatchPlan:
+    """One batch's requests, ready to answer: chat-template prompt ids, whether each row samples (at
+    ``answer_temperature``; else greedy), one seed per row, and the rows' categories and request text."""
+
+    prompts: list[torch.Tensor]
+    sampled: list[bool]
+    seeds: list[int]
+    categories: list[str]
+    questions: list[str]
+
+    def jobs(self, cfg: DataConfig) -> list[tuple[torch.Tensor, float, int]]:
+        """``answer_stream`` jobs: (prompt, temperature, seed) per row."""
+        return [(p, cfg.answer_temperature if s else 0.0, seed) for p, s, seed in zip(self.prompts, self.sampled, self.seeds)]
+
+    def shard(self, answers: list[list[int]]) -> Shard:
+        """The batch as a token-store shard, given each row's answer (its ids up to and including EOS)."""
+        rows = [torch.cat([p, torch.tensor(a, dtype=torch.long)]) for p, a in zip(self.prompts, answers)]
+        return Shard(rows, [len(p) for p in self.prompts], list(self.sampled),
+                     {"categories": list(self.categories), "questions": list(self.questions)})
+
+
+def plan_batch(model, cfg: DataConfig, index: int) -> BatchPlan:
+    """Batch ``index``'s requests (deterministic in seed and index), from ``cfg.prompts``' mix
+    (``specdec.train.prompts``): the target first answers each row's meta-prompt (sampled, up to
+    ``max_question_tokens``, one batch ``generate`` call), which becomes the request; the "written" mix's
     requests are taken as they are."""
     tok = model.tokenizer
     rng = random.Random(cfg.seed * 1_000_003 + index)
@@ -141,18 +163,51 @@ def generate_tokens(model, cfg: DataConfig, index: int) -> Shard:
     questions = build_requests(plans, replies)
     prompts = [torch.tensor(fit_request(tok, q, cfg.max_prompt_tokens)) for q in questions]
     sampled = [rng.random() < cfg.sample_fraction for _ in range(n)]
-    temps = [cfg.answer_temperature if s else 0.0 for s in sampled] + [0.0] * (model.batch_size - n)
-    out = model.generate(prompts, max_new_tokens=cfg.max_new_tokens, do_sample=any(sampled),
-                         temperature=temps, seed=rng.randrange(2**31))
-    width = max(len(p) for p in prompts)
-    eos = set(model.config.eos_token_ids)
-    rows, prompt_lens = [], []
-    for i in range(n):
-        ans = out[i, width:].tolist()
-        cut = next((j + 1 for j, t in enumerate(ans) if t in eos), len(ans))
-        rows.append(torch.cat([prompts[i], torch.tensor(ans[:cut], dtype=torch.long)]))
-        prompt_lens.append(len(prompts[i]))
-    return Shard(rows, prompt_lens, sampled, {"categories": [p.category for p in plans], "questions": questions})
+    seeds = [rng.randrange(2**31) for _ in range(n)]
+    return BatchPlan(prompts, sampled, seeds, [p.category for p in plans], questions)
+
+
+def answer_stream(model, jobs: Iterable[tuple[torch.Tensor, float, int]],
+                  max_new_tokens: int) -> Iterator[tuple[int, list[int]]]:
+    """The target's answers to ``jobs`` — (prompt ids, temperature (0 = greedy), seed) each — through
+    one running batch of ``model.batch_size`` rows (the ``Engine``'s add / step / release).
+
+    A row whose answer ends (EOS, kept as its last id, or ``max_new_tokens``) is handed back and
+    refilled with the next job before the next step (a single-row context encoding), so no row idles
+    until the longest answer of its batch ends, as it does in one batch ``generate`` call: on the
+    written requests 25-30% of a batch's row-steps were such idle rows. Yields (job index, answer ids)
+    in the order the answers end. Each row draws from its own seeded generator, so an answer depends
+    on its job only, not on the jobs beside it (exactly in f32; in bf16 a kernel of another KV bucket
+    may round a near-tie the other way)."""
+    from ..core.engine import Engine
+
+    engine = Engine(model)
+    pending = enumerate(jobs)
+    owner: dict[int, int] = {}          # row -> job index
+    while True:
+        for row in [r for r in owner if engine.rows[r].done]:
+            yield owner.pop(row), list(engine.rows[row].new)
+            engine.release(row)
+        for row in engine.free_rows:
+            nxt = next(pending, None)
+            if nxt is None:
+                break
+            i, (prompt, temperature, seed) = nxt
+            owner[engine.add(prompt, row=row, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                             temperature=temperature if temperature > 0 else None, seed=seed)] = i
+        if not owner:
+            return
+        if engine.active_rows:
+            engine.step()
+
+
+def generate_tokens(model, cfg: DataConfig, index: int) -> Shard:
+    """One batch of requests + the target's answers, as token rows (deterministic in seed and index):
+    a ``store.Shard`` whose meta holds the categories and the requests' text (``plan_batch``, then
+    ``answer_stream``)."""
+    plan = plan_batch(model, cfg, index)
+    answers = dict(answer_stream(model, plan.jobs(cfg), cfg.max_new_tokens))
+    return plan.shard([answers[i] for i in range(len(plan.prompts))])
 
 
 def fit_request(tok, request: str, limit: int) -> list[int]:
@@ -181,16 +236,72 @@ def token_settings(cfg: DataConfig) -> dict:
     return settings
 
 
-def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progress: bool = True,
-                  store: str | Path | None = None) -> Path:
-    """Generate (or finish generating) the dataset in ``out_dir``; returns it. Resumable.
+def generate_shards(model, cfg: DataConfig, batches: list[int], store: Path, progress: bool = False) -> None:
+    """The token-store shards of ``batches`` (``plan_batch`` for each, then all their rows through one
+    ``answer_stream``), each written to ``store`` as soon as its last row's answer ends, so an
+    interrupted run keeps every shard it finished. A shard's ``seconds`` is the wall time since the
+    previous shard of the call was written (the first: since the call started, planning included)."""
+    if not batches:
+        return
+    last = time.perf_counter()
+    plans = {i: plan_batch(model, cfg, i) for i in batches}
+    owners = [(i, j) for i in batches for j in range(len(plans[i].prompts))]
+    answers: dict[int, dict[int, list[int]]] = {i: {} for i in batches}
+    jobs = (job for i in batches for job in plans[i].jobs(cfg))
+    bar = tqdm(total=len(owners), desc="answering", unit="row", leave=False, disable=not progress)
+    for n, answer in answer_stream(model, jobs, cfg.max_new_tokens):
+        i, j = owners[n]
+        answers[i][j] = answer
+        bar.update()
+        if len(answers[i]) == len(plans[i].prompts):
+            shard = plans[i].shard([answers[i][j] for j in range(len(answers[i]))])
+            shard.meta.pop("questions")   # the prompts' text: decodable from their tokens
+            now = time.perf_counter()
+            shard.meta.update(model=model.path.name, settings=token_settings(cfg), refill=True,
+                              answer_tokens=sum(len(a) for a in answers.pop(i).values()), seconds=round(now - last, 1))
+            write_shard(store, cfg.seed, i, shard, model.vocab_size)
+            last = now
+    bar.close()
 
-    Per batch: the tokens (``generate_tokens``) are kept as a shard in the token store ``store``
-    (default ``out_dir/tokens``; ``specdec.train.store``), unless it already holds that batch (same seed
-    and settings), then labelled by prefill (``labelled_batch``) into ``out_dir/batch_NNNNN.pt``."""
+
+def generation_model(cfg: DataConfig, target_path=None):
+    """The target as data generation runs it: ``cfg.batch_size`` rows, room for ``max_prompt_tokens`` +
+    ``max_new_tokens``, ``cfg``'s backend, amp and global top-k."""
     from ..core.decoder import DecoderModel
     from ..core.sampling import SamplingConfig
 
+    prompt_room = max(256, cfg.max_prompt_tokens)
+    n_pos = prompt_room + cfg.max_new_tokens
+    return DecoderModel.from_pretrained(target_path, batch_size=cfg.batch_size, n_positions=n_pos, amp=cfg.amp,
+                                        backend=cfg.backend, progress=False,
+                                        context_buckets=sorted({64, 128, 256, prompt_room}),
+                                        # KV buckets every 64 slots: at batch 128 a decode step reads
+                                        # 23 KB of K/V per row and slot (1.5 GB at 512), more than the
+                                        # weights, so a tight bucket matters (README, draft training data)
+                                        kv_buckets=sorted({*range(128, n_pos, 64), n_pos}),
+                                        sampling=SamplingConfig(global_topk=cfg.global_topk))
+
+
+def kept_shard(store: Path, cfg: DataConfig, index: int) -> Shard:
+    """Batch ``index``'s shard from ``store``; ValueError if it was generated with other settings."""
+    shard_file = store / shard_name(cfg.seed, index)
+    shard = read_shard(shard_file)
+    if shard.meta.get("settings") != token_settings(cfg):
+        raise ValueError(f"{shard_file} was generated with other settings ({shard.meta.get('settings')}); "
+                         "use another store or the same settings")
+    return shard
+
+
+def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progress: bool = True,
+                  store: str | Path | None = None, window: int = 8, label: bool = True) -> Path:
+    """Generate (or finish generating) the dataset in ``out_dir``; returns it. Resumable.
+
+    The batches not yet in ``out_dir`` go in windows of ``window`` batches: the window's batches that the
+    token store ``store`` (default ``out_dir/tokens``; ``specdec.train.store``) lacks are generated
+    together (``generate_shards``: one running batch, finished rows refilled) and kept there as shards;
+    then each batch of the window is read back from the store (its settings checked) and labelled by
+    prefill (``labelled_batch``) into ``out_dir/batch_NNNNN.pt``. ``label=False``: only the store's shards
+    are made (a trainer that needs no labels reads the store itself: ``store_rows``)."""
     out_dir = Path(out_dir)
     store = Path(store) if store is not None else out_dir / "tokens"
     available = len(written_requests(cfg.requests_file)) if cfg.prompts == "written" else None
@@ -207,43 +318,32 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
                              "or the same settings")
     meta.write_text(json.dumps(asdict(cfg), indent=2))
     n_batches = -(-cfg.num_prompts // cfg.batch_size)
-    todo = [i for i in range(n_batches) if not (out_dir / f"batch_{i:05d}.pt").is_file()]
+    done = (lambda i: (out_dir / f"batch_{i:05d}.pt").is_file()) if label else \
+        (lambda i: (store / shard_name(cfg.seed, i)).is_file())
+    todo = [i for i in range(n_batches) if not done(i)]
     if not todo:
         return out_dir
-    prompt_room = max(256, cfg.max_prompt_tokens)
-    n_pos = prompt_room + cfg.max_new_tokens
-    model = DecoderModel.from_pretrained(target_path, batch_size=cfg.batch_size, n_positions=n_pos, amp=cfg.amp,
-                                         backend=cfg.backend, progress=False,
-                                         context_buckets=sorted({64, 128, 256, prompt_room}),
-                                         # KV buckets every 64 slots: at batch 128 a decode step reads
-                                         # 23 KB of K/V per row and slot (1.5 GB at 512), more than the
-                                         # weights, so a tight bucket matters (README, draft training data)
-                                         kv_buckets=sorted({*range(128, n_pos, 64), n_pos}),
-                                         sampling=SamplingConfig(global_topk=cfg.global_topk))
+    model = generation_model(cfg, target_path)
     bar = tqdm(total=n_batches, initial=n_batches - len(todo), desc="generating data", unit="batch",
                disable=not progress)
-    for i in todo:
-        start = time.perf_counter()
-        shard_file = store / shard_name(cfg.seed, i)
-        if shard_file.is_file():
-            shard = read_shard(shard_file)
-            if shard.meta.get("settings") != token_settings(cfg):
-                raise ValueError(f"{shard_file} was generated with other settings ({shard.meta.get('settings')}); "
-                                 "use another store or the same settings")
-        else:
-            shard = generate_tokens(model, cfg, i)
-            answer = sum(len(t) - p for t, p in zip(shard.tokens, shard.prompt_lens))
-            shard.meta.pop("questions")   # the prompts' text: decodable from their tokens
-            shard.meta.update(model=model.path.name, settings=token_settings(cfg), answer_tokens=answer,
-                              seconds=round(time.perf_counter() - start, 1))
-            write_shard(store, cfg.seed, i, shard, model.vocab_size)
-        batch = labelled_batch(model, shard.tokens, shard.prompt_lens, shard.sampled)
-        batch.update(categories=shard.meta.get("categories"), shard=shard_file.name,
-                     seconds=time.perf_counter() - start)
-        save_atomic(batch, out_dir / f"batch_{i:05d}.pt")
-        bar.update()
-        bar.set_postfix(tokens=sum(len(r) - p for r, p in zip(batch["tokens"], batch["prompt_lens"].tolist())),
-                        s=f"{batch['seconds']:.0f}", agree=f"{batch['greedy_label_agreement']:.3f}")
+    for w in range(0, len(todo), window):
+        batches = todo[w:w + window]
+        kept = {i: kept_shard(store, cfg, i) for i in batches if (store / shard_name(cfg.seed, i)).is_file()}
+        missing = [i for i in batches if i not in kept]
+        generate_shards(model, cfg, missing, store, progress)
+        if not label:
+            bar.update(len(batches))
+            continue
+        for i in batches:
+            start = time.perf_counter()
+            shard = kept[i] if i in kept else kept_shard(store, cfg, i)
+            batch = labelled_batch(model, shard.tokens, shard.prompt_lens, shard.sampled)
+            batch.update(categories=shard.meta.get("categories"), shard=shard_name(cfg.seed, i),
+                         seconds=shard.meta.get("seconds", 0.0) * (i in missing) + time.perf_counter() - start)
+            save_atomic(batch, out_dir / f"batch_{i:05d}.pt")
+            bar.update()
+            bar.set_postfix(tokens=sum(len(r) - p for r, p in zip(batch["tokens"], batch["prompt_lens"].tolist())),
+                            s=f"{batch['seconds']:.0f}", agree=f"{batch['greedy_label_agreement']:.3f}")
     bar.close()
     return out_dir
 
@@ -261,7 +361,7 @@ def label_store(store: str | Path, out_dir: str | Path, target_path=None, progre
     files = shard_files(store)
     if not files:
         raise ValueError(f"{store} holds no token shards (answers-s<seed>-<batch>.npz)")
-    todo = [f for f in files if not (out_dir / f"batch_{f.stem.removeprefix('answers-')}.pt").is_file()]
+    todo = [f for f in files if not (out_dir / label_name(f)).is_file()]
     if not todo:
         return out_dir
     shards = [(f, read_shard(f)) for f in todo]
@@ -271,8 +371,23 @@ def label_store(store: str | Path, out_dir: str | Path, target_path=None, progre
     for f, shard in tqdm(shards, desc="labelling kept tokens", unit="shard", disable=not progress):
         batch = labelled_batch(model, shard.tokens, shard.prompt_lens, shard.sampled)
         batch.update(categories=shard.meta.get("categories"), shard=f.name)
-        save_atomic(batch, out_dir / f"batch_{f.stem.removeprefix('answers-')}.pt")
+        save_atomic(batch, out_dir / label_name(f))
     return out_dir
+
+
+def label_name(shard_file: Path) -> str:
+    """The labelled batch file of a store shard: answers-s<seed>-<batch>.npz → batch_s<seed>-<batch>.pt."""
+    return f"batch_{shard_file.stem.removeprefix('answers-')}.pt"
+
+
+def store_rows(store: str | Path) -> list[dict]:
+    """A token store's rows without labels — tokens, prompt_len, sampled — in the order ``load_dataset``
+    reads ``label_store``'s files of that store (so a features cache fits either): what a trainer needs
+    when it chooses no vocabulary from labels (an EAGLE run starting from ``--init`` or resuming)."""
+    from .store import read_store
+    shards = sorted(read_store(store), key=lambda fs: label_name(fs[0]))
+    return [{"tokens": t, "prompt_len": p, "sampled": s} for _, shard in shards
+            for t, p, s in zip(shard.tokens, shard.prompt_lens, shard.sampled)]
 
 
 def load_dataset(data_dir: str | Path) -> list[dict]:

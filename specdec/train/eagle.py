@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ..core.ship import pack_int8
-from ..core.model import apply_rope, rms_norm, rope_inv_freq, rope_tables, split_hidden
+from ..core.model import apply_rope, grouped_query_attention, rms_norm, rope_inv_freq, rope_tables, split_hidden
 from ..eagle.checkpoint import EAGLE3_ARCHITECTURE, aux_layer_ids
 from .distill import (OptimConfig, load_target_state, lr_at, make_optimizer, run_steps, save_atomic, split_rows,
                       target_vocab)
@@ -134,8 +134,7 @@ class EagleTrainer(torch.nn.Module):
             keys.append(k.transpose(1, 2))
             values.append(v.transpose(1, 2))
             mask = unrolled_mask(L, s, dev)
-            att = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(keys, 2), torch.cat(values, 2),
-                                                 attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+            att = grouped_query_attention(q.transpose(1, 2), torch.cat(keys, 2), torch.cat(values, 2), mask)
             x = x + F.linear(att.transpose(1, 2).reshape(b, L, -1), self.p("layers.0.self_attn.o_proj.weight"))
             m = rms_norm(x, self.p("layers.0.post_attention_layernorm.weight"), self.eps)
             mlp = F.silu(F.linear(m, self.p("layers.0.mlp.gate_proj.weight"))) * F.linear(m, self.p("layers.0.mlp.up_proj.weight"))
@@ -260,19 +259,51 @@ def init_state(target_state: dict, target_cfg: dict, cfg: EagleTrainConfig, g: t
 
 def init_checkpoint(path: str | Path, cfg: EagleTrainConfig, target_cfg: dict,
                     aux_layers: tuple[int, ...]) -> tuple[dict, torch.Tensor]:
-    """The weights and draft vocabulary (``output_token_ids``) of the training checkpoint ``path``;
+    """The weights and draft vocabulary (``output_token_ids``) of the training checkpoint ``path``, or of
+    the shipped draft directory ``path`` (``export_eagle``'s, int8-packed or not: ``read_ship``);
     ValueError unless it is a draft of the same architecture, aux layers and draft vocabulary size for a
     target of this shape."""
-    ckpt = torch.load(path, weights_only=False)
+    ckpt = read_ship(Path(path)) if Path(path).is_dir() else torch.load(path, weights_only=False)
     theirs = dict(arch=ckpt["config"]["arch"], aux_layers=tuple(ckpt["aux_layers"]),
                   draft_vocab=len(ckpt["output_token_ids"]),
-                  target=[ckpt["target_config"][k] for k in ("hidden_size", "vocab_size", "num_hidden_layers")])
+                  target=[ckpt["target_config"].get(k) for k in ("hidden_size", "vocab_size", "num_hidden_layers")])
     ours = dict(arch=cfg.arch, aux_layers=aux_layers, draft_vocab=cfg.draft_vocab_size,
-                target=[target_cfg[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers")])
+                target=[target_cfg[k] if ckpt["target_config"].get(k) is not None else None
+                        for k in ("hidden_size", "vocab_size", "num_hidden_layers")])
     if theirs != ours:
         raise ValueError(f"--init {path}: a draft with {theirs}, this run trains one with {ours} "
                          "(target: hidden size, vocabulary, layers); start from a matching checkpoint")
     return ckpt["model"], ckpt["output_token_ids"]
+
+
+def read_ship(ship_dir: Path) -> dict:
+    """A directory of ``export_eagle`` as the training checkpoint fields ``init_checkpoint`` reads:
+    ``model`` (the trainer's parameter names, f32; int8-packed matrices expanded), ``output_token_ids``
+    (in the LM head's row order), ``config`` (arch), ``aux_layers`` and ``target_config`` (hidden size and
+    vocabulary; the target's layer count is not in a ship: None)."""
+    from safetensors.torch import load_file
+
+    from ..core.ship import is_packed, unpack_int8
+
+    config_file, weights = ship_dir / "config.json", ship_dir / "model.safetensors"
+    if not (config_file.is_file() and weights.is_file()):
+        raise ValueError(f"--init {ship_dir}: a shipped draft directory holds config.json and model.safetensors")
+    config = json.loads(config_file.read_text())
+    tensors = load_file(weights)
+    tensors = unpack_int8(tensors, torch.float32) if is_packed(tensors) else {k: v for k, v in tensors.items()}
+    if "d2t" in tensors:                                   # EAGLE-3: target id = draft id + d2t
+        ids = tensors.pop("d2t") + torch.arange(config["draft_vocab_size"])
+        tensors.pop("t2d", None)
+        arch, aux = "eagle3", tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in tensors.items()}
+    else:
+        ids, arch, aux = tensors.pop("output_token_ids"), "eagle1", ()
+        tensors.pop("lm_head.weight", None)             # copied from the target (copy_lm_head); EAGLE-1 trains none
+    model = {k: v.float() for k, v in tensors.items()}
+    target = {"hidden_size": config.get("target_hidden_size", config["hidden_size"]), "vocab_size": config["vocab_size"],
+              "num_hidden_layers": None}
+    return {"model": model, "output_token_ids": ids.long(), "config": {"arch": arch}, "aux_layers": aux,
+            "target_config": target}
 
 
 @torch.enable_grad()
@@ -297,6 +328,10 @@ def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
         start, token_ids = ckpt["model"], ckpt["output_token_ids"]
     elif init is not None:
         start, token_ids = init_checkpoint(init, cfg, target_cfg, aux_layers)
+    elif "labels" not in rows[0]:
+        raise ValueError(f"{data_dir} is a token store without labels: a new run chooses its draft vocabulary from "
+                         "the target's labels (label_store; train-eagle --data STORE labels it into OUT/labels), "
+                         "or starts from a checkpoint or ship (init)")
     else:
         start, token_ids = None, target_vocab([rows[i] for i in train_idx], target_dir, cfg.draft_vocab_size)
     g = torch.Generator().manual_seed(cfg.seed)

@@ -3,13 +3,15 @@
     specdec train-eagle --out DIR [--data DIR] [--steps 600] [--unroll 3] [--seed 0] [--threads 2] [--ship DIR]
                         [--arch eagle1|eagle3] [--aux-layers 2,15,27] [--init CKPT]
 
-The data is the same as ``train-draft``'s (``--data`` reuses an existing run's batches). ``DIR/train``
+The data is the same as ``train-draft``'s (``--data`` reuses an existing run's batches, or a token store:
+labelled into ``DIR/labels`` for a new run, which chooses its vocabulary from the labels; read as it is
+with ``--init`` or when resuming, which need none). ``DIR/train``
 holds the target features, the checkpoint and the log; the draft is exported to ``--ship`` (default
 ``DIR/ship``; the packaged one lives in ``specdec/eagle/weights/smollm2-135m-instruct``) in the EAGLE-1
 layout, or with ``--arch eagle3`` in the public EAGLE-3 layout (``--aux-layers``: the target layers
 whose input hidden states the draft reads; default (2, L//2, L-3)).
 Re-running the same command after an interruption continues where it stopped; ``--init`` starts a new
-run from an earlier one's weights (e.g. after the token store grew). Held-out rows are chosen by a hash of
+run from an earlier one's weights or a shipped draft (e.g. after the token store grew). Held-out rows are chosen by a hash of
 their tokens, so rows held out before stay held out when the data grows.
 """
 from __future__ import annotations
@@ -39,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eagle3: comma-separated target layers whose input hidden states the draft reads "
                         "(default 2,L//2,L-3)")
     g.add_argument("--init", default=None, metavar="CKPT",
-                   help="start a new run from an earlier run's checkpoint (OUT/train/ckpt.pt): its weights and draft "
+                   help="start a new run from an earlier run's checkpoint (OUT/train/ckpt.pt) or a shipped draft "
+                        "directory (e.g. specdec/eagle/weights/smollm2-135m-instruct-eagle3): its weights and draft "
                         "vocabulary, a fresh optimiser and schedule; e.g. to go on training on a grown token store")
     g.add_argument("--ship-int8", action="store_true",
                    help="export the matrices as int8 with per-row scales (half of bf16's bytes; expanded on load "
@@ -55,12 +58,16 @@ def _layers(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from .eagle import EagleTrainConfig, export_eagle, train_eagle
+    from .store import is_store
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     ship = Path(args.ship) if args.ship else out / "ship"
     times, start = {}, time.perf_counter()
-    data = prepare_data(args)
+    if args.data and is_store(args.data) and (args.init or (out / "train" / "ckpt.pt").is_file()):
+        data = Path(args.data)     # the vocabulary comes from --init / the checkpoint: no labels needed
+    else:
+        data = prepare_data(args)
     times["data_s"] = time.perf_counter() - start
     cfg = EagleTrainConfig(unroll=args.unroll, draft_vocab_size=args.draft_vocab, arch=args.arch,
                            aux_layers=args.aux_layers, **optim_settings(args))

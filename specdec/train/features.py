@@ -1,7 +1,8 @@
 """Shared by the trainers that learn from the target's hidden states (EAGLE, Medusa): the training rows,
 the target features cache, the per-step row selection and the run bookkeeping.
 
-- ``training_rows``: the rows of a ``specdec.train.data`` data set with at least two answer tokens;
+- ``training_rows``: the rows of a ``specdec.train.data`` data set (or of a token store, unlabelled)
+  with at least two answer tokens;
 - ``compute_features`` / ``load_features``: the target's final-norm hidden state at every position of
   every row (with ``feature_layers``, EAGLE-3: followed by the hidden states entering those layers, as
   the runtime graph's ``hidden`` output), from one teacher-forced forward of the runtime in the serving
@@ -49,9 +50,12 @@ def compute_features(rows: list[dict], target_dir: Path, out_file: Path, amp: st
 
 
 def training_rows(data_dir: str | Path) -> list[dict]:
-    """The rows of ``data_dir`` with at least two answer tokens (``load_dataset`` format); ValueError if none."""
-    from .data import load_dataset
-    rows = [r for r in load_dataset(data_dir) if len(r["tokens"]) > r["prompt_len"] + 1]
+    """The rows of ``data_dir`` with at least two answer tokens (``load_dataset`` format; a token store's rows
+    come without labels, ``store_rows``); ValueError if none."""
+    from .data import load_dataset, store_rows
+    from .store import is_store
+    rows = [r for r in (store_rows(data_dir) if is_store(data_dir) else load_dataset(data_dir))
+            if len(r["tokens"]) > r["prompt_len"] + 1]
     if not rows:
         raise ValueError(f"no training rows in {data_dir}")
     return rows
