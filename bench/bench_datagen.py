@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--output", default=None, help="also write the JSON here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from specdec.bench import emit_json
     from specdec.train.data import DataConfig, answer_stream, generation_model, plan_batch
 
     cfg = DataConfig(num_prompts=10**6 if args.prompts != "written" else args.batches * args.batch_size,
@@ -70,10 +71,7 @@ def main() -> None:
     result = {"config": {**vars(args), "backend": cfg.backend, "amp": cfg.amp}, "runs": runs,
               "answer_tokens_per_s": {m: round(v, 1) for m, v in rate.items()},
               "refill_vs_batch": round(rate["refill"] / rate["batch"], 3)}
-    print(json.dumps(result, indent=2))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
+    emit_json(result, args.output)
 
 
 if __name__ == "__main__":

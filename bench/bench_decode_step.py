@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from specdec.bench import emit_json
     from specdec import DecoderModel
 
     results = []
@@ -49,10 +50,7 @@ def main() -> None:
         print(json.dumps(results[-1]), flush=True)
     out = {"config": {k: v for k, v in vars(args).items() if k != "output"}, "torch": torch.__version__,
            "results": results}
-    print(json.dumps(out, indent=2))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(out, f, indent=2)
+    emit_json(out, args.output)
 
 
 if __name__ == "__main__":

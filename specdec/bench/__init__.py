@@ -8,3 +8,15 @@ in the repository's ``bench/`` directory).
 - :mod:`specdec.bench.prompts` — the prompt set: the MT-Bench questions shipped as package data in
   ``data/mt_bench_questions.jsonl`` (see ``data/NOTICE``), or any MT-Bench style jsonl via ``--prompts``.
 """
+from __future__ import annotations
+
+import json
+
+
+def emit_json(result: dict, output: str | None) -> None:
+    """Print a benchmark result as indented JSON and, with ``output``, also write it there."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if output:
+        with open(output, "w") as f:
+            f.write(text + "\n")
