@@ -1,6 +1,7 @@
 """The token store (specdec.train.store), labelling by prefill (label_sequences / label_store) and the
 large-batch decode attention, on the tiny random target of test_train."""
 import argparse
+import json
 
 import numpy as np
 import pytest
@@ -163,3 +164,18 @@ def test_answer_stream_refills_rows_and_each_answer_is_the_rows_own(tiny_target,
         expected = alone[0, len(prompt):].tolist()
         cut = next((j + 1 for j, tok in enumerate(expected) if tok in eos), len(expected))
         assert answer == expected[:cut], i
+
+
+def test_train_draft_tokens_only_grows_the_store_and_stops(tiny_target, tmp_path, capsys):  # noqa: F811
+    """``train-draft --tokens-only``: the store gets the missing shards (refilled generation), nothing is
+    labelled or trained, and the printed summary counts the store."""
+    from specdec.train.cli import main
+    store = tmp_path / "store"
+    argv = ["--out", str(tmp_path / "run"), "--model", str(tiny_target), "--store", str(store), "--tokens-only",
+            "--num-prompts", "5", "--gen-batch-size", "3", "--max-new-tokens", "6", "--max-question-tokens", "4",
+            "--gen-backend", "eager", "--seed", "7", "--no-progress"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["store"]
+    assert [f.name for f in shard_files(store)] == ["answers-s7-00000.npz", "answers-s7-00001.npz"]
+    assert summary["shards"] == 2 and summary["rows"] == 5
+    assert not list((tmp_path / "run").rglob("*.pt"))          # no labels, no checkpoint

@@ -87,20 +87,30 @@ def ship_bytes(ship_dir: str | Path) -> int:
 def prepare_data(args: argparse.Namespace) -> Path:
     """Generate (or finish) the target's data in ``--data`` / OUT/data, or (``--data`` a token store)
     label the kept tokens by prefill into OUT/labels; returns the directory of labelled batches."""
-    from .data import DataConfig, generate_data, label_store
+    from .data import generate_data, label_store
     from .store import is_store
     if args.data and is_store(args.data):
         with torch.no_grad():
             return label_store(args.data, Path(args.out) / "labels", resolve_target(args),
                                progress=not args.no_progress)
-    dcfg = DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch_size,
+    with torch.no_grad():
+        return generate_data(data_dir(args), data_config(args), resolve_target(args), progress=not args.no_progress,
+                             store=args.store)
+
+
+def data_dir(args: argparse.Namespace) -> Path:
+    """Where generated batches go: ``--data``, else OUT/data."""
+    return Path(args.data) if args.data else Path(args.out) / "data"
+
+
+def data_config(args: argparse.Namespace):
+    """The ``DataConfig`` of the data arguments."""
+    from .data import DataConfig
+    return DataConfig(num_prompts=args.num_prompts, batch_size=args.gen_batch_size,
                       max_new_tokens=args.max_new_tokens, sample_fraction=args.sample_fraction,
                       answer_temperature=args.answer_temperature, seed=args.seed, backend=args.gen_backend,
                       prompts=args.prompts, max_question_tokens=args.max_question_tokens,
                       max_prompt_tokens=args.max_prompt_tokens, requests_file=args.requests)
-    with torch.no_grad():
-        return generate_data(Path(args.data) if args.data else Path(args.out) / "data", dcfg,
-                             resolve_target(args), progress=not args.no_progress, store=args.store)
 
 
 def resolve_target(args: argparse.Namespace) -> Path:
@@ -117,6 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target layers the draft's layers are initialised from (e.g. 0,1 or 0,-1)")
     g.add_argument("--draft-vocab", type=int, default=s.draft_vocab_size, help="reduced output vocabulary size")
     g.add_argument("--intermediate-size", type=int, default=None)
+    p.add_argument("--tokens-only", action="store_true",
+                   help="only generate the token store's missing shards (--store, default DATA/tokens) and stop: "
+                        "no labels, no training (e.g. to grow specdec/train/tokens/smollm2-135m-instruct)")
     add_optim_arguments(p, t)
 
 
@@ -131,6 +144,14 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     times = {}
     start = time.perf_counter()
+    if args.tokens_only:
+        from .data import generate_data
+        from .store import store_summary
+        with torch.no_grad():
+            generate_data(data_dir(args), data_config(args), target, progress=progress, store=args.store, label=False)
+        print(json.dumps({"store": store_summary(args.store or data_dir(args) / "tokens"),
+                          "seconds": round(time.perf_counter() - start, 1)}))
+        return 0
     data = prepare_data(args)
     times["data_s"] = time.perf_counter() - start
     spec = DraftSpec(init_layers=[int(x) for x in args.layers.split(",")], draft_vocab_size=args.draft_vocab,
