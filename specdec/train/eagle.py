@@ -264,12 +264,11 @@ def init_checkpoint(path: str | Path, cfg: EagleTrainConfig, target_cfg: dict,
     ValueError unless it is a draft of the same architecture, aux layers and draft vocabulary size for a
     target of this shape."""
     ckpt = read_ship(Path(path)) if Path(path).is_dir() else torch.load(path, weights_only=False)
+    shape = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers") if ckpt["target_config"].get(k) is not None]
     theirs = dict(arch=ckpt["config"]["arch"], aux_layers=tuple(ckpt["aux_layers"]),
-                  draft_vocab=len(ckpt["output_token_ids"]),
-                  target=[ckpt["target_config"].get(k) for k in ("hidden_size", "vocab_size", "num_hidden_layers")])
+                  draft_vocab=len(ckpt["output_token_ids"]), target=[ckpt["target_config"][k] for k in shape])
     ours = dict(arch=cfg.arch, aux_layers=aux_layers, draft_vocab=cfg.draft_vocab_size,
-                target=[target_cfg[k] if ckpt["target_config"].get(k) is not None else None
-                        for k in ("hidden_size", "vocab_size", "num_hidden_layers")])
+                target=[target_cfg[k] for k in shape])
     if theirs != ours:
         raise ValueError(f"--init {path}: a draft with {theirs}, this run trains one with {ours} "
                          "(target: hidden size, vocabulary, layers); start from a matching checkpoint")
@@ -280,7 +279,7 @@ def read_ship(ship_dir: Path) -> dict:
     """A directory of ``export_eagle`` as the training checkpoint fields ``init_checkpoint`` reads:
     ``model`` (the trainer's parameter names, f32; int8-packed matrices expanded), ``output_token_ids``
     (in the LM head's row order), ``config`` (arch), ``aux_layers`` and ``target_config`` (hidden size and
-    vocabulary; the target's layer count is not in a ship: None)."""
+    vocabulary; the target's layer count is not in a ship: None, not compared)."""
     from safetensors.torch import load_file
 
     from ..core.ship import is_packed, unpack_int8
@@ -290,7 +289,7 @@ def read_ship(ship_dir: Path) -> dict:
         raise ValueError(f"--init {ship_dir}: a shipped draft directory holds config.json and model.safetensors")
     config = json.loads(config_file.read_text())
     tensors = load_file(weights)
-    tensors = unpack_int8(tensors, torch.float32) if is_packed(tensors) else {k: v for k, v in tensors.items()}
+    tensors = unpack_int8(tensors, torch.float32) if is_packed(tensors) else tensors
     if "d2t" in tensors:                                   # EAGLE-3: target id = draft id + d2t
         ids = tensors.pop("d2t") + torch.arange(config["draft_vocab_size"])
         tensors.pop("t2d", None)

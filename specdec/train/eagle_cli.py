@@ -1,7 +1,7 @@
 """``specdec train-eagle``: data generation → target features → EAGLE training → export, resumable.
 
     specdec train-eagle --out DIR [--data DIR] [--steps 600] [--unroll 3] [--seed 0] [--threads 2] [--ship DIR]
-                        [--arch eagle1|eagle3] [--aux-layers 2,15,27] [--init CKPT]
+                        [--arch eagle1|eagle3] [--aux-layers 2,15,27] [--init CKPT|SHIP_DIR]
 
 The data is the same as ``train-draft``'s (``--data`` reuses an existing run's batches, or a token store:
 labelled into ``DIR/labels`` for a new run, which chooses its vocabulary from the labels; read as it is
