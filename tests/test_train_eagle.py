@@ -215,3 +215,30 @@ def test_a_run_from_init_reads_a_token_store_without_labels(data_dir, tiny_targe
     assert a["loss"] == b["loss"] and a["agree_step1"] == b["agree_step1"]
     with pytest.raises(ValueError, match="without labels"):
         train_eagle(store, tmp_path / "c", tiny_target, cfg, **quiet)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (run on the lent GPU machine)"))])
+def test_generation_features_and_training_run_on_a_device(data_dir, tiny_target, tmp_path, device):  # noqa: F811
+    """``device``: the target generates the tokens and computes the features there and the draft trains
+    there; the features are the CPU's (f32), the loss falls, and the checkpoint holds CPU tensors (a run
+    resumes and exports anywhere)."""
+    from test_train import DATA
+    from specdec.train.data import DataConfig, generate_data
+    store = tmp_path / "tokens"
+    generate_data(tmp_path / "gen", DataConfig(**{**DATA, "num_prompts": 3, "amp": "f32"}), tiny_target,
+                  progress=False, store=store, label=False, device=device)
+    assert len(list(store.glob("answers-*.npz"))) == 1
+    rows = load_dataset(data_dir)
+    on_device = compute_features(rows, tiny_target, tmp_path / "f_dev.pt", amp="f32", progress=False, device=device)
+    on_cpu = compute_features(rows, tiny_target, tmp_path / "f_cpu.pt", amp="f32", progress=False)
+    assert all(f.device.type == "cpu" for f in on_device)
+    for a, b in zip(on_device, on_cpu):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    cfg = EagleTrainConfig(**{**TRAIN, "arch": "eagle3", "aux_layers": (0, 1, 2)})
+    train_eagle(data_dir, tmp_path / "run", tiny_target, cfg, progress=False, log=lambda m: None, device=device)
+    log = log_of(tmp_path / "run")
+    assert log[-1]["train_probe_loss"] < log[0]["train_probe_loss"]
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
+    assert all(v.device.type == "cpu" for v in ckpt["model"].values())
+    assert (export_eagle(tmp_path / "run" / "ckpt.pt", tmp_path / "ship") / "model.safetensors").is_file()

@@ -32,6 +32,9 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads (1 is fastest on a shared 2-core machine)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--device", default="cpu",
+                   help="where the target runs to generate and label the data, e.g. cuda (train-eagle and "
+                        "train-medusa: also its features; train-eagle: also the draft's training)")
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None,
                    help="data directory (default OUT/data; e.g. an existing train-draft run's), or a token store "
@@ -92,10 +95,10 @@ def prepare_data(args: argparse.Namespace) -> Path:
     if args.data and is_store(args.data):
         with torch.no_grad():
             return label_store(args.data, Path(args.out) / "labels", resolve_target(args),
-                               progress=not args.no_progress)
+                               progress=not args.no_progress, device=args.device)
     with torch.no_grad():
         return generate_data(data_dir(args), data_config(args), resolve_target(args), progress=not args.no_progress,
-                             store=args.store)
+                             store=args.store, device=args.device)
 
 
 def data_dir(args: argparse.Namespace) -> Path:
@@ -148,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         from .data import generate_data
         from .store import store_summary
         with torch.no_grad():
-            generate_data(data_dir(args), data_config(args), target, progress=progress, store=args.store, label=False)
+            generate_data(data_dir(args), data_config(args), target, progress=progress, store=args.store, label=False,
+                          device=args.device)
         print(json.dumps({"store": store_summary(args.store or data_dir(args) / "tokens"),
                           "seconds": round(time.perf_counter() - start, 1)}))
         return 0

@@ -264,16 +264,16 @@ def generate_shards(model, cfg: DataConfig, batches: list[int], store: Path, pro
     bar.close()
 
 
-def generation_model(cfg: DataConfig, target_path=None):
-    """The target as data generation runs it: ``cfg.batch_size`` rows, room for ``max_prompt_tokens`` +
-    ``max_new_tokens``, ``cfg``'s backend, amp and global top-k."""
+def generation_model(cfg: DataConfig, target_path=None, device: str = "cpu"):
+    """The target as data generation runs it on ``device``: ``cfg.batch_size`` rows, room for
+    ``max_prompt_tokens`` + ``max_new_tokens``, ``cfg``'s backend, amp and global top-k."""
     from ..core.decoder import DecoderModel
     from ..core.sampling import SamplingConfig
 
     prompt_room = max(256, cfg.max_prompt_tokens)
     n_pos = prompt_room + cfg.max_new_tokens
     return DecoderModel.from_pretrained(target_path, batch_size=cfg.batch_size, n_positions=n_pos, amp=cfg.amp,
-                                        backend=cfg.backend, progress=False,
+                                        backend=cfg.backend, device=device, progress=False,
                                         context_buckets=sorted({64, 128, 256, prompt_room}),
                                         # KV buckets every 64 slots: at batch 128 a decode step reads
                                         # 23 KB of K/V per row and slot (1.5 GB at 512), more than the
@@ -293,7 +293,8 @@ def kept_shard(store: Path, cfg: DataConfig, index: int) -> Shard:
 
 
 def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progress: bool = True,
-                  store: str | Path | None = None, window: int = 8, label: bool = True) -> Path:
+                  store: str | Path | None = None, window: int = 8, label: bool = True,
+                  device: str = "cpu") -> Path:
     """Generate (or finish generating) the dataset in ``out_dir``; returns it. Resumable.
 
     The batches not yet in ``out_dir`` go in windows of ``window`` batches: the window's batches that the
@@ -301,7 +302,8 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
     together (``generate_shards``: one running batch, finished rows refilled) and kept there as shards;
     then each batch of the window is read back from the store (its settings checked) and labelled by
     prefill (``labelled_batch``) into ``out_dir/batch_NNNNN.pt``. ``label=False``: only the store's shards
-    are made (a trainer that needs no labels reads the store itself: ``store_rows``)."""
+    are made (a trainer that needs no labels reads the store itself: ``store_rows``). ``device``: where the
+    target runs (e.g. "cuda"; the tokens are the same kind of data, not the CPU's bits)."""
     out_dir = Path(out_dir)
     store = Path(store) if store is not None else out_dir / "tokens"
     available = len(written_requests(cfg.requests_file)) if cfg.prompts == "written" else None
@@ -323,7 +325,7 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
     todo = [i for i in range(n_batches) if not done(i)]
     if not todo:
         return out_dir
-    model = generation_model(cfg, target_path)
+    model = generation_model(cfg, target_path, device)
     bar = tqdm(total=n_batches, initial=n_batches - len(todo), desc="generating data", unit="batch",
                disable=not progress)
     for w in range(0, len(todo), window):
@@ -349,10 +351,10 @@ def generate_data(out_dir: str | Path, cfg: DataConfig, target_path=None, progre
 
 
 def label_store(store: str | Path, out_dir: str | Path, target_path=None, progress: bool = True,
-                amp: str = "bf16", batch_rows: int = 32) -> Path:
-    """Training data from kept tokens, by prefill only: every shard of the token store ``store``
-    (``specdec.train.store``) labelled (``labelled_batch``) into ``out_dir/batch_<shard>.pt``, the
-    ``load_dataset`` format. Resumable (labelled shards are skipped); returns ``out_dir``."""
+                amp: str = "bf16", batch_rows: int = 32, device: str = "cpu") -> Path:
+    """Training data from kept tokens, by prefill only (the target on ``device``): every shard of the token
+    store ``store`` (``specdec.train.store``) labelled (``labelled_batch``) into ``out_dir/batch_<shard>.pt``,
+    the ``load_dataset`` format. Resumable (labelled shards are skipped); returns ``out_dir``."""
     from ..core.decoder import DecoderModel
     from .store import shard_files
 
@@ -367,7 +369,7 @@ def label_store(store: str | Path, out_dir: str | Path, target_path=None, progre
     shards = [(f, read_shard(f)) for f in todo]
     longest = max(len(t) for _, s in shards for t in s.tokens)
     model = DecoderModel.from_pretrained(target_path, batch_size=batch_rows, n_positions=max(longest, 2), amp=amp,
-                                         backend="eager", progress=False)
+                                         backend="eager", device=device, progress=False)
     for f, shard in tqdm(shards, desc="labelling kept tokens", unit="shard", disable=not progress):
         batch = labelled_batch(model, shard.tokens, shard.prompt_lens, shard.sampled)
         batch.update(categories=shard.meta.get("categories"), shard=f.name)

@@ -109,7 +109,7 @@ class EagleTrainer(torch.nn.Module):
         return self.params[name.replace(".", "/")]
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {k.replace("/", "."): v.detach().clone() for k, v in self.params.items()}
+        return {k.replace("/", "."): v.detach().to("cpu", copy=True) for k, v in self.params.items()}
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, unroll: int) -> list[torch.Tensor]:
         """tokens [b, L] (t_{i+1} at i), features [b, L, F] (true inputs at i: EAGLE-1 f_i [H], EAGLE-3
@@ -173,13 +173,13 @@ def unrolled_mask(L: int, s: int, device) -> torch.Tensor:
 def make_batch(rows, feats, index, max_len: int, hidden_size: int):
     """tokens [b, L] (t_{i+1}), inputs [b, L, F] (f_i; with aux hidden states in ``feats``: those,
     A·H), target features [b, L, H] (f_{i+1}), valid [b, L] (t_{i+2} is an answer token). ``feats``:
-    the cached rows [len, H] or [len, H·(1+A)] (``split_hidden``)."""
+    the cached rows [len, H] or [len, H·(1+A)] (``split_hidden``); the batch is made on their device."""
     L = min(max(len(rows[i]["tokens"]) for i in index) - 1, max_len)
-    width = feats[index[0]].shape[-1]
-    tok = torch.zeros(len(index), L, dtype=torch.long)
-    f = torch.zeros(len(index), L, width if width == hidden_size else width - hidden_size)
-    f_next = torch.zeros(len(index), L, hidden_size)
-    valid = torch.zeros(len(index), L, dtype=torch.bool)
+    width, dev = feats[index[0]].shape[-1], feats[index[0]].device
+    tok = torch.zeros(len(index), L, dtype=torch.long, device=dev)
+    f = torch.zeros(len(index), L, width if width == hidden_size else width - hidden_size, device=dev)
+    f_next = torch.zeros(len(index), L, hidden_size, device=dev)
+    valid = torch.zeros(len(index), L, dtype=torch.bool, device=dev)
     for j, i in enumerate(index):
         t, p = rows[i]["tokens"], rows[i]["prompt_len"]
         final, aux = split_hidden(feats[i].float(), hidden_size)
@@ -195,7 +195,8 @@ def make_batch(rows, feats, index, max_len: int, hidden_size: int):
 def eagle_loss(trainer: EagleTrainer, batch, cfg: EagleTrainConfig) -> tuple[torch.Tensor, list[float]]:
     """Total loss and the per-step top-1 agreement with the target's argmax (reduced vocabulary)."""
     tok, f, f_next, valid = batch
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+    autocast = torch.autocast(tok.device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    with autocast:
         outs = trainer(tok, f, cfg.unroll)
         target_logits = (f_next[valid] @ trainer.head.T).float()
     target_p = target_logits.softmax(-1)
@@ -206,7 +207,7 @@ def eagle_loss(trainer: EagleTrainer, batch, cfg: EagleTrainConfig) -> tuple[tor
         ok[:, : s - 1] = False
         sel = ok[valid]
         pred = out[valid]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        with autocast:
             logits = trainer.logits(pred[sel]).float()
         cls = -(target_p[sel] * logits.log_softmax(-1)).sum(-1).mean()
         if trainer.eagle3:
@@ -263,7 +264,7 @@ def init_checkpoint(path: str | Path, cfg: EagleTrainConfig, target_cfg: dict,
     the shipped draft directory ``path`` (``export_eagle``'s, int8-packed or not: ``read_ship``);
     ValueError unless it is a draft of the same architecture, aux layers and draft vocabulary size for a
     target of this shape."""
-    ckpt = read_ship(Path(path)) if Path(path).is_dir() else torch.load(path, weights_only=False)
+    ckpt = read_ship(Path(path)) if Path(path).is_dir() else torch.load(path, weights_only=False, map_location="cpu")
     shape = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers") if ckpt["target_config"].get(k) is not None]
     theirs = dict(arch=ckpt["config"]["arch"], aux_layers=tuple(ckpt["aux_layers"]),
                   draft_vocab=len(ckpt["output_token_ids"]), target=[ckpt["target_config"][k] for k in shape])
@@ -308,20 +309,26 @@ def read_ship(ship_dir: Path) -> dict:
 @torch.enable_grad()
 def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Path, cfg: EagleTrainConfig,
                 progress: bool = True, log=print, stop_after: int | None = None,
-                init: str | Path | None = None) -> Path:
+                init: str | Path | None = None, device: str = "cpu") -> Path:
     """Train (or resume) an EAGLE draft; ``out_dir/ckpt.pt``, ``out_dir/train_log.jsonl``. ``init``: a new
     run starts from that checkpoint's weights and draft vocabulary (``init_checkpoint``) with a fresh
-    optimiser and schedule, e.g. to go on training on a grown token store; a resumed run ignores it."""
+    optimiser and schedule, e.g. to go on training on a grown token store; a resumed run ignores it.
+    ``device`` (e.g. "cuda"): where the target computes the features and the draft trains; the features
+    are then held there whole (H·(1+A) bf16 values per token: 8.4 GB for the 1.8M-token store at A = 3);
+    the checkpoint is saved with CPU tensors either way, so a run resumes on any device."""
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = training_rows(data_dir)
     target_cfg = json.loads((target_dir / "config.json").read_text())
     aux_layers = resolve_aux_layers(cfg, target_cfg)
-    feats = load_features(rows, target_dir, out_dir / "features.pt", progress=progress, feature_layers=aux_layers)
+    feats = load_features(rows, target_dir, out_dir / "features.pt", progress=progress, feature_layers=aux_layers,
+                          device=device)
+    if torch.device(device).type != "cpu":
+        feats = [f.to(device) for f in feats]
     train_idx, held_idx = split_rows(rows, cfg.heldout_fraction, cfg.seed)
     target_state = load_target_state(target_dir)
     ckpt_file = out_dir / "ckpt.pt"
-    ckpt = torch.load(ckpt_file, weights_only=False) if ckpt_file.is_file() else None
+    ckpt = torch.load(ckpt_file, weights_only=False, map_location="cpu") if ckpt_file.is_file() else None
     if ckpt is not None:
         check_resume_settings(ckpt, cfg, ckpt_file)
         start, token_ids = ckpt["model"], ckpt["output_token_ids"]
@@ -337,7 +344,7 @@ def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
     embed = target_state["model.embed_tokens.weight"]
     head = target_state.get("lm_head.weight", embed)[token_ids]
     trainable = start if start is not None else init_state(target_state, target_cfg, cfg, g, head)
-    trainer = EagleTrainer(target_cfg, trainable, embed, head)
+    trainer = EagleTrainer(target_cfg, trainable, embed, head).to(device)
     params = list(trainer.params.values())
     opt, step = make_optimizer(params, cfg, ckpt)
 
@@ -380,7 +387,7 @@ def export_eagle(ckpt_file: str | Path, ship_dir: str | Path, dtype: torch.dtype
     norm, lm_head (rows in target-id order), ``d2t``, ``t2d``; no embedding.
     ``int8``: matrices stored as int8 with per-row scales (``specdec.core.ship.pack_int8``; half the
     bytes of bf16), a packed file that ``unpack_int8`` expands into the layout above before loading."""
-    ckpt = torch.load(ckpt_file, weights_only=False)
+    ckpt = torch.load(ckpt_file, weights_only=False, map_location="cpu")
     ship_dir = Path(ship_dir)
     ship_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype) for k, v in ckpt["model"].items()}

@@ -1,7 +1,7 @@
 """``specdec train-eagle``: data generation → target features → EAGLE training → export, resumable.
 
     specdec train-eagle --out DIR [--data DIR] [--steps 600] [--unroll 3] [--seed 0] [--threads 2] [--ship DIR]
-                        [--arch eagle1|eagle3] [--aux-layers 2,15,27] [--init CKPT|SHIP_DIR]
+                        [--arch eagle1|eagle3] [--aux-layers 2,15,27] [--init CKPT|SHIP_DIR] [--device cuda]
 
 The data is the same as ``train-draft``'s (``--data`` reuses an existing run's batches, or a token store:
 labelled into ``DIR/labels`` for a new run, which chooses its vocabulary from the labels; read as it is
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
                            aux_layers=args.aux_layers, **optim_settings(args))
     start = time.perf_counter()
     train_eagle(data, out / "train", resolve_target(args), cfg, progress=not args.no_progress,
-                log=lambda m: print(m, file=sys.stderr), init=args.init)
+                log=lambda m: print(m, file=sys.stderr), init=args.init, device=args.device)
     times["train_s"] = time.perf_counter() - start
     export_eagle(out / "train" / "ckpt.pt", ship, int8=args.ship_int8)
     print(json.dumps({"ship": str(ship), "ship_bytes": ship_bytes(ship), **times}))

@@ -28,21 +28,22 @@ from .distill import OptimConfig, batch_order, save_atomic
 @torch.no_grad()
 def compute_features(rows: list[dict], target_dir: Path, out_file: Path, amp: str = "bf16",
                      batch_rows: int = 32, progress: bool = True,
-                     feature_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
+                     feature_layers: tuple[int, ...] = (), device: str = "cpu") -> list[torch.Tensor]:
     """The target's final-norm hidden states [len, H] of every row (runtime forward in ``amp``), with A
     ``feature_layers`` followed by the hidden states entering them: [len, H·(1+A)]; cached in ``out_file``
     and read back from it memory-mapped (several GB for a large store: pages the OS can drop and
-    re-read, not process memory)."""
+    re-read, not process memory). ``device``: where the target runs (the cache holds CPU tensors)."""
     if out_file.is_file():
         return torch.load(out_file, weights_only=True, mmap=True)
     from ..core.decoder import DecoderModel
     from .data import prefill_hidden
     longest = max(len(r["tokens"]) for r in rows)
     model = DecoderModel.from_pretrained(target_dir, batch_size=batch_rows, n_positions=longest, amp=amp,
-                                         backend="eager", feature_layers=feature_layers, progress=False)
+                                         backend="eager", device=device, feature_layers=feature_layers,
+                                         progress=False)
     feats = [None] * len(rows)
     for i, hidden in prefill_hidden(model, [r["tokens"] for r in rows], progress, "target features"):
-        feats[i] = hidden.clone()
+        feats[i] = hidden.to("cpu", copy=True)
     save_atomic(feats, out_file)
     del feats, model
     gc.collect()
@@ -62,11 +63,12 @@ def training_rows(data_dir: str | Path) -> list[dict]:
 
 
 def load_features(rows: list[dict], target_dir: Path, out_file: Path, progress: bool = True,
-                  feature_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
+                  feature_layers: tuple[int, ...] = (), device: str = "cpu") -> list[torch.Tensor]:
     """``compute_features`` (or its cache ``out_file``), checked against ``rows`` and ``feature_layers``:
     one [len(tokens), H·(1+A)] tensor per row, in order; ValueError naming the cache when it holds other
     rows' features or another number of layers'."""
-    feats = compute_features(rows, target_dir, out_file, progress=progress, feature_layers=feature_layers)
+    feats = compute_features(rows, target_dir, out_file, progress=progress, feature_layers=feature_layers,
+                             device=device)
     width = json.loads((Path(target_dir) / "config.json").read_text())["hidden_size"] * (1 + len(feature_layers))
     if len(feats) != len(rows) or any(f.shape != (len(r["tokens"]), width) for r, f in zip(rows, feats)):
         raise ValueError(f"{out_file} holds features of other rows or layers ({len(feats)} rows, the data has "

@@ -160,12 +160,12 @@ class MedusaData:
 
 
 def load_data(data_dir: str | Path, out_dir: Path, target_dir: Path, cfg: MedusaTrainConfig,
-              progress: bool = True) -> MedusaData:
-    """``training_rows`` of ``data_dir``, their features (``out_dir/features.pt``, checked) and the
-    seeded held-out split."""
+              progress: bool = True, device: str = "cpu") -> MedusaData:
+    """``training_rows`` of ``data_dir``, their features (``out_dir/features.pt``, checked; computed by the
+    target on ``device``) and the seeded held-out split."""
     rows = training_rows(data_dir)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    feats = load_features(rows, Path(target_dir), Path(out_dir) / "features.pt", progress=progress)
+    feats = load_features(rows, Path(target_dir), Path(out_dir) / "features.pt", progress=progress, device=device)
     return MedusaData(rows, feats, *split_rows(rows, cfg.heldout_fraction, cfg.seed))
 
 

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if args.features:
         link_features(args.features, train_dir)
-    data = load_data(data_dir, train_dir, target, cfg, progress)
+    data = load_data(data_dir, train_dir, target, cfg, progress, device=args.device)
     times["features_s"] = time.perf_counter() - start
     start = time.perf_counter()
     train_medusa(data_dir, train_dir, target, cfg, progress=progress, log=log, data=data)
