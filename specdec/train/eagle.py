@@ -314,7 +314,7 @@ def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
     run starts from that checkpoint's weights and draft vocabulary (``init_checkpoint``) with a fresh
     optimiser and schedule, e.g. to go on training on a grown token store; a resumed run ignores it.
     ``device`` (e.g. "cuda"): where the target computes the features and the draft trains; the features
-    are then held there whole (H·(1+A) bf16 values per token: 8.4 GB for the 1.8M-token store at A = 3);
+    are then held there whole (H·(1+A) bf16 values per token: 11.3 GB for the 2.45M-token store at A = 3);
     the checkpoint is saved with CPU tensors either way, so a run resumes on any device."""
     out_dir, target_dir = Path(out_dir), Path(target_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
