@@ -128,7 +128,8 @@ def test_generation_appends_shards_and_reuses_kept_ones(generated, tiny_target, 
 def test_cli_data_store_labels_without_generating(generated, tiny_target, tmp_path, monkeypatch):
     _, store = generated
     monkeypatch.setattr(data_mod, "plan_batch", lambda *a: pytest.fail("generated"))
-    args = argparse.Namespace(data=str(store), out=str(tmp_path / "run"), model=str(tiny_target), no_progress=True)
+    args = argparse.Namespace(data=str(store), out=str(tmp_path / "run"), model=str(tiny_target), no_progress=True,
+                              device="cpu")
     labelled = prepare_data(args)
     rows = sum(len(s.tokens) for _, s in read_store(store))
     assert labelled == tmp_path / "run" / "labels" and len(load_dataset(labelled)) == rows >= 3
