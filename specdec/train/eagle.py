@@ -323,8 +323,7 @@ def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
     aux_layers = resolve_aux_layers(cfg, target_cfg)
     feats = load_features(rows, target_dir, out_dir / "features.pt", progress=progress, feature_layers=aux_layers,
                           device=device)
-    if torch.device(device).type != "cpu":
-        feats = [f.to(device) for f in feats]
+    feats = [f.to(device) for f in feats]      # the same tensors on the CPU
     train_idx, held_idx = split_rows(rows, cfg.heldout_fraction, cfg.seed)
     target_state = load_target_state(target_dir)
     ckpt_file = out_dir / "ckpt.pt"
