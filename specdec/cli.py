@@ -224,6 +224,9 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                    help="chain drafts (not medusa, not --fused): each row drafts its own k <= --k, +2 after a "
                         "step whose drafts were all accepted, -1 otherwise (HF's heuristic schedule); same "
                         "output distribution")
+    s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4"],
+                   help="model / eagle drafts: the draft's own weight-only scheme (default: --quantization's); "
+                        "a cheaper draft step, the same output distribution")
     s.add_argument("--tree", default=None,
                    help="medusa: a built-in tree name (e.g. mc_sim_7b_63) or a JSON file of paths "
                         "(default: the heads' own tree); eagle-tree: DEPTHxTOPKxNODES (default 3x8x8)")
@@ -298,6 +301,9 @@ def check_speculation_arguments(args: argparse.Namespace) -> None:
     if args.draft_path is not None and d not in SHIPPED_KIND:
         raise CLIError(f"--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa (or lookup+model, "
                        f"lookup+eagle; not {d})")
+    if getattr(args, "draft_quantization", None) is not None and d in ("none", "lookup", "medusa"):
+        raise CLIError("--draft-quantization is for --draft model, eagle, eagle-tree, eagle3 or eagle3-tree (and "
+                       "lookup+ them); Medusa heads follow --quantization")
     if args.tree is not None and d not in ("medusa", *TREE_KINDS):
         raise CLIError("--tree is for --draft medusa, eagle-tree or eagle3-tree")
     if args.tree is not None and d in TREE_KINDS:
@@ -343,6 +349,8 @@ def make_proposer(args: argparse.Namespace, target):
     kw = {"tree": args.tree} if d == "medusa" else {}
     if d in TREE_KINDS and args.tree is not None:
         kw = {"tree": DynamicTree.parse(args.tree)}
+    if getattr(args, "draft_quantization", None) is not None:
+        kw["quantization"] = args.draft_quantization
     if args.draft_path is None:
         return shipped(SHIPPED_KIND[d], target, **kw)
     cls = {"model": DraftModel, "eagle": EagleDraft, "eagle-tree": EagleTreeDraft, "eagle3": EagleDraft,

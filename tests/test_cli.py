@@ -125,6 +125,10 @@ def test_eagle_gives_the_targets_greedy_output(eagle_models, capsys):
     assert rc == 0, err
     assert new_ids(out) == reference
     assert "--draft eagle k=5" in err and "tau" in err   # default k
+    rc, out, err = run(generate_args(target, SMALL, 20, 64, "--draft", "eagle", "--draft-path", eagle,
+                                     "--draft-quantization", "int8"), capsys)     # the head's own int8: same output
+    assert rc == 0, err
+    assert new_ids(out) == reference
 
 
 def stats_value(err: str, name: str) -> str:
@@ -235,6 +239,10 @@ def test_bad_arguments_exit_2_with_one_line(checkpoint, tmp_path, capsys):
          "--adaptive-k needs an unfused chain --draft"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "lookup", "--tree", "chain_4"),
          "--tree is for --draft medusa"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "medusa", "--draft-quantization", "int8"),
+         "--draft-quantization is for --draft model, eagle, eagle-tree, eagle3 or eagle3-tree"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--draft-quantization", "int2"),
+         "argument --draft-quantization: invalid choice: 'int2'"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "lookup", "--draft-path", tmp_path),
          "--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa"),
         (generate_args(target, list(range(3, 70)), 8, 64), "the prompt has 67 tokens: --n-positions 64 leaves no room"),

@@ -159,6 +159,48 @@ def test_greedy_tree_equals_target_only(tiny):
     assert torch.equal(one[0, len(PROMPTS[1]):], reference[1, width:])
 
 
+def test_tree_scores_over_the_reduced_vocabulary_equal_the_full_softmax(tiny):
+    """The tree's top-K over the draft vocabulary's ids gives the full-vocabulary log-softmax's values
+    and tokens (logits -inf outside the ids)."""
+    target = load_target(tiny["target_dir"])
+    draft = EagleTreeDraft.from_pretrained(tiny["eagle"], target, tree=DynamicTree(3, 4, 8), progress=False)
+    ids = draft.model.lm.output_token_ids
+    logits = torch.full((2, 3, 64), float("-inf"))
+    logits[..., ids] = torch.randn(2, 3, len(ids), generator=torch.Generator().manual_seed(0)) * 3
+    scores, tokens = draft._top(logits, 4)
+    reference_scores, reference_tokens = torch.log_softmax(logits, -1).topk(4, dim=-1)
+    torch.testing.assert_close(scores, reference_scores)
+    assert torch.equal(tokens, reference_tokens)
+    assert bool(torch.isin(tokens, ids).all())
+
+
+def test_draft_quantization_is_the_drafts_own_and_keeps_greedy_exact(tiny):
+    """quantization= quantizes the draft only (int8 decoder layer and LM head), the target stays float,
+    and greedy tree speculation still reproduces target-only output; None or "none" keep a draft float under
+    an int8 target; an unknown scheme is refused by name."""
+    from specdec.core.quant import Int8Linear
+    target = load_target(tiny["target_dir"])
+    draft = EagleTreeDraft.from_pretrained(tiny["eagle"], target, tree=DynamicTree(3, 4, 8), quantization="int8",
+                                           progress=False)
+    layer = draft.model.lm.layers[0]
+    assert isinstance(draft.model.lm.lm_head, Int8Linear) and isinstance(layer.mlp.down_proj, Int8Linear)
+    assert draft.model.settings.quantization == "int8" and target.settings.quantization is None
+    assert not any(isinstance(m, Int8Linear) for m in target.lm.modules())
+    reference = target.generate(PROMPTS, max_new_tokens=60, eos_token_id=[])
+    gen = SpeculativeGenerator(draft, target)
+    assert torch.equal(gen.sample(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
+    assert gen.last_stats.accepted > 0
+
+    int8_target = load_target(tiny["target_dir"], quantization="int8")
+    inherited = EagleDraft.from_pretrained(tiny["eagle"], int8_target, progress=False)
+    assert isinstance(inherited.model.lm.lm_head, Int8Linear)
+    for scheme in (None, "none"):
+        float_draft = EagleDraft.from_pretrained(tiny["eagle"], int8_target, quantization=scheme, progress=False)
+        assert not any(isinstance(m, Int8Linear) for m in float_draft.model.lm.modules())
+    with pytest.raises(ValueError, match="quantization='int3' is not supported"):
+        EagleDraft.from_pretrained(tiny["eagle"], target, quantization="int3", progress=False)
+
+
 def test_fused_chain_equals_unfused(tiny):
     """Fused speculation projects the verify step's aux hidden states with fc inside the graph."""
     target = load_target(tiny["target_dir"])

@@ -229,3 +229,11 @@ def test_bench_spec_builds_tree_systems_from_a_strategy_list(saved, monkeypatch)
     systems, _ = bench.speculative_systems(args, target)
     assert list(systems) == ["specdec-eagle3-tree-3x2x4", "specdec-lookup+eagle3-k2"]
     assert isinstance(systems["specdec-eagle3-tree-3x2x4"].make().proposer, EagleTreeDraft)
+    # --draft-quantization: the head's own scheme, the target untouched; Medusa refuses it by name
+    from specdec.core.quant import Int8Linear
+    args = parser.parse_args(["--strategy", "eagle3-tree", "--dynamic-trees", "3x2x4", "--eagle", str(eagle_dir),
+                              "--draft-quantization", "int8"])
+    systems, module = bench.speculative_systems(args, target)
+    assert isinstance(module.lm_head, Int8Linear) and target.settings.quantization is None
+    with pytest.raises(ValueError, match="--draft-quantization applies to the draft model and EAGLE heads"):
+        bench.speculative_systems(parser.parse_args(["--strategy", "medusa", "--draft-quantization", "int8"]), target)

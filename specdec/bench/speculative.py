@@ -96,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
     parser.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
                         help="the target's weights (DecoderModel.from_pretrained(quantization=...)); drafts inherit it")
+    parser.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4"],
+                        help="the draft model's / EAGLE head's own weight-only scheme (default: the target's); "
+                             "it changes what a draft step costs and which tokens it proposes, never the output")
     parser.add_argument("--autotune", action="store_true",
                         help="compiled backend: autotuned graphs (DecoderModel.from_pretrained(autotune=True))")
     parser.add_argument("--n-positions", type=int, default=384,
@@ -222,7 +225,8 @@ def run(args: argparse.Namespace) -> dict:
         if key.split("@")[0] in systems and hf_best:
             e["speedup_vs_hf_assisted"] = e["tokens_per_s"] / hf_best
     return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
-                       "quantization": args.quantization, "autotune": args.autotune, "fused": args.fused,
+                       "quantization": args.quantization, "draft_quantization": args.draft_quantization,
+                       "autotune": args.autotune, "fused": args.fused,
                        "adaptive": args.adaptive,
                        "num_prompts": len(prompts), "prompts": str(resolve_prompts(args.prompts).name),
                        "question_ids": [q for q, _, _ in records], "max_new_tokens": n_new, "systems": list(systems),
@@ -270,6 +274,8 @@ def strategy_model(kind: str, args: argparse.Namespace, target, **kwargs):
     """The shipped ``kind`` model (``specdec.shipped.SHIPPED``), or for EAGLE kinds the ``--eagle`` one."""
     from .. import EagleDraft, EagleTreeDraft, shipped
     from ..eagle.smollm2 import embedded_eagle_path
+    if args.draft_quantization is not None:
+        kwargs["quantization"] = args.draft_quantization
     if args.eagle is None or kind == "draft":
         return shipped(kind, target, **kwargs)
     cls = EagleTreeDraft if kind in TREE_KINDS else EagleDraft
@@ -282,6 +288,10 @@ def strategy_systems(strategy: str, args: argparse.Namespace, target) -> tuple[d
     spec = f"specdec-{strategy}"
     adaptive = "-adaptive" if args.adaptive else ""
     if strategy == "medusa":
+        if args.draft_quantization is not None:
+            raise ValueError("--draft-quantization applies to the draft model and EAGLE heads; Medusa heads follow "
+                             "the target's --quantization")
+
         def medusa(t):
             tree = None if t == "shipped" else t
             if args.heads:

@@ -21,7 +21,7 @@ from ..core.config import ModelConfig
 from ..core.decoder import DecoderModel, StepOutput
 from ..core.graphs import GraphKey
 from ..core.checkpoint import load_weights
-from ..core.quant import quantize_linears
+from ..core.quant import parse_quantization, quantize_linears
 from .checkpoint import aux_layer_ids, check_layout, eagle3_token_ids, eagle_key, is_eagle3, tensor_names
 from .model import Eagle3LM, EagleLM
 
@@ -29,13 +29,18 @@ from .model import Eagle3LM, EagleLM
 class EagleModel(DecoderModel):
     @classmethod
     def from_pretrained(cls, path: str | Path, target: DecoderModel, *, eagle_input_norm: bool | None = None,
-                        backend: str | None = None, progress: bool = True) -> "EagleModel":
+                        backend: str | None = None, quantization: str | None = "target",
+                        progress: bool = True) -> "EagleModel":
         """Load an EAGLE draft network for ``target`` (a ``DecoderModel``): the EAGLE-1, NxD or EAGLE-3
         layout (``specdec.eagle.checkpoint``). An EAGLE-3 draft sets the target's feature layers.
 
         ``eagle_input_norm``: apply the layer's input RMSNorm (NxD Inference's
         ``enable_eagle_draft_input_norm``; EAGLE-1 only); default: config.json's ``eagle_input_norm``,
-        else False. ``backend``: default the target's."""
+        else False. ``backend``: default the target's. ``quantization``: the draft's weight-only scheme
+        (``specdec.core.quant``; "int8" / "int4" quantize its decoder layer with it and its LM head at
+        int8, None or "none" keep it float); default "target": the target's, as ``DraftModel``'s. The
+        draft only proposes, so its scheme changes what it proposes and what a step costs, never the
+        output distribution."""
         if target.tp.size > 1:
             raise ValueError(f"EAGLE drafts need a target at tp_degree=1 (got {target.tp.size}): "
                              "tensor-parallel EAGLE is not supported yet")
@@ -59,8 +64,9 @@ class EagleModel(DecoderModel):
             config = replace(config, output_vocab_size=None if token_ids is None else len(token_ids))
         else:
             check_layout(path, names, input_norm)
+        scheme = target.settings.quantization if quantization == "target" else parse_quantization(quantization)
         settings = replace(target.settings, backend=backend or target.settings.backend, tp_degree=1,
-                           gqa_strategy=None, feature_layers=())
+                           gqa_strategy=None, feature_layers=(), quantization=scheme)
         if config.max_position_embeddings < settings.n_positions:
             config = replace(config, max_position_embeddings=settings.n_positions)
         dtype = target.dtype
@@ -83,7 +89,7 @@ class EagleModel(DecoderModel):
         load_weights(lm, path, progress=progress, rename=eagle_key, optional=frozenset(optional))
         if eagle3:
             target.use_feature_layers(aux)
-        quantize_linears(lm, settings.quantization)      # the target's quantization, its decoder layer
+        quantize_linears(lm, scheme)
         lm.eval().requires_grad_(False)
         draft = cls(path, config, lm, settings)
         draft.target_path = target.path

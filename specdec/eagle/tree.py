@@ -138,7 +138,7 @@ class EagleTreeDraft(EagleDraft):
         K, N, D, dev = self.tree.top_k, self.tree.num_nodes, k, self.features.device
         n = lengths.to(dev)
         out, feature = self.reread(n, k, self.greedy, None)          # the draft scores only: greedy graphs
-        scores, tokens = torch.log_softmax(out.logits[:, 0], -1).topk(K, dim=-1)          # depth 1: [B, K]
+        scores, tokens = self._top(out.logits[:, 0], K)                                    # depth 1: [B, K]
         pool_tokens, pool_scores = [tokens], [scores]
         pool_parent = [torch.full_like(tokens, -1)]                                       # -1: the root
         frontier = torch.arange(K, device=dev).expand_as(tokens)                          # pool indices
@@ -152,7 +152,7 @@ class EagleTreeDraft(EagleDraft):
                                   position_ids=n.unsqueeze(1) - 1 + _depths(exp_parent, K),
                                   logit_index=torch.arange(width - K, width, device=dev).expand(len(n), K),
                                   features=exp_features)
-            child_scores, child_tokens = torch.log_softmax(out.logits, -1).topk(K, dim=-1)  # [B, K, K]
+            child_scores, child_tokens = self._top(out.logits, K)                           # [B, K, K]
             child_scores = scores.unsqueeze(-1) + child_scores.clamp(max=0)      # scores never rise
             offset = sum(t.shape[1] for t in pool_tokens)
             pool_tokens.append(child_tokens.flatten(1))
@@ -171,6 +171,16 @@ class EagleTreeDraft(EagleDraft):
         nodes, parent = _rerank(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), torch.cat(pool_parent, 1), K, N)
         self.pending = row_trees(parent, D, K)
         return Proposal(nodes, None, self.pending)
+
+    def _top(self, logits: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log q, token ids) of the K most likely tokens of the draft's full-vocabulary ``logits``
+        [..., V]. A reduced draft vocabulary's logits are -inf outside its ``output_token_ids``, so the
+        softmax and the top-K run over those ids only (the same values, a fraction of the work)."""
+        ids = getattr(self.model.lm, "output_token_ids", None)
+        if ids is None:
+            return torch.log_softmax(logits, -1).topk(K, dim=-1)
+        scores, index = torch.log_softmax(logits.index_select(-1, ids), -1).topk(K, dim=-1)
+        return scores, ids[index]
 
     # ------------------------------------------------------------------ accepted
     def accepted(self, lengths, verified: Verified) -> None:
