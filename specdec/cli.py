@@ -301,7 +301,7 @@ def check_speculation_arguments(args: argparse.Namespace) -> None:
     if args.draft_path is not None and d not in SHIPPED_KIND:
         raise CLIError(f"--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa (or lookup+model, "
                        f"lookup+eagle; not {d})")
-    if getattr(args, "draft_quantization", None) is not None and d in ("none", "lookup", "medusa"):
+    if args.draft_quantization is not None and d in ("none", "lookup", "medusa"):
         raise CLIError("--draft-quantization is for --draft model, eagle, eagle-tree, eagle3 or eagle3-tree (and "
                        "lookup+ them); Medusa heads follow --quantization")
     if args.tree is not None and d not in ("medusa", *TREE_KINDS):
@@ -349,7 +349,7 @@ def make_proposer(args: argparse.Namespace, target):
     kw = {"tree": args.tree} if d == "medusa" else {}
     if d in TREE_KINDS and args.tree is not None:
         kw = {"tree": DynamicTree.parse(args.tree)}
-    if getattr(args, "draft_quantization", None) is not None:
+    if args.draft_quantization is not None:
         kw["quantization"] = args.draft_quantization
     if args.draft_path is None:
         return shipped(SHIPPED_KIND[d], target, **kw)

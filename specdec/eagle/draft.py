@@ -89,7 +89,7 @@ class EagleModel(DecoderModel):
         load_weights(lm, path, progress=progress, rename=eagle_key, optional=frozenset(optional))
         if eagle3:
             target.use_feature_layers(aux)
-        quantize_linears(lm, scheme)
+        quantize_linears(lm, settings.quantization)      # the draft's scheme (default the target's)
         lm.eval().requires_grad_(False)
         draft = cls(path, config, lm, settings)
         draft.target_path = target.path
