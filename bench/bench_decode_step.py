@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="1x1x384,1x9x384,4x1x384,4x9x384,128x1x640")
     ap.add_argument("--backend", default="compiled")
     ap.add_argument("--amp", default="bf16")
+    ap.add_argument("--autotune", action="store_true", help="Inductor freezing + max_autotune (README, Autotuned graphs)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=15)
@@ -35,7 +36,8 @@ def main() -> None:
     for shape in args.shapes.split(","):
         b, n, kv = (int(x) for x in shape.split("x"))
         model = DecoderModel.from_pretrained(None, batch_size=b, n_positions=kv, amp=args.amp, backend=args.backend,
-                                             kv_buckets=[kv], context_buckets=[kv], progress=False)
+                                             kv_buckets=[kv], context_buckets=[kv], progress=False,
+                                             autotune=args.autotune)
         model.set_lengths(torch.full((b,), kv - n - 1))
         tokens = torch.randint(100, 20000, (b, n), generator=torch.Generator().manual_seed(0))
         params = model.sampling_params(do_sample=False)

@@ -159,19 +159,26 @@ def test_greedy_tree_equals_target_only(tiny):
     assert torch.equal(one[0, len(PROMPTS[1]):], reference[1, width:])
 
 
-def test_tree_scores_over_the_reduced_vocabulary_equal_the_full_softmax(tiny):
-    """The tree's top-K over the draft vocabulary's ids gives the full-vocabulary log-softmax's values
-    and tokens (logits -inf outside the ids)."""
+def test_top_k_steps_score_like_the_full_softmax_over_the_reduced_vocabulary(tiny):
+    """A top-K step (the tree's scoring graphs) returns the K best tokens and log-probabilities of the
+    full-vocabulary log-softmax of the same step (logits -inf outside the draft's ids); sampled
+    parameters or probabilities are refused."""
     target = load_target(tiny["target_dir"])
     draft = EagleTreeDraft.from_pretrained(tiny["eagle"], target, tree=DynamicTree(3, 4, 8), progress=False)
-    ids = draft.model.lm.output_token_ids
-    logits = torch.full((2, 3, 64), float("-inf"))
-    logits[..., ids] = torch.randn(2, 3, len(ids), generator=torch.Generator().manual_seed(0)) * 3
-    scores, tokens = draft._top(logits, 4)
-    reference_scores, reference_tokens = torch.log_softmax(logits, -1).topk(4, dim=-1)
-    torch.testing.assert_close(scores, reference_scores)
-    assert torch.equal(tokens, reference_tokens)
-    assert bool(torch.isin(tokens, ids).all())
+    model, greedy = draft.model, draft.greedy
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.vocab_size, (model.batch_size, 5), generator=g)
+    features = torch.randn(model.batch_size, 5, model.lm.feature_size, generator=g)
+    full = model.step(tokens, greedy, advance=False, features=features)
+    top = model.step(tokens, greedy, advance=False, features=features, top_k=4)
+    reference_scores, reference_tokens = torch.log_softmax(full.logits, -1).topk(4, dim=-1)
+    assert top.tokens.shape == top.logits.shape == (model.batch_size, 5, 4)
+    torch.testing.assert_close(top.logits, reference_scores)
+    assert torch.equal(top.tokens, reference_tokens)
+    assert bool(torch.isin(top.tokens, model.lm.output_token_ids).all())
+    with pytest.raises(ValueError, match="top_k scoring steps are greedy"):
+        model.step(tokens, model.sampling_params(do_sample=True, temperature=0.7), advance=False,
+                   features=features, top_k=4)
 
 
 def test_draft_quantization_is_the_drafts_own_and_keeps_greedy_exact(tiny):

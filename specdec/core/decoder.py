@@ -63,7 +63,8 @@ class StepOutput:
     applied when the graph has it — the logits the tokens are sampled from), hidden [B, n, H]
     (final-norm hidden states of every new token), probs [B, m, V] warped distribution when requested,
     aux_hidden [B, n, A·H]: the hidden states entering the model's A ``feature_layers``, in layer order
-    (None without feature layers)."""
+    (None without feature layers). A ``top_k`` step's tokens [B, m, K] are the K most likely tokens
+    (best first) and its logits [B, m, K] their log-softmax (f32)."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
@@ -476,13 +477,14 @@ class DecoderModel:
         return params
 
     # ------------------------------------------------------------------ running graphs
-    def _key(self, n: int, m: int, kv: int, params: torch.Tensor, return_probs: bool = False) -> GraphKey:
+    def _key(self, n: int, m: int, kv: int, params: torch.Tensor, return_probs: bool = False,
+             top_k: int = 0) -> GraphKey:
         """The graph for n tokens, m logits, KV bucket kv and these sampling params [B, 4] (a penalty
         graph when ``presence`` is tracked and some row has a repetition penalty)."""
         do_sample = any_sampled(params)
         top_filter = do_sample and needs_filter(params, self.settings.sampling.global_topk)
         penalty = self.presence is not None and any_penalised(params)
-        return GraphKey(n, m, kv, do_sample, return_probs, top_filter, penalty=penalty)
+        return GraphKey(n, m, kv, do_sample, return_probs, top_filter, penalty=penalty, top_k=top_k)
 
     def _run(self, key: GraphKey, input_ids, position_ids, cache_lengths, token_mask, logit_index,
              params, rng: RowGenerators | torch.Generator | None, features: torch.Tensor | None = None,
@@ -568,15 +570,21 @@ class DecoderModel:
     def step(self, tokens: torch.Tensor, params: torch.Tensor, rng: RowGenerators | torch.Generator | None = None,
              token_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
              advance: bool = True, return_probs: bool = False, rows: torch.Tensor | None = None,
-             logit_index: torch.Tensor | None = None, features: torch.Tensor | None = None) -> StepOutput:
+             logit_index: torch.Tensor | None = None, features: torch.Tensor | None = None,
+             top_k: int = 0) -> StepOutput:
         """Run n new tokens per row (tokens [B, n]) at slots ``lengths + i``.
 
         token_mask [B, n, n] or [n, n] (default causal); position_ids [B, n] (default lengths + i).
         ``advance`` moves the lengths of ``rows`` (bool [B], default all) forward by n.
         ``logit_index`` [B, m]: the m positions whose logits/tokens are returned (default all n).
         ``features`` [B, n, F]: per-token inputs of feature-reading models (EAGLE drafts).
+        ``top_k`` > 0 (greedy ``params`` only): return the K most likely tokens and their log-softmax at
+        each of the m positions (``StepOutput``), computed in the graph.
         """
         b, n = tokens.shape
+        if top_k and (return_probs or any_sampled(params)):
+            raise ValueError("top_k scoring steps are greedy and return no probabilities: pass greedy params "
+                             "(sampling_params(do_sample=False)) and return_probs=False")
         if b != self.batch_size:
             raise ValueError(f"step expects {self.batch_size} rows, got {b}")
         needed = int(self.lengths.max()) + n
@@ -591,7 +599,7 @@ class DecoderModel:
             position_ids = self.lengths.unsqueeze(1) + torch.arange(n)
         if logit_index is None:
             logit_index = torch.arange(n).expand(b, n)
-        key = self._key(n, logit_index.shape[1], kv, params, return_probs)
+        key = self._key(n, logit_index.shape[1], kv, params, return_probs, top_k)
         out = self._run(key, tokens.long(), position_ids, self.lengths.clone(), token_mask,
                         logit_index, params, rng, features)
         if advance:

@@ -50,8 +50,10 @@ class GraphKey:
     greedy (argmax) or sampling, whether warped probabilities are returned, (sampling) whether
     top-k / top-p warping is compiled in (``top_filter``; without it a sampling graph warps by
     temperature only, no vocabulary sort; chosen per request by ``sampling.needs_filter``), whether
-    one cache row is written (``single_row``) and whether the repetition penalty is applied
-    (``penalty``: one more input, ``presence``)."""
+    one cache row is written (``single_row``), whether the repetition penalty is applied
+    (``penalty``: one more input, ``presence``) and (greedy) whether the graph returns the ``top_k``
+    most likely tokens with their log-softmax instead of the argmax and the logits (tree drafting
+    scores its candidates so: no [B, m, V] logits leave the graph)."""
 
     n_tokens: int
     n_logits: int
@@ -61,11 +63,13 @@ class GraphKey:
     top_filter: bool = False
     single_row: bool = False
     penalty: bool = False
+    top_k: int = 0
 
     def describe(self) -> str:
         mode = ("sample" if self.top_filter else "sample-T") if self.do_sample else "greedy"
         return (f"n={self.n_tokens} m={self.n_logits} kv={self.kv_len} {mode}{' +probs' if self.return_probs else ''}"
-                f"{' row' if self.single_row else ''}{' +penalty' if self.penalty else ''}")
+                f"{' row' if self.single_row else ''}{' +penalty' if self.penalty else ''}"
+                f"{f' top{self.top_k}' if self.top_k else ''}")
 
     def batch(self, batch_size: int) -> int:
         """Rows of the graph's inputs for a model compiled at ``batch_size``."""
@@ -90,6 +94,10 @@ class StepGraph(nn.Module):
         if self.key.do_sample:
             out = sample(logits, params, uniform, self.global_topk, self.key.return_probs, self.key.top_filter)
             return (out + (logits, hidden)) if self.key.return_probs else (out, logits, hidden)
+        if self.key.top_k:     # a reduced output vocabulary scores its own ids only (-inf elsewhere)
+            ids = getattr(self.lm, "output_token_ids", None)
+            scores, index = torch.log_softmax(logits if ids is None else logits[..., ids], -1).topk(self.key.top_k, -1)
+            return (index if ids is None else ids[index]), scores, hidden
         tokens = logits.argmax(-1)
         if self.key.return_probs:
             probs = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()

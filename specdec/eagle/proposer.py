@@ -108,18 +108,19 @@ class EagleDraft:
         return Proposal(torch.cat(tokens, 1), torch.cat(probs, 1) if sampled else None)
 
     def reread(self, n: torch.Tensor, k: int, params: torch.Tensor, rng: RowGenerators | None,
-               return_probs: bool = False) -> tuple[StepOutput, torch.Tensor]:
+               return_probs: bool = False, top_k: int = 0) -> tuple[StepOutput, torch.Tensor]:
         """The first draft step of a k-token proposal (n [B] = len(S) per row): re-read the last
         ``reread_width(k)`` true (feature, token) pairs, up to position n-2 → (its ``StepOutput``, with the
-        logits / token / probabilities of the token after S[-1], and the draft feature f^_{n-1} [B, 1, H]
-        paired with that token)."""
+        logits / token / probabilities of the token after S[-1] (``top_k``: its K best tokens and their
+        log-probabilities, ``DecoderModel.step``), and the draft feature f^_{n-1} [B, 1, H] paired with that
+        token)."""
         d = self.model
         W = self.reread_width(k)
         start = (n - 1 - W).clamp(min=0)
         pos = (start.unsqueeze(1) + torch.arange(W, device=n.device)).clamp(max=d.n_positions - 1)
         d.set_lengths(start)
         out = d.step(self.next_tokens[self.rows, pos], params, rng, features=self.features[self.rows, pos],
-                     logit_index=(n - 2 - start).unsqueeze(1), advance=False, return_probs=return_probs)
+                     logit_index=(n - 2 - start).unsqueeze(1), advance=False, return_probs=return_probs, top_k=top_k)
         last = (n - 2 - start).view(-1, 1, 1).expand(-1, 1, out.hidden.shape[-1])
         return out, torch.gather(out.hidden, 1, last)
 

@@ -114,17 +114,17 @@ class EagleTreeDraft(EagleDraft):
 
     def draft_graph_keys(self, prompt_length: int, max_length: int, single_row: bool = False) -> list[GraphKey]:
         """The draft network's graphs for sequences up to ``max_length``: its context graphs (the
-        request's sampling mode), the greedy (D+1)-position re-read and the greedy expansion steps
-        ((d-1)·K tokens, K logits, d = 2..D), which reach ``draft_slots`` past S[:-1]."""
+        request's sampling mode), the (D+1)-position re-read and the expansion steps ((d-1)·K tokens,
+        K logits, d = 2..D), which reach ``draft_slots`` past S[:-1]; the last two score top-K in the graph."""
         d, D, K = self.model, self.depth, self.tree.top_k
         reach = min(d.n_positions, max_length + self.tree.draft_slots)
         context = [k for k in d.graph_keys(prompt_length=prompt_length, max_length=max_length, single_row=single_row)
                    if k.n_tokens == k.kv_len]
         greedy = d.graph_keys(do_sample=False, spec_tokens=(D,), prompt_length=prompt_length, max_length=reach)
-        steps = [k for k in greedy if k.n_tokens != k.kv_len and k.n_tokens in (1, D + 1)]
-        expand = [replace(k, n_tokens=(depth - 1) * K, n_logits=K, return_probs=False)
+        reread = [replace(k, top_k=K) for k in greedy if k.n_tokens != k.kv_len and k.n_tokens == D + 1]
+        expand = [replace(k, n_tokens=(depth - 1) * K, n_logits=K, return_probs=False, top_k=K)
                   for k in greedy if k.n_tokens == 1 for depth in range(2, D + 1) if k.kv_len >= (depth - 1) * K]
-        return context + steps + expand
+        return context + reread + expand
 
     def max_draft_tokens(self, length: int) -> int:
         """The tree's depth while its N + 1 verify slots and the draft's expansion fit before
@@ -137,8 +137,8 @@ class EagleTreeDraft(EagleDraft):
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
         K, N, D, dev = self.tree.top_k, self.tree.num_nodes, k, self.features.device
         n = lengths.to(dev)
-        out, feature = self.reread(n, k, self.greedy, None)          # the draft scores only: greedy graphs
-        scores, tokens = self._top(out.logits[:, 0], K)                                    # depth 1: [B, K]
+        out, feature = self.reread(n, k, self.greedy, None, top_k=K)   # the draft scores only: top-K graphs
+        scores, tokens = out.logits[:, 0], out.tokens[:, 0]                     # depth 1: log q, ids [B, K]
         pool_tokens, pool_scores = [tokens], [scores]
         pool_parent = [torch.full_like(tokens, -1)]                                       # -1: the root
         frontier = torch.arange(K, device=dev).expand_as(tokens)                          # pool indices
@@ -151,8 +151,8 @@ class EagleTreeDraft(EagleDraft):
                                   token_mask=row_trees(_with_root(exp_parent), D, K).mask[:, 1:, 1:],
                                   position_ids=n.unsqueeze(1) - 1 + _depths(exp_parent, K),
                                   logit_index=torch.arange(width - K, width, device=dev).expand(len(n), K),
-                                  features=exp_features)
-            child_scores, child_tokens = self._top(out.logits, K)                           # [B, K, K]
+                                  features=exp_features, top_k=K)
+            child_scores, child_tokens = out.logits, out.tokens                             # [B, K, K]
             child_scores = scores.unsqueeze(-1) + child_scores.clamp(max=0)      # scores never rise
             offset = sum(t.shape[1] for t in pool_tokens)
             pool_tokens.append(child_tokens.flatten(1))
@@ -171,16 +171,6 @@ class EagleTreeDraft(EagleDraft):
         nodes, parent = _rerank(torch.cat(pool_tokens, 1), torch.cat(pool_scores, 1), torch.cat(pool_parent, 1), K, N)
         self.pending = row_trees(parent, D, K)
         return Proposal(nodes, None, self.pending)
-
-    def _top(self, logits: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log q, token ids) of the K most likely tokens of the draft's full-vocabulary ``logits``
-        [..., V]. A reduced draft vocabulary's logits are -inf outside its ``output_token_ids``, so the
-        softmax and the top-K run over those ids only (the same values, a fraction of the work)."""
-        ids = getattr(self.model.lm, "output_token_ids", None)
-        if ids is None:
-            return torch.log_softmax(logits, -1).topk(K, dim=-1)
-        scores, index = torch.log_softmax(logits.index_select(-1, ids), -1).topk(K, dim=-1)
-        return scores, ids[index]
 
     # ------------------------------------------------------------------ accepted
     def accepted(self, lengths, verified: Verified) -> None:
