@@ -12,6 +12,7 @@ from .core.stats import SpecStats
 from .draft.proposer import DraftModel
 from .eagle.proposer import EagleDraft
 from .eagle.tree import DynamicTree, EagleTreeDraft
+from .gate import CostGate
 from .generator import SpeculativeGenerator
 from .lookup.branch import LookupBranch
 from .lookup.combined import LookupOrDraft
@@ -20,7 +21,7 @@ from .medusa.draft import MedusaDraft
 from .proposer import Proposal, Proposer
 from .shipped import shipped
 
-__all__ = ["AdaptiveK", "DecoderModel", "DraftModel", "DynamicTree", "EagleDraft", "EagleTreeDraft", "Engine",
+__all__ = ["AdaptiveK", "CostGate", "DecoderModel", "DraftModel", "DynamicTree", "EagleDraft", "EagleTreeDraft", "Engine",
            "LookupBranch", "LookupOrDraft", "MedusaDraft", "PromptLookup", "Proposal", "Proposer", "SamplingConfig", "SpecStats",
            "SpeculativeGenerator", "shipped"]
 __version__ = "0.1.0"

@@ -224,6 +224,10 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                    help="chain drafts (not medusa, not --fused): each row drafts its own k <= --k, +2 after a "
                         "step whose drafts were all accepted, -1 otherwise (HF's heuristic schedule); same "
                         "output distribution")
+    s.add_argument("--gate", action="store_true",
+                   help="any --draft, not --fused: a step speculates only while speculative steps have been "
+                        "emitting tokens faster than plain decode steps (measured; the other kind is probed "
+                        "every 16 steps), so speculation that does not pay falls back to decoding; same output")
     s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4"],
                    help="model / eagle drafts: the draft's own weight-only scheme (default: --quantization's); "
                         "a cheaper draft step, the same output distribution")
@@ -297,6 +301,8 @@ def check_speculation_arguments(args: argparse.Namespace) -> None:
     if getattr(args, "adaptive_k", False) and (d.removeprefix(LOOKUP_AND) in ("none", "medusa", *TREE_KINDS)
                                                  or getattr(args, "fused", False)):
         raise CLIError("--adaptive-k needs an unfused chain --draft (model, eagle, lookup, lookup+model, lookup+eagle)")
+    if getattr(args, "gate", False) and (d == "none" or getattr(args, "fused", False)):
+        raise CLIError("--gate needs a --draft and runs unfused (not with --fused)")
     d = d.removeprefix(LOOKUP_AND)         # the model part of lookup+X
     if args.draft_path is not None and d not in SHIPPED_KIND:
         raise CLIError(f"--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa (or lookup+model, "
@@ -444,7 +450,7 @@ def generate_on_rank(args: argparse.Namespace) -> int:
     gen = None
     if proposer is not None:
         k = DEFAULT_K.get(args.draft) if args.k is None else args.k
-        gen = SpeculativeGenerator(proposer, target, k, fused=args.fused, adaptive=args.adaptive_k)
+        gen = SpeculativeGenerator(proposer, target, k, fused=args.fused, adaptive=args.adaptive_k, gate=args.gate)
     if args.backend != "eager":
         if rank0:
             print("compiling the graphs this request needs"

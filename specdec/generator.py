@@ -7,8 +7,9 @@
 implementing ``specdec.proposer.Proposer``) or a plain ``DecoderModel``, which is wrapped as a
 ``DraftModel``. ``k``: draft tokens per step for chains; for trees the tree's depth (may be left out);
 with ``adaptive=True`` (chains) the most a row drafts, each row's own k following its acceptance
-(``specdec.adaptive``). The output distribution is exactly the target's; greedy output is token for
-token the target's.
+(``specdec.adaptive``); with ``gate=True`` a step speculates only while speculative steps have been
+emitting tokens faster than plain ones (``specdec.gate``). The output distribution is exactly the
+target's; greedy output is token for token the target's.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .core.engine import Engine
 from .core.stats import SpecStats
 from .draft.proposer import DraftModel
 from .fused.speculator import FusedSpeculator
+from .gate import CostGate, GateMeter
 from .proposer import Proposer
 from .speculative import Speculator
 
@@ -38,10 +40,15 @@ class SpeculativeGenerator:
     ``adaptive=True`` or an ``AdaptiveK(min_k, max_k)`` (chain drafts, unfused): each row drafts its own
     k_r <= k, grown by 2 after a step whose drafts were all accepted and shrunk by 1 otherwise (Hugging
     Face's ``num_assistant_tokens_schedule="heuristic"``, per row); lossless (``specdec.adaptive``).
+
+    ``gate=True`` or a ``CostGate(probe_every, smoothing)`` (unfused): each step is speculative or plain,
+    whichever kind has been emitting tokens faster (measured wall time; the other kind is probed every
+    ``probe_every`` steps), so speculation that does not pay falls back to decoding; lossless
+    (``specdec.gate``). ``gate_meter`` holds the measured rates.
     """
 
     def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int | None = None, *,
-                 fused: bool = False, adaptive: bool | AdaptiveK = False):
+                 fused: bool = False, adaptive: bool | AdaptiveK = False, gate: bool | CostGate = False):
         if draft is target or getattr(draft, "model", None) is target:
             raise ValueError("the draft is the target object itself: a draft keeps its own KV cache, so load the "
                              "draft checkpoint as a separate DecoderModel (DraftModel.from_pretrained(path, target))")
@@ -56,7 +63,9 @@ class SpeculativeGenerator:
         elif k is None:
             raise ValueError("k (draft tokens per step) is required for a chain draft")
         policy = _adaptive_policy(adaptive, proposer, depth is not None, fused)
-        self.speculator = FusedSpeculator(proposer, target, k) if fused else Speculator(proposer, target, k, policy)
+        self.gate_meter = _gate_meter(gate, fused)
+        self.speculator = FusedSpeculator(proposer, target, k) if fused else \
+            Speculator(proposer, target, k, policy, self.gate_meter)
         check = getattr(proposer, "check_target", None)
         if check is not None:
             check(target)
@@ -93,3 +102,14 @@ def _adaptive_policy(adaptive: bool | AdaptiveK, proposer: Proposer, tree: bool,
         raise ValueError("adaptive speculation length runs unfused (a fused step's graph drafts a fixed k): "
                          "pass fused=False or adaptive=False")
     return AdaptiveK() if adaptive is True else adaptive
+
+
+def _gate_meter(gate: bool | CostGate, fused: bool) -> GateMeter | None:
+    """A fresh ``GateMeter`` for the ``CostGate`` that ``gate`` asks for (None: always speculate)."""
+    if gate is None or gate is False:
+        return None
+    if gate is not True and not isinstance(gate, CostGate):
+        raise ValueError(f"gate must be True, False or a CostGate(probe_every, smoothing), got {gate!r}")
+    if fused:
+        raise ValueError("gate runs unfused (a fused step's graph always drafts): pass fused=False or gate=False")
+    return GateMeter(CostGate() if gate is True else gate)

@@ -15,6 +15,8 @@ emitted tokens, the target's cache holds S[:-1]):
 Near ``n_positions`` the step's k shrinks so no graph writes past a cache; at k = 0 the step is a plain
 decode step. With an ``AdaptiveK`` policy (``specdec.adaptive``) each row has its own k_r: the step
 drafts the largest k_r of the active rows and caps every row at its own (``Proposal.num_drafts``).
+With a ``GateMeter`` (``specdec.gate``) a step is plain (k = 0) whenever plain steps have been
+emitting tokens faster than speculative ones.
 The loop never asks which strategy it runs.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .core.decoder import DecoderModel
 from .core.engine import StepResult
 from .core.sampling import RowGenerators
 from .core.stats import SpecStats
+from .gate import GateMeter
 from .proposer import Proposer, Verified
 from .verify import ChainVerifier
 
@@ -35,9 +38,11 @@ from .verify import ChainVerifier
 class Speculator:
     """A proposer, the verifier of its proposals and k, bound to ``target`` (``Engine``'s speculator).
 
-    ``adaptive``: an ``AdaptiveK`` policy (chain proposers): per-row k within its bounds, ``row_k`` [B]."""
+    ``adaptive``: an ``AdaptiveK`` policy (chain proposers): per-row k within its bounds, ``row_k`` [B].
+    ``gate``: a ``GateMeter`` choosing between speculative and plain steps (``specdec.gate``)."""
 
-    def __init__(self, proposer: Proposer, target: DecoderModel, k: int, adaptive: AdaptiveK | None = None):
+    def __init__(self, proposer: Proposer, target: DecoderModel, k: int, adaptive: AdaptiveK | None = None,
+                 gate: GateMeter | None = None):
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"k must be an integer >= 0 (draft tokens per step), got {k!r}")
         if k + 1 > target.kv_buckets[-1] or k + 1 > target.n_positions - 1:
@@ -55,7 +60,7 @@ class Speculator:
                              "draft and target must share the tokenizer")
         self.proposer, self.target, self.k = proposer, target, k
         self.verifier = getattr(proposer, "verifier", None) or ChainVerifier()
-        self.adaptive = adaptive
+        self.adaptive, self.gate = adaptive, gate
         if adaptive is not None:
             self.row_k = torch.full((target.batch_size,), adaptive.bounds(k)[1], dtype=torch.long)
 
@@ -68,13 +73,16 @@ class Speculator:
     def step(self, tail: torch.Tensor, lengths: torch.Tensor, active: torch.Tensor, params: torch.Tensor,
              rng: RowGenerators, stats: SpecStats) -> StepResult:
         """One step for every row (see the module docstring); the target's lengths are len(S) - 1."""
+        started = self.gate.clock() if self.gate is not None else 0.0
         longest = int(lengths[active].max())
         k = max(0, min(self.k, self.target.n_positions - longest, self.proposer.max_draft_tokens(longest)))
+        if self.gate is not None and not self.gate.speculate():
+            k = 0
         drafted = None     # per-row caps (adaptive k), else k for every row
         if self.adaptive is not None and k > 0:
             k = min(k, int(self.row_k[active].max()))
             drafted = self.row_k.clamp(max=k)
-        if k == 0:   # no room to draft: a plain decode step; the proposer still reads its outputs
+        if k == 0:   # no room to draft (or the gate): a plain decode step; the proposer still reads its outputs
             with stats.timer("verify"):
                 out = self.target.step(tail[:, 1:], params, rng, advance=False)
                 none = torch.zeros_like(out.tokens[:, 0])
@@ -93,4 +101,6 @@ class Speculator:
                 drafted = torch.full_like(n, k)
             else:
                 self.row_k = torch.where(active, self.adaptive.next_k(self.row_k, drafted, n, self.k), self.row_k)
+        if self.gate is not None:
+            self.gate.record(k > 0, int((n + 1)[active.cpu()].sum()), self.gate.clock() - started)
         return StepResult(n, emitted, drafted)

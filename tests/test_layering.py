@@ -10,7 +10,7 @@ ROOT = Path(specdec.__file__).parent
 
 LAYERS = [  # lowest first: module-name prefixes (relative to the package)
     ("runtime", ["core"]),
-    ("speculation", ["acceptance", "adaptive", "tree", "proposer", "verify", "speculative", "fused"]),
+    ("speculation", ["acceptance", "adaptive", "gate", "tree", "proposer", "verify", "speculative", "fused"]),
     ("strategies", ["draft", "eagle", "medusa", "lookup"]),
     ("api", ["generator", "shipped", "__init__"]),
     ("tools", ["train", "plan", "bench", "cli", "experiments", "serving"]),

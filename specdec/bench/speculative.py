@@ -12,6 +12,8 @@ In one process run, for each temperature (greedy and 0.7) and each k:
                       trees of each ``--dynamic-trees`` shape (depth x top-k x nodes); k = the depth
   specdec-{s}-adaptive-k{k}  ``--adaptive``: the same with ``adaptive=True`` (per-row k <= k, HF's heuristic
                       schedule; unfused, chain strategies)
+  specdec-...-gate    ``--gate on|both``: the speculative systems with ``gate=True`` (a step speculates only
+                      while speculative steps emit tokens faster than plain ones; unfused)
   specdec-lookup+{m}-k{k}  ``--strategy lookup+draft`` / ``lookup+eagle``: ``LookupOrDraft`` (prompt lookup
                       where an n-gram of 2 tokens matches, the shipped draft model / EAGLE head elsewhere)
   specdec-lookup+eagle-tree-{DxKxN}  the same trees with the prompt-lookup continuation (as long as the
@@ -107,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft / eagle: unfused systems (off), fused ones (on) or both side by side")
     parser.add_argument("--adaptive", action="store_true",
                         help="chain strategies, unfused: per-row adaptive k <= each --ks value (adaptive=True)")
+    parser.add_argument("--gate", default="off", choices=["off", "on", "both"],
+                        help="unfused: speculative systems that speculate only while they emit tokens faster than "
+                             "plain decode steps (gate=True, specdec.gate; names end in -gate): none (off), "
+                             "only those (on), or both side by side")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -170,7 +176,7 @@ def run(args: argparse.Namespace) -> dict:
     if hf is not None:
         jobs += [(t, k, f"hf-assisted-k{k}") for t in temps for k in args.ks]
     for t, k, name in tqdm(jobs, desc="benchmark", unit="config", file=sys.stderr):
-        rates, stats, clock = [], SpecStats(), GraphClock()
+        rates, stats, clock, gated = [], SpecStats(), GraphClock(), {True: 0, False: 0}
         by_category: dict[str, tuple[list[float], SpecStats]] = {}
         for i, batch in enumerate(calls):
             seed = args.seed + i
@@ -187,6 +193,8 @@ def run(args: argparse.Namespace) -> dict:
                                                     **sampling(t)))
                 clock.add_wall(dt)
                 stats = stats + gen.last_stats
+                for kind, count in (gen.gate_meter.steps.items() if gen.gate_meter else ()):
+                    gated[kind] += count
                 by_category.setdefault(call_category[i], ([], SpecStats()))[1].merge(gen.last_stats)
             else:
                 torch.manual_seed(seed)
@@ -209,6 +217,8 @@ def run(args: argparse.Namespace) -> dict:
             d = stats.to_dict()
             entry.update(tau=d["mean_acceptance_length"], acceptance_rate=d["acceptance_rate"],
                          per_position_acceptance=d["per_position_acceptance"], stats=d)
+            if gated[True] + gated[False]:     # gated systems: the share of steps that speculated
+                entry["speculative_step_share"] = gated[True] / (gated[True] + gated[False])
         runs[f"{name}@T{t}"] = entry
     for key, e in runs.items():
         reference = runs[f"specdec-target@T{e['temperature']}"]
@@ -227,7 +237,7 @@ def run(args: argparse.Namespace) -> dict:
     return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
                        "quantization": args.quantization, "draft_quantization": args.draft_quantization,
                        "autotune": args.autotune, "fused": args.fused,
-                       "adaptive": args.adaptive,
+                       "adaptive": args.adaptive, "gate": args.gate,
                        "num_prompts": len(prompts), "prompts": str(resolve_prompts(args.prompts).name),
                        "question_ids": [q for q, _, _ in records], "max_new_tokens": n_new, "systems": list(systems),
                        "temperatures": temps, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -262,10 +272,13 @@ def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, Sys
                           or args.fused != "off"):
         raise ValueError("--adaptive applies to chain strategies (draft, eagle, lookup, lookup+draft, lookup+eagle) "
                          "with --fused off")
+    if args.gate != "off" and args.fused != "off":
+        raise ValueError("--gate runs unfused (a fused step's graph always drafts): use --fused off")
     systems, modules = {}, []
     for strategy in args.strategy:
-        found, module = strategy_systems(strategy, args, target)
-        systems.update(found)
+        for gate in {"off": [False], "on": [True], "both": [False, True]}[args.gate]:
+            found, module = strategy_systems(strategy, args, target, gate)
+            systems.update({f"{name}-gate" if gate else name: system for name, system in found.items()})
         modules.append(module)
     return systems, next((m for m in modules if m is not None), None)
 
@@ -282,9 +295,12 @@ def strategy_model(kind: str, args: argparse.Namespace, target, **kwargs):
     return cls.from_pretrained(embedded_eagle_path(args.eagle), target, **kwargs)
 
 
-def strategy_systems(strategy: str, args: argparse.Namespace, target) -> tuple[dict[str, System], torch.nn.Module]:
-    """One strategy's systems (named ``specdec-{strategy}-...``) and its drafting module."""
+def strategy_systems(strategy: str, args: argparse.Namespace, target,
+                     gate: bool = False) -> tuple[dict[str, System], torch.nn.Module]:
+    """One strategy's systems (named ``specdec-{strategy}-...``; ``gate``: gated generators) and its drafting
+    module."""
     from .. import DynamicTree, LookupBranch, LookupOrDraft, MedusaDraft, PromptLookup, SpeculativeGenerator, shipped
+    generator = partial(SpeculativeGenerator, gate=gate)
     spec = f"specdec-{strategy}"
     adaptive = "-adaptive" if args.adaptive else ""
     if strategy == "medusa":
@@ -299,7 +315,7 @@ def strategy_systems(strategy: str, args: argparse.Namespace, target) -> tuple[d
             return shipped("medusa", target, tree=tree)
         drafts = {t: medusa(t) for t in args.trees.split(",")}
         systems = {f"{spec}-{Path(t).stem}": System(d.depth, d.tree.verify_size,
-                                                    lambda d=d: SpeculativeGenerator(d, target, None))
+                                                    lambda d=d: generator(d, target, None))
                    for t, d in drafts.items()}
         return systems, next(iter(drafts.values())).module
     if strategy.removeprefix("lookup+") in TREE_KINDS:     # the lookup branch: as deep as the tree
@@ -308,22 +324,22 @@ def strategy_systems(strategy: str, args: argparse.Namespace, target) -> tuple[d
         branch = strategy.startswith("lookup+")
 
         def make(d):
-            return SpeculativeGenerator(LookupBranch(PromptLookup(target), d, d.depth) if branch else d, target)
+            return generator(LookupBranch(PromptLookup(target), d, d.depth) if branch else d, target)
         return {f"{spec}-{shape}": System(d.depth, d.tree.num_nodes + 1 + (d.depth if branch else 0),
                                           lambda d=d: make(d))
                 for shape, d in drafts.items()}, next(iter(drafts.values())).module
     if strategy == "lookup":   # prompt lookup: no drafting module, nothing to read
-        return {f"{spec}{adaptive}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(
+        return {f"{spec}{adaptive}-k{k}": System(k, k + 1, lambda k=k: generator(
             PromptLookup(target), target, k, adaptive=args.adaptive)) for k in args.ks}, None
     if strategy.startswith("lookup+"):   # fresh lookup state per generator, one shipped model
         model = strategy_model(strategy.removeprefix("lookup+"), args, target)
-        return {f"{spec}{adaptive}-k{k}": System(k, k + 1, lambda k=k: SpeculativeGenerator(
+        return {f"{spec}{adaptive}-k{k}": System(k, k + 1, lambda k=k: generator(
             LookupOrDraft(PromptLookup(target), model), target, k, adaptive=args.adaptive))
             for k in args.ks}, model.module
     draft = strategy_model(strategy, args, target)   # "draft", "eagle" or "eagle3"
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.fused]
     return {f"{spec}{'-fused' if fused else ''}{adaptive}-k{k}":
-            System(k, k + 1, lambda k=k, fused=fused: SpeculativeGenerator(draft, target, k, fused=fused,
+            System(k, k + 1, lambda k=k, fused=fused: generator(draft, target, k, fused=fused,
                                                                            adaptive=args.adaptive))
             for k in args.ks for fused in modes}, draft.module
 

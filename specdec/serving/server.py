@@ -102,7 +102,8 @@ def load_engine(args: argparse.Namespace, progress: bool = False) -> Engine:
     gen = None
     if proposer is not None:
         gen = SpeculativeGenerator(proposer, target, DEFAULT_K.get(args.draft) if args.k is None else args.k,
-                                   fused=getattr(args, "fused", False), adaptive=getattr(args, "adaptive_k", False))
+                                   fused=getattr(args, "fused", False), adaptive=getattr(args, "adaptive_k", False),
+                                   gate=getattr(args, "gate", False))
     say("loaded", seconds=round(time.perf_counter() - start, 2), layers=target.config.num_layers,
         vocab_size=target.vocab_size, proposer=type(proposer).__name__ if proposer else None, k=gen.k if gen else None)
     if args.backend == "compiled":

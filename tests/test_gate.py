@@ -1,0 +1,181 @@
+"""Speculate only while it pays (``specdec.gate``): the policy, greedy identity with target-only when the
+gate mixes speculative and plain steps (draft model, prompt lookup, EAGLE-2 trees with the lookup branch;
+batch 3 and 1), a gate that turns slow speculation off and keeps fast speculation on, chi-square
+losslessness of mixed steps, and the API / CLI / bench-spec boundaries."""
+import pytest
+import torch
+
+from conftest import load
+from test_adaptive import PROMPTS, proposer
+from test_eagle3 import tiny  # noqa: F401
+from test_speculative import lossless_models, lossless_pvalue  # noqa: F401
+
+from specdec import CostGate, SpeculativeGenerator
+from specdec.gate import GateMeter
+
+
+class Clock:
+    """A fake clock: every reading advances it by 1; ``charge`` adds time (a slow draft call)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    def charge(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def record_kinds(gen: SpeculativeGenerator) -> list[bool]:
+    """Wrap the meter's ``record``: one entry per step, True for a speculative step."""
+    kinds, meter = [], gen.gate_meter
+    record = meter.record
+
+    def recorded(speculated, tokens, seconds):
+        kinds.append(speculated)
+        record(speculated, tokens, seconds)
+    meter.record = recorded
+    return kinds
+
+
+def slowed(gen: SpeculativeGenerator, clock: Clock, seconds: float) -> SpeculativeGenerator:
+    """Every proposal (speculative steps only) costs ``seconds`` more on ``clock``."""
+    propose = gen.proposer.propose
+
+    def slow(*args, **kwargs):
+        clock.charge(seconds)
+        return propose(*args, **kwargs)
+    gen.proposer.propose = slow
+    gen.gate_meter.clock = clock
+    return gen
+
+
+# ---------------------------------------------------------------- the policy
+
+def test_policy_measures_both_kinds_then_prefers_the_faster_and_probes_the_other():
+    meter = GateMeter(CostGate(probe_every=4, smoothing=0.5))
+    assert meter.speculate()                        # nothing measured: speculate first
+    meter.record(True, 6, 3.0)                      # 2 tokens/s
+    assert not meter.speculate()                    # then one plain step
+    meter.record(False, 4, 1.0)                     # 4 tokens/s: plain is faster
+    choices = []
+    for _ in range(8):
+        kind = meter.speculate()
+        choices.append(kind)
+        meter.record(kind, 6 if kind else 4, 3.0 if kind else 1.0)
+    assert choices == [False, False, False, True] * 2      # a speculative probe after 3 plain steps
+    meter.record(True, 30, 1.0)                     # speculation got fast: 2 + 0.5 (30 - 2) = 16 tokens/s
+    assert meter.rates[True] == pytest.approx(16.0) and meter.speculate()
+
+
+def test_cost_gate_validation(checkpoint):
+    for kw in [dict(probe_every=1), dict(probe_every=2.0), dict(probe_every=True), dict(smoothing=0),
+               dict(smoothing=1.5), dict(smoothing="0.2")]:
+        with pytest.raises(ValueError, match="CostGate"):
+            CostGate(**kw)
+    target = load(checkpoint("llama"), batch_size=1)
+    draft = load(checkpoint("llama-draft"), batch_size=1)
+    with pytest.raises(ValueError, match="gate runs unfused"):
+        SpeculativeGenerator(draft, target, 3, fused=True, gate=True)
+    with pytest.raises(ValueError, match="gate must be True, False or a CostGate"):
+        SpeculativeGenerator(draft, target, 3, gate="on")
+    assert SpeculativeGenerator(draft, target, 3).gate_meter is None
+    assert SpeculativeGenerator(draft, target, 3, gate=CostGate(5)).gate_meter.gate == CostGate(5)
+
+
+# ---------------------------------------------------------------- greedy identity, the gate's choice
+
+@pytest.mark.parametrize("kind", ["draft", "lookup", "lookup+draft"])
+def test_greedy_equals_target_only_with_mixed_steps(checkpoint, kind):
+    """probe_every=2: after the first two steps the kinds alternate, so both run for every row."""
+    target = load(checkpoint("llama"), batch_size=3)
+    reference = target.generate(PROMPTS, max_new_tokens=40, eos_token_id=[])
+    gen = SpeculativeGenerator(proposer(kind, target, load(checkpoint("llama-draft"), batch_size=3)), target, 4,
+                               gate=CostGate(probe_every=2))
+    kinds = record_kinds(gen)
+    assert torch.equal(gen.generate(PROMPTS, max_new_tokens=40, eos_token_id=[]), reference)
+    assert kinds.count(True) >= 3 and kinds.count(False) >= 3
+    assert gen.gate_meter.steps == {True: kinds.count(True), False: kinds.count(False)}
+    single = load(checkpoint("llama"), batch_size=1)
+    alone = SpeculativeGenerator(proposer(kind, single, load(checkpoint("llama-draft"), batch_size=1)), single, 4,
+                                 gate=CostGate(probe_every=2))
+    width = max(map(len, PROMPTS))
+    out = alone.generate([PROMPTS[2]], max_new_tokens=40, eos_token_id=[])
+    assert torch.equal(out[0, len(PROMPTS[2]):], reference[2, width:])
+
+
+def test_slow_speculation_is_turned_off_and_fast_speculation_kept(checkpoint):
+    """A draft step that costs 50 decode steps: after measuring both kinds the gate decodes plainly,
+    with one speculative probe per probe_every steps; free drafting keeps speculating (prompt lookup on
+    a target that loops accepts runs of drafts). Either way the output is target-only greedy."""
+    target = load(checkpoint("llama"), batch_size=3)
+    reference = target.generate(PROMPTS, max_new_tokens=60, eos_token_id=[])
+    draft = load(checkpoint("llama-draft"), batch_size=3)
+    slow = slowed(SpeculativeGenerator(proposer("draft", target, draft), target, 4, gate=True), Clock(), 50.0)
+    kinds = record_kinds(slow)
+    assert torch.equal(slow.generate(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
+    assert kinds[:2] == [True, False]
+    assert kinds[2:].count(True) <= len(kinds[2:]) // 16 + 1 and len(kinds) > 20
+    fast = slowed(SpeculativeGenerator(proposer("lookup", target, draft), target, 4, gate=True), Clock(), 0.0)
+    kinds = record_kinds(fast)
+    assert torch.equal(fast.generate(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
+    assert kinds[:2] == [True, False] and kinds.count(True) >= 0.8 * len(kinds)    # (rows finishing: fewer tokens)
+
+
+def test_greedy_tree_with_lookup_branch_equals_target_only_with_mixed_steps(tiny):
+    from specdec import DynamicTree, EagleTreeDraft, LookupBranch, PromptLookup
+    from test_eagle import PROMPTS as EAGLE_PROMPTS
+    from test_eagle import load_target
+    target = load_target(tiny["target_dir"])
+    tree = EagleTreeDraft.from_pretrained(tiny["eagle"], target, tree=DynamicTree(3, 4, 8), progress=False)
+    reference = target.generate(EAGLE_PROMPTS, max_new_tokens=50, eos_token_id=[])
+    gen = SpeculativeGenerator(LookupBranch(PromptLookup(target), tree, 3), target, gate=CostGate(probe_every=2))
+    kinds = record_kinds(gen)
+    assert torch.equal(gen.generate(EAGLE_PROMPTS, max_new_tokens=50, eos_token_id=[]), reference)
+    assert kinds.count(True) >= 3 and kinds.count(False) >= 3
+
+
+# ---------------------------------------------------------------- lossless sampling
+
+@pytest.mark.parametrize("kind", ["draft", "lookup"])
+def test_sampling_with_mixed_steps_is_lossless(lossless_models, kind):
+    target_hf, target, drafts = lossless_models
+    gen = SpeculativeGenerator(proposer(kind, target, drafts["full"]), target, 2, gate=CostGate(probe_every=2))
+    kinds = record_kinds(gen)
+    pvalue = lossless_pvalue(target_hf, target, gen, dict(temperature=0.7), 4)      # 20,480 samples of 4 tokens
+    assert kinds.count(True) >= 40 and kinds.count(False) >= 40                   # both kinds in every call
+    assert pvalue > 1e-3
+
+
+# ---------------------------------------------------------------- CLI and bench-spec
+
+def test_bench_spec_and_cli_gate(checkpoint, monkeypatch):
+    import argparse
+
+    import specdec
+    from specdec import DraftModel
+    from specdec.bench import speculative as bench
+    from specdec.cli import CLIError, check_speculation_arguments
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    target = load(checkpoint("llama"), batch_size=1)
+    draft = DraftModel(load(checkpoint("llama-draft"), batch_size=1))
+    monkeypatch.setattr(specdec, "shipped", lambda kind, target: draft)
+    systems, _ = bench.speculative_systems(parser.parse_args(["--strategy", "lookup,draft", "--gate", "on",
+                                                              "--ks", "3"]), target)
+    assert list(systems) == ["specdec-lookup-k3-gate", "specdec-draft-k3-gate"]
+    assert all(s.make().gate_meter.gate == CostGate() for s in systems.values())
+    systems, _ = bench.speculative_systems(parser.parse_args(["--strategy", "lookup", "--gate", "both", "--ks", "3"]),
+                                           target)
+    assert list(systems) == ["specdec-lookup-k3", "specdec-lookup-k3-gate"]
+    assert systems["specdec-lookup-k3"].make().gate_meter is None
+    with pytest.raises(ValueError, match="--gate runs unfused"):
+        bench.speculative_systems(parser.parse_args(["--strategy", "draft", "--gate", "on", "--fused", "on"]), target)
+    for argv in (dict(draft="none"), dict(draft="model", fused=True)):
+        args = argparse.Namespace(k=None, adaptive_k=False, tree=None, draft_path=None, draft_quantization=None,
+                                  gate=True, **{"fused": False, **argv})
+        with pytest.raises(CLIError, match="--gate needs a --draft"):
+            check_speculation_arguments(args)
