@@ -179,3 +179,35 @@ def test_bench_spec_and_cli_gate(checkpoint, monkeypatch):
                                   gate=True, **{"fused": False, **argv})
         with pytest.raises(CLIError, match="--gate needs a --draft"):
             check_speculation_arguments(args)
+
+
+def test_eagle_rereads_the_pairs_of_plain_steps_before_drafting(tiny):
+    """After plain steps the EAGLE draft re-reads the true pairs it missed before drafting: at every
+    re-read, every slot before the row's last position has been written from a true pair (by the
+    prompt's context encoding or a re-read window). Without the catch-up, the slots of the tokens that
+    plain steps emitted would hold zeros or tree scratch."""
+    from specdec import DynamicTree, EagleTreeDraft
+    from test_eagle import PROMPTS as EAGLE_PROMPTS
+    from test_eagle import load_target
+    target = load_target(tiny["target_dir"])
+    draft = EagleTreeDraft.from_pretrained(tiny["eagle"], target, tree=DynamicTree(3, 4, 8), progress=False)
+    gen = SpeculativeGenerator(draft, target, gate=CostGate(probe_every=4))
+    kinds = record_kinds(gen)
+    written = [set(range(len(p))) for p in EAGLE_PROMPTS]
+    read, reread, checked = draft._read, draft.reread, []
+
+    def logged(first, W, *args):
+        for r, f in enumerate(first.tolist()[:len(written)]):
+            written[r].update(range(f, f + W))
+        return read(first, W, *args)
+
+    def checked_reread(n, *args, **kwargs):
+        out = reread(n, *args, **kwargs)
+        for r, length in enumerate(n.tolist()[:len(written)]):
+            assert set(range(length - 1)) <= written[r], f"row {r}: slots before {length - 1} never written"
+            checked.append(length)
+        return out
+    draft._read, draft.reread = logged, checked_reread
+    reference = target.generate(EAGLE_PROMPTS, max_new_tokens=50, eos_token_id=[])
+    assert torch.equal(gen.generate(EAGLE_PROMPTS, max_new_tokens=50, eos_token_id=[]), reference)
+    assert kinds.count(False) >= 5 and len(checked) >= 3 * 5

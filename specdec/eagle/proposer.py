@@ -49,6 +49,7 @@ class EagleDraft:
         self.next_tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
         self.rows = torch.arange(B, device=dev).unsqueeze(1)
         self.width = 1
+        self.read_to = torch.zeros(B, dtype=torch.long, device=dev)    # draft cache slots holding true pairs
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: DecoderModel, **kwargs) -> "EagleDraft":
@@ -83,6 +84,7 @@ class EagleDraft:
         shifted = []
         true = self.model.true_features(target_out)
         for i, (r, p) in enumerate(zip(slots, prompts)):
+            self.read_to[r] = len(p)
             self.features[r, :len(p)] = true[i, :len(p)]
             s = torch.cat([p[1:].to(first.device), first[i:i + 1]])
             self.next_tokens[r, : len(s)] = s
@@ -113,16 +115,33 @@ class EagleDraft:
         ``reread_width(k)`` true (feature, token) pairs, up to position n-2 → (its ``StepOutput``, with the
         logits / token / probabilities of the token after S[-1] (``top_k``: its K best tokens and their
         log-probabilities, ``DecoderModel.step``), and the draft feature f^_{n-1} [B, 1, H] paired with that
-        token)."""
-        d = self.model
+        token).
+
+        Rows whose cache lacks true pairs before the window (tokens emitted by plain decode steps,
+        ``specdec.gate``) first re-read them in windows of the same shape (a slot's KV depends on its own
+        pair only, so re-reading a slot that holds its true pair already leaves it unchanged)."""
         W = self.reread_width(k)
         start = (n - 1 - W).clamp(min=0)
-        pos = (start.unsqueeze(1) + torch.arange(W, device=n.device)).clamp(max=d.n_positions - 1)
-        d.set_lengths(start)
-        out = d.step(self.next_tokens[self.rows, pos], params, rng, features=self.features[self.rows, pos],
-                     logit_index=(n - 2 - start).unsqueeze(1), advance=False, return_probs=return_probs, top_k=top_k)
+        behind = self.read_to.to(n.device)
+        while bool((behind < start).any()):
+            first = torch.minimum(behind, start)
+            self._read(first, W, params, rng, first + W - 1, return_probs, top_k)
+            behind = first + W
+        out = self._read(start, W, params, rng, n - 2, return_probs, top_k)
+        self.read_to = (n - 1).to(self.read_to.device)
         last = (n - 2 - start).view(-1, 1, 1).expand(-1, 1, out.hidden.shape[-1])
         return out, torch.gather(out.hidden, 1, last)
+
+    def _read(self, first: torch.Tensor, W: int, params: torch.Tensor, rng: RowGenerators | None,
+              logit_at: torch.Tensor, return_probs: bool, top_k: int) -> StepOutput:
+        """One W-position step over the stored true pairs at positions first .. first + W - 1 (per row),
+        logits at position ``logit_at``."""
+        d = self.model
+        pos = (first.unsqueeze(1) + torch.arange(W, device=first.device)).clamp(max=d.n_positions - 1)
+        d.set_lengths(first)
+        return d.step(self.next_tokens[self.rows, pos], params, rng, features=self.features[self.rows, pos],
+                      logit_index=(logit_at - first).unsqueeze(1), advance=False, return_probs=return_probs,
+                      top_k=top_k)
 
     def reread_width(self, k: int) -> int:
         """Positions the first draft step of a k-token proposal re-reads: the largest k + 1 seen since every
