@@ -61,18 +61,25 @@ def test_policy_measures_both_kinds_then_prefers_the_faster_and_probes_the_other
     assert not meter.speculate()                    # then one plain step
     meter.record(False, 4, 1.0)                     # 4 tokens/s: plain is faster
     choices = []
-    for _ in range(8):
+    for _ in range(4 + 8 + 16):
         kind = meter.speculate()
         choices.append(kind)
         meter.record(kind, 6 if kind else 4, 3.0 if kind else 1.0)
-    assert choices == [False, False, False, True] * 2      # a speculative probe after 3 plain steps
+    # a speculative probe after 3 plain steps; each probe that confirms plain doubles the spacing
+    assert choices == [False] * 3 + [True] + [False] * 7 + [True] + [False] * 15 + [True]
+    assert meter.spacing == 32 and meter.steps == {True: 4, False: 26}
     meter.record(True, 30, 1.0)                     # speculation got fast: 2 + 0.5 (30 - 2) = 16 tokens/s
-    assert meter.rates[True] == pytest.approx(16.0) and meter.speculate()
+    assert meter.rates[True] == pytest.approx(16.0) and meter.speculate() and meter.spacing == 4
+    capped = GateMeter(CostGate(probe_every=2, max_probe_every=4))
+    for _ in range(40):
+        kind = capped.speculate()
+        capped.record(kind, 1 if kind else 4, 1.0)
+    assert capped.spacing == 4
 
 
 def test_cost_gate_validation(checkpoint):
     for kw in [dict(probe_every=1), dict(probe_every=2.0), dict(probe_every=True), dict(smoothing=0),
-               dict(smoothing=1.5), dict(smoothing="0.2")]:
+               dict(smoothing=1.5), dict(smoothing="0.2"), dict(probe_every=8, max_probe_every=4)]:
         with pytest.raises(ValueError, match="CostGate"):
             CostGate(**kw)
     target = load(checkpoint("llama"), batch_size=1)
@@ -93,14 +100,14 @@ def test_greedy_equals_target_only_with_mixed_steps(checkpoint, kind):
     target = load(checkpoint("llama"), batch_size=3)
     reference = target.generate(PROMPTS, max_new_tokens=40, eos_token_id=[])
     gen = SpeculativeGenerator(proposer(kind, target, load(checkpoint("llama-draft"), batch_size=3)), target, 4,
-                               gate=CostGate(probe_every=2))
+                               gate=CostGate(probe_every=2, max_probe_every=2))
     kinds = record_kinds(gen)
     assert torch.equal(gen.generate(PROMPTS, max_new_tokens=40, eos_token_id=[]), reference)
     assert kinds.count(True) >= 3 and kinds.count(False) >= 3
     assert gen.gate_meter.steps == {True: kinds.count(True), False: kinds.count(False)}
     single = load(checkpoint("llama"), batch_size=1)
     alone = SpeculativeGenerator(proposer(kind, single, load(checkpoint("llama-draft"), batch_size=1)), single, 4,
-                                 gate=CostGate(probe_every=2))
+                                 gate=CostGate(probe_every=2, max_probe_every=2))
     width = max(map(len, PROMPTS))
     out = alone.generate([PROMPTS[2]], max_new_tokens=40, eos_token_id=[])
     assert torch.equal(out[0, len(PROMPTS[2]):], reference[2, width:])
@@ -131,7 +138,8 @@ def test_greedy_tree_with_lookup_branch_equals_target_only_with_mixed_steps(tiny
     target = load_target(tiny["target_dir"])
     tree = EagleTreeDraft.from_pretrained(tiny["eagle"], target, tree=DynamicTree(3, 4, 8), progress=False)
     reference = target.generate(EAGLE_PROMPTS, max_new_tokens=50, eos_token_id=[])
-    gen = SpeculativeGenerator(LookupBranch(PromptLookup(target), tree, 3), target, gate=CostGate(probe_every=2))
+    gen = SpeculativeGenerator(LookupBranch(PromptLookup(target), tree, 3), target,
+                               gate=CostGate(probe_every=2, max_probe_every=2))
     kinds = record_kinds(gen)
     assert torch.equal(gen.generate(EAGLE_PROMPTS, max_new_tokens=50, eos_token_id=[]), reference)
     assert kinds.count(True) >= 3 and kinds.count(False) >= 3
@@ -142,7 +150,8 @@ def test_greedy_tree_with_lookup_branch_equals_target_only_with_mixed_steps(tiny
 @pytest.mark.parametrize("kind", ["draft", "lookup"])
 def test_sampling_with_mixed_steps_is_lossless(lossless_models, kind):
     target_hf, target, drafts = lossless_models
-    gen = SpeculativeGenerator(proposer(kind, target, drafts["full"]), target, 2, gate=CostGate(probe_every=2))
+    gen = SpeculativeGenerator(proposer(kind, target, drafts["full"]), target, 2,
+                               gate=CostGate(probe_every=2, max_probe_every=2))
     kinds = record_kinds(gen)
     pvalue = lossless_pvalue(target_hf, target, gen, dict(temperature=0.7), 4)      # 20,480 samples of 4 tokens
     assert kinds.count(True) >= 40 and kinds.count(False) >= 40                   # both kinds in every call
@@ -191,7 +200,7 @@ def test_eagle_rereads_the_pairs_of_plain_steps_before_drafting(tiny):
     from test_eagle import load_target
     target = load_target(tiny["target_dir"])
     draft = EagleTreeDraft.from_pretrained(tiny["eagle"], target, tree=DynamicTree(3, 4, 8), progress=False)
-    gen = SpeculativeGenerator(draft, target, gate=CostGate(probe_every=4))
+    gen = SpeculativeGenerator(draft, target, gate=CostGate(probe_every=4, max_probe_every=4))
     kinds = record_kinds(gen)
     written = [set(range(len(p))) for p in EAGLE_PROMPTS]
     read, reread, checked = draft._read, draft.reread, []
