@@ -102,7 +102,7 @@ def test_draft_choices_give_the_targets_greedy_output(checkpoint, capsys, draft,
 
 
 @pytest.mark.parametrize("extra", [["--draft", "model", "--adaptive-k"], ["--draft", "lookup+model"],
-                                   ["--draft", "lookup+model", "--adaptive-k"]])
+                                   ["--draft", "lookup+model", "--adaptive-k"], ["--draft", "model", "--gate"]])
 def test_adaptive_k_and_lookup_plus_model_give_the_targets_greedy_output(checkpoint, capsys, extra):
     target = checkpoint("llama").path
     rc, out, err = run(generate_args(target, REPEATS), capsys)
@@ -237,6 +237,9 @@ def test_bad_arguments_exit_2_with_one_line(checkpoint, tmp_path, capsys):
          "--adaptive-k needs an unfused chain --draft"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--fused", "--adaptive-k"),
          "--adaptive-k needs an unfused chain --draft"),
+        (generate_args(target, PROMPT, 8, 64, "--gate"), "--gate needs a --draft and runs unfused"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--fused", "--gate"),
+         "--gate needs a --draft and runs unfused"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "lookup", "--tree", "chain_4"),
          "--tree is for --draft medusa"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "medusa", "--draft-quantization", "int8"),

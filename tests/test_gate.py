@@ -54,12 +54,14 @@ def slowed(gen: SpeculativeGenerator, clock: Clock, seconds: float) -> Speculati
 
 # ---------------------------------------------------------------- the policy
 
-def test_policy_measures_both_kinds_then_prefers_the_faster_and_probes_the_other():
-    meter = GateMeter(CostGate(probe_every=4, smoothing=0.5))
-    assert meter.speculate()                        # nothing measured: speculate first
-    meter.record(True, 6, 3.0)                      # 2 tokens/s
-    assert not meter.speculate()                    # then one plain step
-    meter.record(False, 4, 1.0)                     # 4 tokens/s: plain is faster
+def test_policy_warms_up_both_kinds_then_prefers_the_faster_and_probes_the_other():
+    meter = GateMeter(CostGate(probe_every=4, smoothing=0.5, warmup=2))
+    warm = []
+    for tokens, seconds in [(1, 3.0), (4, 1.0), (11, 3.0), (4, 1.0)]:   # speculative: 12 tokens in 6 s
+        warm.append(meter.speculate())
+        meter.record(warm[-1], tokens, seconds)
+    assert warm == [True, False, True, False]
+    assert meter.rate(True) == pytest.approx(2.0) and meter.rate(False) == pytest.approx(4.0)  # ratios of means
     choices = []
     for _ in range(4 + 8 + 16):
         kind = meter.speculate()
@@ -67,9 +69,9 @@ def test_policy_measures_both_kinds_then_prefers_the_faster_and_probes_the_other
         meter.record(kind, 6 if kind else 4, 3.0 if kind else 1.0)
     # a speculative probe after 3 plain steps; each probe that confirms plain doubles the spacing
     assert choices == [False] * 3 + [True] + [False] * 7 + [True] + [False] * 15 + [True]
-    assert meter.spacing == 32 and meter.steps == {True: 4, False: 26}
-    meter.record(True, 30, 1.0)                     # speculation got fast: 2 + 0.5 (30 - 2) = 16 tokens/s
-    assert meter.rates[True] == pytest.approx(16.0) and meter.speculate() and meter.spacing == 4
+    assert meter.spacing == 32 and meter.steps == {True: 5, False: 27}
+    meter.record(True, 60, 1.0)          # speculation got fast: (3 + 30) / (1.5 + 0.5) tokens/s
+    assert meter.rate(True) == pytest.approx(33 / 2) and meter.speculate() and meter.spacing == 4
     capped = GateMeter(CostGate(probe_every=2, max_probe_every=4))
     for _ in range(40):
         kind = capped.speculate()
@@ -79,7 +81,7 @@ def test_policy_measures_both_kinds_then_prefers_the_faster_and_probes_the_other
 
 def test_cost_gate_validation(checkpoint):
     for kw in [dict(probe_every=1), dict(probe_every=2.0), dict(probe_every=True), dict(smoothing=0),
-               dict(smoothing=1.5), dict(smoothing="0.2"), dict(probe_every=8, max_probe_every=4)]:
+               dict(smoothing=1.5), dict(smoothing="0.2"), dict(probe_every=8, max_probe_every=4), dict(warmup=0)]:
         with pytest.raises(ValueError, match="CostGate"):
             CostGate(**kw)
     target = load(checkpoint("llama"), batch_size=1)
@@ -123,12 +125,12 @@ def test_slow_speculation_is_turned_off_and_fast_speculation_kept(checkpoint):
     slow = slowed(SpeculativeGenerator(proposer("draft", target, draft), target, 4, gate=True), Clock(), 50.0)
     kinds = record_kinds(slow)
     assert torch.equal(slow.generate(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
-    assert kinds[:2] == [True, False]
-    assert kinds[2:].count(True) <= len(kinds[2:]) // 16 + 1 and len(kinds) > 20
+    assert kinds[:6] == [True, False] * 3
+    assert kinds[6:].count(True) <= len(kinds[6:]) // 16 + 1 and len(kinds) > 20
     fast = slowed(SpeculativeGenerator(proposer("lookup", target, draft), target, 4, gate=True), Clock(), 0.0)
     kinds = record_kinds(fast)
     assert torch.equal(fast.generate(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
-    assert kinds[:2] == [True, False] and kinds.count(True) >= 0.8 * len(kinds)    # (rows finishing: fewer tokens)
+    assert kinds[:6] == [True, False] * 3 and kinds.count(True) >= 0.8 * len(kinds)    # (rows finishing: fewer tokens)
 
 
 def test_greedy_tree_with_lookup_branch_equals_target_only_with_mixed_steps(tiny):
