@@ -1,6 +1,6 @@
 """Speculate only while it pays: a batch-level choice between speculative and plain decode steps.
 
-``SpeculativeGenerator(draft, target, k, gate=True)`` (or ``gate=CostGate(probe_every, smoothing)``)
+``SpeculativeGenerator(draft, target, k, gate=True)`` (or ``gate=CostGate(probe_every, smoothing, max_probe_every, warmup)``)
 measures, as it runs, the rate at which each kind of step emits tokens:
 
     R = moving average of a kind's tokens per step (emitted by the active rows)
@@ -37,9 +37,9 @@ class CostGate:
     newest step."""
 
     probe_every: int = 16
-    smoothing: float = 0.25
+    smoothing: float = 0.1
     max_probe_every: int = 256
-    warmup: int = 3
+    warmup: int = 4
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 1:
