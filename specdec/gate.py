@@ -1,19 +1,20 @@
 """Speculate only while it pays: a batch-level choice between speculative and plain decode steps.
 
-``SpeculativeGenerator(draft, target, k, gate=True)`` (or ``gate=CostGate(probe_every, smoothing, max_probe_every, warmup)``)
-measures, as it runs, the rate at which each kind of step emits tokens:
+``SpeculativeGenerator(draft, target, k, gate=True)`` (or ``gate=CostGate(probe_every, smoothing,
+max_probe_every, warmup)``) measures, as it runs, the rate at which each kind of step emits tokens:
 
     R = moving average of a kind's tokens per step (emitted by the active rows)
         / moving average of its wall seconds per step       (weight ``smoothing``; a plain mean at first)
 
 and runs the kind with the higher R (ratios of averages: a speculative step's tokens vary a lot from
-step to step). The first 2 * ``warmup`` steps alternate the kinds, speculative first; then after ``probe_every`` - 1 steps of the preferred kind the other kind runs once (a probe),
-so a rate that changes (acceptance follows the text; a step's cost follows the KV bucket) is seen. A
-probe that leaves the preference as it was doubles the spacing of probes, up to ``max_probe_every``;
-one that flips it resets the spacing to ``probe_every`` (so a kind that is much slower costs little). Where
-speculation is slower than decoding — a verify that costs more than τ decode steps, as at batch 4 on a
-CPU without AMX or against autotuned kernels (README) — the generator decodes plainly and is at most a
-probe's cost slower than target-only; where it pays it keeps speculating.
+step to step). The first 2 * ``warmup`` steps alternate the kinds, speculative first; then after
+``probe_every`` - 1 steps of the preferred kind the other kind runs once (a probe), so a rate that
+changes (acceptance follows the text; a step's cost follows the KV bucket) is seen. A probe that leaves
+the preference as it was doubles the spacing of probes, up to ``max_probe_every``; one that flips it
+resets the spacing to ``probe_every`` (so a kind that is much slower costs little). Where speculation
+is slower than decoding — a verify that costs more than τ decode steps, as at batch 4 on a CPU without
+AMX or against autotuned kernels (README) — the generator decodes plainly, paying only the warm-up and
+the probes; where it pays it keeps speculating.
 
 Lossless: a plain step is the proposer's k = 0 step (``specdec.speculative``: the target decodes one
 token, the proposer reads its outputs), which emits the target's token. The choice for a step is a
