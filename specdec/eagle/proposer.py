@@ -49,7 +49,7 @@ class EagleDraft:
         self.next_tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
         self.rows = torch.arange(B, device=dev).unsqueeze(1)
         self.width = 1
-        self.read_to = torch.zeros(B, dtype=torch.long, device=dev)    # draft cache slots holding true pairs
+        self.read_to = torch.zeros(B, dtype=torch.long)     # host: draft cache slots holding true pairs
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: DecoderModel, **kwargs) -> "EagleDraft":
@@ -122,13 +122,14 @@ class EagleDraft:
         pair only, so re-reading a slot that holds its true pair already leaves it unchanged)."""
         W = self.reread_width(k)
         start = (n - 1 - W).clamp(min=0)
-        behind = self.read_to.to(n.device)
-        while bool((behind < start).any()):
-            first = torch.minimum(behind, start)
-            self._read(first, W, params, rng, first + W - 1, return_probs, top_k)
+        n_host = n.cpu()            # the catch-up is decided on the host (no device-to-host sync in a graph)
+        start_host, behind = (n_host - 1 - W).clamp(min=0), self.read_to
+        while bool((behind < start_host).any()):
+            first = torch.minimum(behind, start_host)
+            self._read(first.to(n.device), W, params, rng, (first + W - 1).to(n.device), return_probs, top_k)
             behind = first + W
         out = self._read(start, W, params, rng, n - 2, return_probs, top_k)
-        self.read_to = (n - 1).to(self.read_to.device)
+        self.read_to = n_host - 1
         last = (n - 2 - start).view(-1, 1, 1).expand(-1, 1, out.hidden.shape[-1])
         return out, torch.gather(out.hidden, 1, last)
 
