@@ -226,8 +226,9 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         "output distribution")
     s.add_argument("--gate", action="store_true",
                    help="any --draft, not --fused: a step speculates only while speculative steps have been "
-                        "emitting tokens faster than plain decode steps (measured; the other kind is probed "
-                        "every 16 steps), so speculation that does not pay falls back to decoding; same output")
+                        "emitting tokens faster than plain decode steps (measured after 4 steps of each; the "
+                        "other kind is probed now and then), so speculation that does not pay falls back to "
+                        "decoding; same output")
     s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4"],
                    help="model / eagle drafts: the draft's own weight-only scheme (default: --quantization's); "
                         "a cheaper draft step, the same output distribution")

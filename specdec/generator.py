@@ -41,10 +41,10 @@ class SpeculativeGenerator:
     k_r <= k, grown by 2 after a step whose drafts were all accepted and shrunk by 1 otherwise (Hugging
     Face's ``num_assistant_tokens_schedule="heuristic"``, per row); lossless (``specdec.adaptive``).
 
-    ``gate=True`` or a ``CostGate(probe_every, smoothing)`` (unfused): each step is speculative or plain,
-    whichever kind has been emitting tokens faster (measured wall time; the other kind is probed every
-    ``probe_every`` steps), so speculation that does not pay falls back to decoding; lossless
-    (``specdec.gate``). ``gate_meter`` holds the measured rates.
+    ``gate=True`` or a ``CostGate(probe_every, smoothing, max_probe_every, warmup)`` (unfused): each step is
+    speculative or plain, whichever kind has been emitting tokens faster (measured wall time, after a
+    warm-up of both kinds; the other kind is probed now and then), so speculation that does not pay
+    falls back to decoding; lossless (``specdec.gate``). ``gate_meter`` holds the measurements.
     """
 
     def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int | None = None, *,
@@ -109,7 +109,8 @@ def _gate_meter(gate: bool | CostGate, fused: bool) -> GateMeter | None:
     if gate is None or gate is False:
         return None
     if gate is not True and not isinstance(gate, CostGate):
-        raise ValueError(f"gate must be True, False or a CostGate(probe_every, smoothing), got {gate!r}")
+        raise ValueError(f"gate must be True, False or a CostGate(probe_every, smoothing, max_probe_every, warmup), "
+                         f"got {gate!r}")
     if fused:
         raise ValueError("gate runs unfused (a fused step's graph always drafts): pass fused=False or gate=False")
     return GateMeter(CostGate() if gate is True else gate)

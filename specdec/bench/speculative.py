@@ -119,6 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default=None, help="also write the JSON result here")
 
 
+SIDES = {"off": [False], "on": [True], "both": [False, True]}
+"""The settings an off / on / both flag (``--fused``, ``--gate``) runs side by side."""
+
+
 def _timed(fn) -> tuple[object, float]:
     start = time.perf_counter()
     out = fn()
@@ -276,7 +280,7 @@ def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, Sys
         raise ValueError("--gate runs unfused (a fused step's graph always drafts): use --fused off")
     systems, modules = {}, []
     for strategy in args.strategy:
-        for gate in {"off": [False], "on": [True], "both": [False, True]}[args.gate]:
+        for gate in SIDES[args.gate]:
             found, module = strategy_systems(strategy, args, target, gate)
             systems.update({f"{name}-gate" if gate else name: system for name, system in found.items()})
         modules.append(module)
@@ -337,7 +341,7 @@ def strategy_systems(strategy: str, args: argparse.Namespace, target,
             LookupOrDraft(PromptLookup(target), model), target, k, adaptive=args.adaptive))
             for k in args.ks}, model.module
     draft = strategy_model(strategy, args, target)   # "draft", "eagle" or "eagle3"
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.fused]
+    modes = SIDES[args.fused]
     return {f"{spec}{'-fused' if fused else ''}{adaptive}-k{k}":
             System(k, k + 1, lambda k=k, fused=fused: generator(draft, target, k, fused=fused,
                                                                            adaptive=args.adaptive))

@@ -121,13 +121,13 @@ class EagleDraft:
         ``specdec.gate``) first re-read them in windows of the same shape (a slot's KV depends on its own
         pair only, so re-reading a slot that holds its true pair already leaves it unchanged)."""
         W = self.reread_width(k)
-        start = (n - 1 - W).clamp(min=0)
         n_host = n.cpu()            # the catch-up is decided on the host (no device-to-host sync in a graph)
         start_host, behind = (n_host - 1 - W).clamp(min=0), self.read_to
         while bool((behind < start_host).any()):
             first = torch.minimum(behind, start_host)
             self._read(first.to(n.device), W, params, rng, (first + W - 1).to(n.device), return_probs, top_k)
             behind = first + W
+        start = start_host.to(n.device)
         out = self._read(start, W, params, rng, n - 2, return_probs, top_k)
         self.read_to = n_host - 1
         last = (n - 2 - start).view(-1, 1, 1).expand(-1, 1, out.hidden.shape[-1])
