@@ -6,6 +6,11 @@ under each version (e.g. ``PYTHONPATH=<other checkout>``) back to back on an idl
 
 A shape is BATCHxNxKV. Every row holds KV - n - 1 cached tokens (so the step fills the bucket); the step is
 run ``--warmup`` times, then timed ``--repeats`` times (median, min in ms). Prints JSON.
+
+``--ab-split-projections``: A/B in one process — each shape also runs on a second copy of the model whose
+q/k/v and gate/up are separate layers again (``split_projections``: the layout before
+``quant.fuse_projections`` fused float projections), the two called in turn; adds the split copy's
+median and the median of the per-pair ratios split / fused.
 """
 from __future__ import annotations
 
@@ -15,6 +20,28 @@ import statistics
 import time
 
 import torch
+from torch import nn
+
+
+def split_projections(model) -> None:
+    """Undo ``quant.fuse_projections`` on a float model: q/k/v and gate/up as separate layers again (row
+    blocks of the fused weight, in ``quant.FUSED`` order)."""
+    from specdec.core.quant import FUSED
+    for block in list(model.lm.modules()):
+        for fused_name, names in FUSED.items():
+            fused = getattr(block, fused_name, None)
+            if type(fused) is not nn.Linear:
+                continue
+            sizes = block.qkv_sizes if fused_name == "qkv_proj" else [fused.out_features // 2] * 2
+            biases = [None] * len(sizes) if fused.bias is None else fused.bias.split(sizes)
+            for name, rows, bias in zip(names, fused.weight.split(sizes), biases):
+                with torch.device("meta"):
+                    part = nn.Linear(fused.in_features, rows.shape[0], bias=bias is not None)
+                part.weight = nn.Parameter(rows.clone(), requires_grad=False)
+                if bias is not None:
+                    part.bias = nn.Parameter(bias.clone(), requires_grad=False)
+                setattr(block, name, part)
+            setattr(block, fused_name, None)
 
 
 def main() -> None:
@@ -26,6 +53,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--ab-split-projections", action="store_true",
+                    help="also time a copy with q/k/v and gate/up split (paired, in turn)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -35,20 +64,30 @@ def main() -> None:
     results = []
     for shape in args.shapes.split(","):
         b, n, kv = (int(x) for x in shape.split("x"))
-        model = DecoderModel.from_pretrained(None, batch_size=b, n_positions=kv, amp=args.amp, backend=args.backend,
-                                             kv_buckets=[kv], context_buckets=[kv], progress=False,
-                                             autotune=args.autotune)
-        model.set_lengths(torch.full((b,), kv - n - 1))
+        models = []
+        for split in (False, True)[:1 + args.ab_split_projections]:
+            model = DecoderModel.from_pretrained(None, batch_size=b, n_positions=kv, amp=args.amp,
+                                                 backend=args.backend, kv_buckets=[kv], context_buckets=[kv],
+                                                 progress=False, autotune=args.autotune)
+            if split:
+                split_projections(model)
+            model.set_lengths(torch.full((b,), kv - n - 1))
+            models.append(model)
         tokens = torch.randint(100, 20000, (b, n), generator=torch.Generator().manual_seed(0))
-        params = model.sampling_params(do_sample=False)
-        times = []
+        params = models[0].sampling_params(do_sample=False)
+        times: list[list[float]] = [[] for _ in models]
         for i in range(args.warmup + args.repeats):
-            start = time.perf_counter()
-            model.step(tokens, params, advance=False).tokens.cpu()
-            if i >= args.warmup:
-                times.append((time.perf_counter() - start) * 1000)
-        results.append({"batch": b, "n": n, "kv": kv, "median_ms": round(statistics.median(times), 2),
-                        "min_ms": round(min(times), 2)})
+            for model, timed in zip(models, times):
+                start = time.perf_counter()
+                model.step(tokens, params, advance=False).tokens.cpu()
+                if i >= args.warmup:
+                    timed.append((time.perf_counter() - start) * 1000)
+        results.append({"batch": b, "n": n, "kv": kv, "median_ms": round(statistics.median(times[0]), 2),
+                        "min_ms": round(min(times[0]), 2)})
+        if args.ab_split_projections:
+            ratios = [split / fused for split, fused in zip(times[1], times[0])]
+            results[-1] |= {"split_median_ms": round(statistics.median(times[1]), 2),
+                            "split_over_fused_median": round(statistics.median(ratios), 3)}
         print(json.dumps(results[-1]), flush=True)
     out = {"config": {k: v for k, v in vars(args).items() if k != "output"}, "torch": torch.__version__,
            "results": results}

@@ -20,6 +20,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM)
 
 from specdec import DecoderModel
+from specdec.core.quant import FUSED
 
 # The models are tiny: one intra-op thread is much faster than two on a shared 2-core machine
 # (no OpenMP spinning against other processes).
@@ -192,6 +193,18 @@ def load(ckpt: Checkpoint | Path, **kwargs) -> DecoderModel:
     kwargs = {"n_positions": 128, "context_buckets": [16, 32], "kv_buckets": [32, 64, 128],
               "backend": "eager", "progress": False, **kwargs}
     return DecoderModel.from_pretrained(getattr(ckpt, "path", ckpt), **kwargs)
+
+
+def fused_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint-named state dict under the runtime's parameter names: float q/k/v and gate/up are
+    fused (``quant.fuse_projections``), so each fused tensor is its parts concatenated in order."""
+    out = dict(state)
+    for name in state:
+        for fused, parts in FUSED.items():
+            if f".{parts[0]}." in name:
+                group = [name.replace(parts[0], part) for part in parts]
+                out[name.replace(parts[0], fused)] = torch.cat([out.pop(n) for n in group])
+    return out
 
 
 def prompt_ids(n: int, seed: int, vocab: int = VOCAB) -> list[int]:

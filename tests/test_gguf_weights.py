@@ -152,7 +152,7 @@ def test_greedy_speculation_equals_the_gguf_target(tiny, tmp_path_factory):
     assert isinstance(draft.model.lm.lm_head, Q8Linear)                 # a GGUF draft inherits "gguf"
     _, float_dir = save_tiny(tmp_path_factory, "float-draft", 1, 5, vocab=VOCAB)
     float_draft = DraftModel.from_pretrained(float_dir, target)          # a checkpoint directory stays float
-    assert isinstance(float_draft.model.lm.model.layers[0].mlp.up_proj, torch.nn.Linear)
+    assert type(float_draft.model.lm.model.layers[0].mlp.gate_up_proj) is torch.nn.Linear   # float, fused
     for proposer, k in ((draft, 3), (float_draft, 2), (PromptLookup(target), 4)):
         gen = SpeculativeGenerator(proposer, target, k)
         assert torch.equal(gen.generate(prompts, max_new_tokens=30, eos_token_id=[]), reference)

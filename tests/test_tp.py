@@ -71,9 +71,9 @@ def outputs(target: DecoderModel, draft_replicated: DecoderModel, draft_sharded:
 def rank_state(model: DecoderModel) -> dict:
     """What this rank holds: parameter bytes, KV-cache shape, layer-0 shards."""
     layer = model.lm.model.layers[0]
+    q, k, _ = layer.self_attn.qkv_proj.weight.split(layer.self_attn.qkv_sizes)     # fused (quant.fuse_projections)
     return {"param_bytes": sum(p.numel() * p.element_size() for p in model.lm.parameters()),
-            "kv_cache": tuple(layer.self_attn.k_cache.shape),
-            "q_proj": layer.self_attn.q_proj.weight.clone(), "k_proj": layer.self_attn.k_proj.weight.clone(),
+            "kv_cache": tuple(layer.self_attn.k_cache.shape), "q_proj": q.clone(), "k_proj": k.clone(),
             "o_proj": layer.self_attn.o_proj.weight.clone(), "down_proj": layer.mlp.down_proj.weight.clone()}
 
 

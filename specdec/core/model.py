@@ -111,7 +111,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.n_kv * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(width, self.n_kv * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=False)
-        self.qkv_proj = None     # q, k and v in one quantized layer (``quant.fuse_projections``)
+        self.qkv_proj = None     # q, k and v in one layer (``quant.fuse_projections``)
         self.qkv_sizes = (self.n_heads * c.head_dim, self.n_kv * c.head_dim, self.n_kv * c.head_dim)
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_shape = (batch_size, n_positions, self.n_kv, c.head_dim)  # [B, S, Hkv per rank, D]
@@ -231,7 +231,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, inter, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
-        self.gate_up_proj = None     # gate and up in one quantized layer (``quant.fuse_projections``)
+        self.gate_up_proj = None     # gate and up in one layer (``quant.fuse_projections``)
 
     def forward(self, x):
         if self.gate_up_proj is None:

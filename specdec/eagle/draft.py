@@ -21,7 +21,7 @@ from ..core.config import ModelConfig
 from ..core.decoder import DecoderModel, StepOutput
 from ..core.graphs import GraphKey
 from ..core.checkpoint import load_weights
-from ..core.quant import parse_quantization, quantize_linears
+from ..core.quant import fuse_projections, parse_quantization, quantize_linears
 from .checkpoint import aux_layer_ids, check_layout, eagle3_token_ids, eagle_key, is_eagle3, tensor_names
 from .model import Eagle3LM, EagleLM
 
@@ -90,6 +90,7 @@ class EagleModel(DecoderModel):
         if eagle3:
             target.use_feature_layers(aux)
         quantize_linears(lm, settings.quantization)      # the draft's scheme (default the target's)
+        fuse_projections(lm, float_layers=settings.backend != "neuron")
         lm.eval().requires_grad_(False)
         draft = cls(path, config, lm, settings)
         draft.target_path = target.path
