@@ -26,7 +26,7 @@ from torch import nn
 def split_projections(model) -> None:
     """Undo ``quant.fuse_projections`` on a float model: q/k/v and gate/up as separate layers again (row
     blocks of the fused weight, in ``quant.FUSED`` order)."""
-    from specdec.core.quant import FUSED
+    from specdec.core.quant import FUSED, linear_of
     for block in list(model.lm.modules()):
         for fused_name, names in FUSED.items():
             fused = getattr(block, fused_name, None)
@@ -35,12 +35,7 @@ def split_projections(model) -> None:
             sizes = block.qkv_sizes if fused_name == "qkv_proj" else [fused.out_features // 2] * 2
             biases = [None] * len(sizes) if fused.bias is None else fused.bias.split(sizes)
             for name, rows, bias in zip(names, fused.weight.split(sizes), biases):
-                with torch.device("meta"):
-                    part = nn.Linear(fused.in_features, rows.shape[0], bias=bias is not None)
-                part.weight = nn.Parameter(rows.clone(), requires_grad=False)
-                if bias is not None:
-                    part.bias = nn.Parameter(bias.clone(), requires_grad=False)
-                setattr(block, name, part)
+                setattr(block, name, linear_of(rows.clone(), None if bias is None else bias.clone()))
             setattr(block, fused_name, None)
 
 

@@ -180,7 +180,8 @@ class DecoderModel:
         if quantization is not None and gguf is not None:
             load_gguf_blocks(lm, gguf, quantization, shards)
         quantize_linears(lm, quantization, tp)
-        # float q/k/v and gate/up as one matmul each; Neuron re-reads rank shards by checkpoint name
+        # q/k/v and gate/up as one layer each: quantized always, float except on Neuron (whose ranks re-read
+        # their shards by checkpoint name)
         fuse_projections(lm, float_layers=backend != "neuron")
         lm.eval().requires_grad_(False)
         model = cls(path, config, lm, settings)

@@ -230,14 +230,18 @@ def _fused(parts: list[nn.Module | None], float_layers: bool) -> nn.Module | Non
 def cat_linears(layers: list[nn.Linear]) -> nn.Linear:
     """One float layer whose output is the layers' outputs concatenated (the same input width, dtype and
     device); its weight is a new tensor, the layers' are left as they are."""
-    weight = torch.cat([layer.weight.detach() for layer in layers])
-    bias = cat_biases(layers)
+    return linear_of(torch.cat([layer.weight.detach() for layer in layers]), cat_biases(layers))
+
+
+def linear_of(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An ``nn.Linear`` holding ``weight`` [out, in] (and ``bias`` [out]) as frozen Parameters, without
+    allocating or initialising weights of its own."""
     with torch.device("meta"):
-        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    fused.weight = nn.Parameter(weight, requires_grad=False)
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
-        fused.bias = nn.Parameter(bias, requires_grad=False)
-    return fused
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
 
 
 def compute_dtype(layer: nn.Module) -> torch.dtype:
@@ -266,11 +270,9 @@ def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup(),
     its own int8 tensor; the embedding keeps its table). Layers sharing their
     weight and bias Parameters (tied Medusa projections) become one quantized module they all share.
     Layers already quantized (a GGUF file's own blocks, ``gguf_weights``) are left alone; ``"gguf"``
-    quantizes nothing more: float tensors stay float."""
-    if scheme is None:
-        return lm
-    if scheme == "gguf":
-        fuse_projections(lm)
+    quantizes nothing more: float tensors stay float. The loaders fuse projections afterwards
+    (``fuse_projections``), quantized and float alike."""
+    if scheme is None or scheme == "gguf":
         return lm
     done: dict[tuple[int, int], nn.Module] = {}     # ids of a float layer's weight and bias -> quantized
     for block in list(lm.modules()):
@@ -282,7 +284,6 @@ def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup(),
             if key not in done:
                 done[key] = _quantized(linear, "int8" if name in head_names else scheme, name in ROW_PARALLEL, tp)
             setattr(block, name, done[key])
-    fuse_projections(lm)
     return lm
 
 
