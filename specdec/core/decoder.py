@@ -31,7 +31,7 @@ from .graphs import (BACKENDS, CacheCompaction, GraphKey, StepGraph, backend_dev
 from .kv_quant import parse_kv_cache_dtype
 from .model import DecoderLM, check_feature_layers, split_hidden
 from .parallel import TPGroup, barrier, shard_plan, spmd_group, tp_group
-from .quant import fuse_projections, parse_quantization, quantize_linears
+from .quant import parse_quantization, quantize_and_fuse
 from .sampling import (TEMPERATURE, RowGenerators, SamplingConfig, any_penalised, any_sampled, needs_filter,
                        sampling_params)
 from .tp_layout import head_layout, parse_gqa
@@ -179,10 +179,7 @@ class DecoderModel:
         load_weights(lm, path, progress=progress and tp.rank == 0, shards=shards, optional=RANK)
         if quantization is not None and gguf is not None:
             load_gguf_blocks(lm, gguf, quantization, shards)
-        quantize_linears(lm, quantization, tp)
-        # q/k/v and gate/up as one layer each: quantized always, float except on Neuron (whose ranks re-read
-        # their shards by checkpoint name)
-        fuse_projections(lm, float_layers=backend != "neuron")
+        quantize_and_fuse(lm, quantization, backend, tp)
         lm.eval().requires_grad_(False)
         model = cls(path, config, lm, settings)
         model.source = gguf or path

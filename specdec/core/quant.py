@@ -271,7 +271,7 @@ def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup(),
     weight and bias Parameters (tied Medusa projections) become one quantized module they all share.
     Layers already quantized (a GGUF file's own blocks, ``gguf_weights``) are left alone; ``"gguf"``
     quantizes nothing more: float tensors stay float. The loaders fuse projections afterwards
-    (``fuse_projections``), quantized and float alike."""
+    (``quantize_and_fuse``), quantized and float alike."""
     if scheme is None or scheme == "gguf":
         return lm
     done: dict[tuple[int, int], nn.Module] = {}     # ids of a float layer's weight and bias -> quantized
@@ -285,6 +285,14 @@ def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup(),
                 done[key] = _quantized(linear, "int8" if name in head_names else scheme, name in ROW_PARALLEL, tp)
             setattr(block, name, done[key])
     return lm
+
+
+def quantize_and_fuse(lm: nn.Module, scheme: str | None, backend: str, tp: TPGroup = TPGroup()) -> None:
+    """A loaded decoder's (target or EAGLE draft) projections as they run: ``quantize_linears`` with
+    ``scheme``, then ``fuse_projections`` — quantized q/k/v and gate/up always, float ones on every backend
+    but ``"neuron"`` (whose ranks re-read their shards by checkpoint name)."""
+    quantize_linears(lm, scheme, tp)
+    fuse_projections(lm, float_layers=backend != "neuron")
 
 
 def _quantized(linear: nn.Linear, scheme: str, row_parallel: bool, tp: TPGroup) -> nn.Module:

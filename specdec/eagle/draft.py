@@ -21,7 +21,7 @@ from ..core.config import ModelConfig
 from ..core.decoder import DecoderModel, StepOutput
 from ..core.graphs import GraphKey
 from ..core.checkpoint import load_weights
-from ..core.quant import fuse_projections, parse_quantization, quantize_linears
+from ..core.quant import parse_quantization, quantize_and_fuse
 from .checkpoint import aux_layer_ids, check_layout, eagle3_token_ids, eagle_key, is_eagle3, tensor_names
 from .model import Eagle3LM, EagleLM
 
@@ -89,8 +89,7 @@ class EagleModel(DecoderModel):
         load_weights(lm, path, progress=progress, rename=eagle_key, optional=frozenset(optional))
         if eagle3:
             target.use_feature_layers(aux)
-        quantize_linears(lm, settings.quantization)      # the draft's scheme (default the target's)
-        fuse_projections(lm, float_layers=settings.backend != "neuron")
+        quantize_and_fuse(lm, settings.quantization, settings.backend)   # the draft's scheme (default the target's)
         lm.eval().requires_grad_(False)
         draft = cls(path, config, lm, settings)
         draft.target_path = target.path
