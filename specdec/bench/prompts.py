@@ -7,7 +7,9 @@ Two prompt sets ship with the package (``data/``, see ``data/NOTICE``):
 - ``varied``: 50 prompts written for this project (``varied_prompts.jsonl``), 10 per category: translation,
   summarization, qa, math, rag (several retrieved documents of 500-1,200 words, then a question to answer by
   quoting them). Never used for training (the shipped drafts were trained on prompts the target synthesised).
-  Every prompt fits the embedded model's chat template in < 1,000 tokens.
+  Every prompt fits the embedded model's chat template in < 1,000 tokens;
+- ``code``: 16 coding requests written for this project (``code_prompts.jsonl``): function completions,
+  bug fixes and refactors in Python, JavaScript, C, Go and SQL — the workload of the Qwen2.5-Coder pair.
 
 ``--prompts`` takes one of these names or the path of an MT-Bench style jsonl (``resolve_prompts``).
 """
@@ -20,7 +22,8 @@ from pathlib import Path
 
 PROMPTS_FILE = "mt_bench_questions.jsonl"
 VARIED_PROMPTS_FILE = "varied_prompts.jsonl"
-PROMPT_SETS = {"mt-bench": PROMPTS_FILE, "varied": VARIED_PROMPTS_FILE}
+CODE_PROMPTS_FILE = "code_prompts.jsonl"
+PROMPT_SETS = {"mt-bench": PROMPTS_FILE, "varied": VARIED_PROMPTS_FILE, "code": CODE_PROMPTS_FILE}
 
 
 def _data_path(name: str) -> Path:
@@ -109,7 +112,8 @@ def add_prompt_arguments(parser: argparse.ArgumentParser, num_prompts: int = 10)
     """``--prompts`` and ``--num-prompts``, shared by both benchmarks."""
     parser.add_argument("--prompts", default=None,
                         help="'mt-bench' (default: the 80 MT-Bench questions shipped with specdec), 'varied' (50 "
-                             "prompts shipped with specdec: translation, summarization, qa, math, rag), or an "
+                             "prompts shipped with specdec: translation, summarization, qa, math, rag), 'code' "
+                             "(16 coding requests: completions, bug fixes, refactors), or an "
                              "MT-Bench style jsonl (first of 'turns' used)")
     parser.add_argument("--num-prompts", type=int, default=num_prompts,
                         help=f"first N questions (default {num_prompts})")

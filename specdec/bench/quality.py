@@ -54,7 +54,9 @@ SETTINGS = {"f32": ("f32", None), "bf16": ("bf16", None), "int8": ("bf16", "int8
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prompt_arguments(parser, num_prompts=10)
-    parser.add_argument("--model", default=None, help="checkpoint or .gguf (default: the embedded model)")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint, .gguf or a named model, e.g. qwen2.5-coder-1.5b-instruct (default: the "
+                             "embedded model)")
     parser.add_argument("--settings", default="bf16,int8", help=f"comma list of {', '.join(SETTINGS)}")
     parser.add_argument("--text", default=None, help="a text file to score (default: the built-in held-out text)")
     parser.add_argument("--window", type=int, default=256, help="tokens per scored window")

@@ -107,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of {', '.join(SYSTEMS)}, or 'all' (default: all but the "
                              f"optional {', '.join(OPTIONAL)})")
     parser.add_argument("--model", default=None,
-                        help="checkpoint directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+                        help="checkpoint directory, .gguf or a named model, e.g. qwen2.5-coder-1.5b-instruct "
+                             "(default: the embedded SmolLM2-135M-Instruct)")
     add_prompt_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="tokens generated per prompt; EOS is disabled so every prompt makes exactly this many")

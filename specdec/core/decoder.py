@@ -104,8 +104,10 @@ class DecoderModel:
                         quantization: str | None = None, kv_cache_dtype: str | None = None,
                         feature_layers: tuple[int, ...] | list[int] = (), autotune: bool = False,
                         progress: bool = True) -> "DecoderModel":
-        """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, or (``None``) the embedded
-        SmolLM2-135M-Instruct. Graphs are built lazily on first use, or all at once by ``compile()``.
+        """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, a named model (e.g.
+        ``"qwen2.5-coder-1.5b-instruct"``, ``named_models.NAMED_MODELS``: a GGUF file assembled once from
+        its packages), or (``None``) the embedded SmolLM2-135M-Instruct. Graphs are built lazily on first
+        use, or all at once by ``compile()``.
 
         ``tp_degree > 1`` shards the model over the ranks of the running process group (its world
         size; see ``specdec.core.parallel.launch``), each rank loading only its shards (``neuron``: one
@@ -156,7 +158,7 @@ class DecoderModel:
             tp = tp_group(tp_degree, device)   # validates tp_degree against the running processes
         if batch_size < 1 or n_positions < 2:
             raise ValueError(f"batch_size must be >= 1 and n_positions >= 2 (got {batch_size}, {n_positions})")
-        gguf = gguf_source(path)
+        gguf = gguf_source(path, progress=progress and tp.rank == 0)
         if quantization == "gguf" and gguf is None:
             raise ValueError(f"quantization='gguf' keeps a GGUF file's own quantized tensors, but {path} is a "
                              "checkpoint directory, not a .gguf file: use 'int8' or 'int4'")

@@ -1,6 +1,7 @@
 """Where things are on disk: the cache directory (``$SPECDEC_CACHE``), the embedded
-SmolLM2-135M-Instruct model, and model paths given by the user — a checkpoint directory, or a GGUF
-file converted once to a safetensors checkpoint directory.
+SmolLM2-135M-Instruct model, the named models of ``named_models`` (GGUF files shipped in parts, assembled
+once into ``$SPECDEC_CACHE/models``), and model paths given by the user — a checkpoint directory, or a
+GGUF file converted once to a safetensors checkpoint directory.
 
 Dequantisation is done by ``transformers`` (``gguf_file=``, needs the ``gguf`` package); the result
 is cached under ``$SPECDEC_CACHE/gguf`` (default ``~/.cache/specdec``) and reused. The cache is keyed
@@ -78,10 +79,24 @@ def file_sha256(path: str | Path, progress: bool = True) -> str:
             digest.update(chunk)
             bar.update(len(chunk))
     sha = digest.hexdigest()
-    index = {p: m for p, m in index.items() if Path(p).exists()}    # forget files that are gone
-    index[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha}
-    _write_atomic(index_file, json.dumps(index, indent=1))
+    record_sha256(path, sha)
     return sha
+
+
+def record_sha256(path: str | Path, sha256: str) -> None:
+    """Memoise ``sha256`` as the hash of ``path``'s current version (resolved path, size, mtime), for a
+    caller that hashed the bytes while writing them (``named_models``): the next ``file_sha256(path)``
+    does not read the file."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    index_file = cache_dir() / "gguf" / HASH_INDEX
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        index = {}
+    index = {p: m for p, m in index.items() if Path(p).exists()}    # forget files that are gone
+    index[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
+    _write_atomic(index_file, json.dumps(index, indent=1))
 
 
 def gguf_cache_path(gguf_path: str | Path, progress: bool = True) -> Path:
@@ -229,11 +244,17 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path | None = None, progr
     return out_dir
 
 
-def gguf_source(path: str | Path | None) -> Path | None:
-    """The GGUF file ``path`` names: the embedded model's (None or its name), a ``.gguf`` file, or the one
-    ``.gguf`` file of a directory without config.json; None for a checkpoint directory."""
+def gguf_source(path: str | Path | None, progress: bool = True) -> Path | None:
+    """The GGUF file ``path`` names: the embedded model's (None or its name), a named model's (a name of
+    ``named_models.NAMED_MODELS``: its file, assembled from its packages on first use), a ``.gguf`` file,
+    or the one ``.gguf`` file of a directory without config.json; None for a checkpoint directory. A
+    name wins over a file or directory of the same name in the working directory."""
     if path is None or str(path) == EMBEDDED_MODEL:
         return embedded_gguf_path()
+    from .named_models import is_named_model, named_model_path
+
+    if is_named_model(str(path)):
+        return named_model_path(str(path), progress=progress)
     path = Path(path)
     if path.suffix == ".gguf":
         return path
@@ -246,9 +267,10 @@ def gguf_source(path: str | Path | None) -> Path | None:
 
 def resolve_model_path(path: str | Path | None, progress: bool = True) -> Path:
     """A checkpoint directory for ``path``: a GGUF file (``gguf_source``: None / the embedded name, a
-    ``.gguf`` file, a directory holding exactly one) → its converted safetensors directory (converted on
-    first use, with progress output unless ``progress=False``); a checkpoint directory as it is."""
-    source = gguf_source(path)
+    named model's name, a ``.gguf`` file, a directory holding exactly one) → its converted safetensors
+    directory (converted on first use, with progress output unless ``progress=False``); a checkpoint
+    directory as it is."""
+    source = gguf_source(path, progress=progress)
     if source is not None:
         return convert_gguf(source, progress=progress)
     path = Path(path)

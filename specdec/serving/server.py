@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-waiting", type=int, default=64, metavar="N",
                    help="requests allowed to wait for a free row; more get HTTP 503 (default: 64)")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help=f"the model name clients send (default: {EMBEDDED_NAME} or the checkpoint's directory name)")
+                   help=f"the model name clients send (default: {EMBEDDED_NAME}, the named model's name, or the "
+                        "checkpoint's directory / file name)")
     s.add_argument("--threads", type=positive_int, metavar="N", default=None,
                    help="intra-op threads, split over the --tp-degree processes (default: $OMP_NUM_THREADS if set, "
                         "else the cores this process may use)")
@@ -80,7 +81,11 @@ def served_name(args: argparse.Namespace) -> str:
     if args.served_model_name:
         return args.served_model_name
     from pathlib import Path
-    return EMBEDDED_NAME if args.model in (None, EMBEDDED_NAME) else Path(args.model).stem
+
+    from ..core.named_models import is_named_model
+    if args.model in (None, EMBEDDED_NAME) or is_named_model(args.model):
+        return args.model or EMBEDDED_NAME      # (a name such as qwen2.5-coder-1.5b-instruct has no suffix to strip)
+    return Path(args.model).stem
 
 
 def load_engine(args: argparse.Namespace, progress: bool = False) -> Engine:

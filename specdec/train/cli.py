@@ -25,7 +25,8 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     from .data import DataConfig
     from .prompts import MIXES
     d = DataConfig()
-    p.add_argument("--model", default=None, help="target checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="target checkpoint, .gguf or named model "
+                                                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="working directory (data, checkpoints)")
     p.add_argument("--ship", default=None, help="where to export the draft (default OUT/ship)")
     p.add_argument("--seed", type=int, default=0)

