@@ -1,5 +1,6 @@
 """One target graph call, timed: a decode step (n = 1) or a verify step (n tokens, causal) at a batch size
-and KV bucket, on the embedded model (compiled bf16 by default). For comparing runtime changes: run it
+and KV bucket, on the embedded model (compiled bf16 by default) or ``--model`` (a named model such as
+``qwen2.5-coder-1.5b-instruct``, a GGUF file, a checkpoint) with ``--quantization``. For comparing runtime changes: run it
 under each version (e.g. ``PYTHONPATH=<other checkout>``) back to back on an idle machine.
 
     python bench/bench_decode_step.py --shapes 1x1x384,1x9x384,4x1x384,4x9x384,128x1x640 --threads 2
@@ -42,6 +43,8 @@ def split_projections(model) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x1x384,1x9x384,4x1x384,4x9x384,128x1x640")
+    ap.add_argument("--model", default=None, help="default: the embedded model")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"])
     ap.add_argument("--backend", default="compiled")
     ap.add_argument("--amp", default="bf16")
     ap.add_argument("--autotune", action="store_true", help="Inductor freezing + max_autotune (README, Autotuned graphs)")
@@ -61,7 +64,8 @@ def main() -> None:
         b, n, kv = (int(x) for x in shape.split("x"))
         models = []
         for split in (False, True)[:1 + args.ab_split_projections]:
-            model = DecoderModel.from_pretrained(None, batch_size=b, n_positions=kv, amp=args.amp,
+            model = DecoderModel.from_pretrained(args.model, batch_size=b, n_positions=kv, amp=args.amp,
+                                                 quantization=args.quantization,
                                                  backend=args.backend, kv_buckets=[kv], context_buckets=[kv],
                                                  progress=False, autotune=args.autotune)
             if split:

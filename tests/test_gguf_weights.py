@@ -1,6 +1,7 @@
-"""A GGUF file's Q4_0 / Q4_1 / Q8_0 tensors kept as the file stores them (``specdec.core.gguf_weights``):
-the blocks decode to ``gguf``'s own dequantizer, the kernel-backed layers compute with those values,
-tensor-parallel shards take whole blocks, and a model loaded with ``quantization="gguf"`` equals
+"""A GGUF file's quantized tensors (Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K) kept as the file stores
+them (``specdec.core.gguf_weights``): the blocks decode to ``gguf``'s own dequantizer bit for bit, the
+kernel-backed layers compute with those values, tensor-parallel shards take whole blocks, only llama-family
+files' q / k rows are permuted back, and a model loaded with ``quantization="gguf"`` equals
 transformers on the dequantized file, speculates exactly (greedy identity, chi-square losslessness)
 and shards (TP=2 = TP=1)."""
 import numpy as np
@@ -11,15 +12,22 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 from test_speculative import lossless_pvalue, save_tiny  # noqa: E402
-from tiny_gguf import HEADS, HF_PROJECTIONS, LAYER_TYPES, VOCAB, llama_cpp_permute, write_tiny_gguf  # noqa: E402
+from tiny_gguf import (HEADS, HF_PROJECTIONS, KV_HEADS, LAYER_TYPES, VOCAB, llama_cpp_permute,  # noqa: E402
+                       write_tiny_gguf)
 
 from conftest import hf_logits, load, prompt_ids  # noqa: E402
 from specdec import DraftModel, PromptLookup, SpeculativeGenerator  # noqa: E402
-from specdec.core.gguf_weights import BlockWeights, Q8Linear, gguf_quantized_tensors, rope_row_order  # noqa: E402
+from specdec.core import gguf_weights
+from specdec.core.block_linear import BlockLinear  # noqa: E402
+from specdec.core.gguf_weights import FORMATS, BlockWeights, gguf_quantized_tensors, rope_row_order  # noqa: E402
 from specdec.core.parallel import launch  # noqa: E402
 from specdec.core.quant import FUSED, Int4Linear, Int8Linear  # noqa: E402
 
-QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+QTYPES = ["Q4_0", "Q4_1", "Q8_0"]              # the tiny model's types (gguf's ``quantize`` writes them)
+ALL_QTYPES = list(FORMATS)                      # + Q5_0, Q4_K, Q6_K (the Qwen2.5-Coder files' types)
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+CODE_RANGE = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q4_K": (0, 15), "Q8_0": (-128, 127), "Q5_0": (-16, 15),
+              "Q6_K": (-32, 31)}
 
 
 def file_blocks(qtype: str, n: int = 48, k: int = 128, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
@@ -29,42 +37,103 @@ def file_blocks(qtype: str, n: int = 48, k: int = 128, seed: int = 0) -> tuple[n
     return raw, torch.from_numpy(dequantize(raw, T[qtype]).astype(np.float32))
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-def test_blocks_decode_to_the_gguf_dequantizer(qtype):
-    raw, expected = file_blocks(qtype)
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0, scale: float = 1.0) -> tuple[np.ndarray, torch.Tensor]:
+    """Random valid blocks (random code and scale bytes, finite f16 d / dmin / m of either sign over a wide
+    range, subnormals included, times ``scale``) as raw bytes [n, k/SB · block bytes], and gguf's
+    dequantized values [n, k]."""
+    rng = np.random.default_rng(seed)
+    sb, size, _ = FORMATS[qtype]
+    raw = rng.integers(0, 256, (n, k // sb, size), dtype=np.uint8)
+    for at in F16_FIELDS[qtype]:
+        value = scale * rng.uniform(-1, 1, (n, k // sb)) * 2.0 ** rng.integers(-26, 4, (n, k // sb))
+        raw[..., at:at + 2] = value.astype(np.float16)[..., None].view(np.uint8)
+    raw = raw.reshape(n, -1)
+    return raw, torch.from_numpy(dequantize(raw, T[qtype]))
+
+
+def assert_bitwise_equal(ours: torch.Tensor, expected: torch.Tensor, qtype: str) -> None:
+    """Bit for bit; Q4_0 computes d · q − 8 d (= d · (q − 8) exactly), whose zeros are all +0 where gguf's
+    d · 0 is −0 for a negative d: the one allowed difference."""
+    assert ours.dtype == expected.dtype == torch.float32 and ours.shape == expected.shape
+    same = ours.view(torch.int32) == expected.view(torch.int32)
+    if qtype == "Q4_0":
+        same |= (ours == 0) & (expected == 0)
+    assert bool(same.all()), f"{qtype}: {int((~same).sum())} weights differ"
+
+
+@pytest.mark.parametrize("qtype", ALL_QTYPES)
+def test_blocks_decode_to_the_gguf_dequantizer(qtype, monkeypatch):
+    sb, _, g = FORMATS[qtype]
+    n, k = 24, 2 * 256
+    raw, expected = random_blocks(qtype, n, k)
+    monkeypatch.setattr(gguf_weights, "DECODE_WEIGHTS", 5 * k)         # decoded 5 rows at a time: 5 + … + 4
     blocks = BlockWeights.from_bytes(raw, qtype)
-    assert torch.equal(blocks.dequantize(), expected)
-    low, high = (-128, 127) if qtype == "Q8_0" else (0, 15)
-    assert int(blocks.codes.min()) >= low and int(blocks.codes.max()) <= high
+    assert (blocks.group, blocks.superblock) == (g, sb) and blocks.codes.dtype == torch.int16
+    assert blocks.d.shape == blocks.dmin.shape == (n, k // sb) and blocks.sc.shape == blocks.mn.shape == (n, k // g)
+    assert_bitwise_equal(blocks.dequantize(), expected, qtype)
+    low, high = CODE_RANGE[qtype]
+    assert int(blocks.codes.min()) == low and int(blocks.codes.max()) == high      # every code occurs
+    if qtype in ("Q4_0", "Q4_1", "Q8_0", "Q5_0"):
+        raw, expected = file_blocks(qtype)                                             # gguf's own quantizer
+        assert_bitwise_equal(BlockWeights.from_bytes(raw, qtype).dequantize(), expected, qtype)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", ALL_QTYPES)
 def test_kernel_layer_computes_with_the_file_values(qtype):
-    raw, expected = file_blocks(qtype, seed=1)
+    raw, expected = file_blocks(qtype, seed=1) if qtype in QTYPES else random_blocks(qtype, 48, 256, 1, 1e-3)
     layer = BlockWeights.from_bytes(raw, qtype).to_module(torch.float32)
-    assert isinstance(layer, Q8Linear if qtype == "Q8_0" else Int4Linear)
+    assert isinstance(layer, BlockLinear)
+    assert_bitwise_equal(layer.dequantized(), expected, qtype)          # the file's weights, packed exactly
     x = torch.randn(5, expected.shape[1], generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(layer(x), x @ expected.T, rtol=1e-5, atol=1e-5)
-    # bf16: the kernel holds scales in bf16 and rounds its output; still the same weights to bf16 precision
-    y = BlockWeights.from_bytes(raw, qtype).to_module(torch.bfloat16)(x.bfloat16()).float()
-    torch.testing.assert_close(y, x @ expected.T, rtol=0.03, atol=0.05)
+    reference = x.double() @ expected.double().T
+    torch.testing.assert_close(layer(x).double(), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+    # bf16: activations widened to f32, the output rounded to bf16
+    y = BlockWeights.from_bytes(raw, qtype).to_module(torch.bfloat16)(x.bfloat16()).double()
+    assert float((y - reference).norm() / reference.norm()) < 0.02
 
 
-def test_shards_take_rows_and_whole_blocks():
-    raw, expected = file_blocks("Q4_1", n=32, k=128, seed=2)
-    blocks = BlockWeights.from_bytes(raw, "Q4_1")
+@pytest.mark.parametrize("qtype", ALL_QTYPES)
+def test_shards_take_rows_and_whole_blocks(qtype):
+    sb = FORMATS[qtype][0]
+    n, k = 32, 4 * sb
+    raw, expected = random_blocks(qtype, n, k, seed=2)
+    blocks = BlockWeights.from_bytes(raw, qtype)
     rows = blocks.take(0, [3, -1, 0] + list(range(4, 17)))
-    assert torch.equal(rows.dequantize(), torch.cat([expected[[3]], torch.zeros(1, 128), expected[[0]], expected[4:17]]))
-    cols = blocks.take(1, list(range(64, 96)) + [-1] * 32)
-    assert torch.equal(cols.dequantize(), torch.cat([expected[:, 64:96], torch.zeros(32, 32)], 1))
-    with pytest.raises(ValueError, match="only at multiples of 32 columns"):
-        blocks.take(1, list(range(16, 48)))
+    assert torch.equal(rows.dequantize(), torch.cat([expected[[3]], torch.zeros(1, k), expected[[0]], expected[4:17]]))
+    cols = blocks.take(1, list(range(2 * sb, 3 * sb)) + [-1] * sb + list(range(sb)))
+    taken = torch.cat([expected[:, 2 * sb:3 * sb], torch.zeros(n, sb), expected[:, :sb]], 1)
+    assert torch.equal(cols.dequantize(), taken)
+    assert (cols.d.shape[1], cols.sc.shape[1]) == (3, 3 * sb // blocks.group)
+    for misaligned in (list(range(16, 16 + sb)), list(range(sb // 2)), list(range(sb, 2 * sb))[::-1]):
+        with pytest.raises(ValueError, match=f"only at multiples of {sb} columns"):
+            blocks.take(1, misaligned)
 
 
 def test_rope_row_order_undoes_llama_cpp_permutation():
     w = np.arange(64 * 8).reshape(64, 8)
     order = rope_row_order(64, HEADS)
     assert np.array_equal(llama_cpp_permute(w, HEADS)[order.numpy()], w)
+
+
+def test_only_llama_family_rows_are_permuted(tiny):
+    """llama.cpp's converter permutes q / k rows for llama / mistral only; transformers undoes it for a
+    GGUF of architecture "llama" only (``LlamaTensorProcessor``): a qwen2 file's rows stay as stored."""
+    from types import SimpleNamespace
+
+    from gguf import GGUFReader
+
+    target, _ = tiny
+    stored = {t.name: torch.from_numpy(dequantize(np.array(t.data), t.tensor_type))
+              for t in GGUFReader(str(target)).tensors if t.name.startswith("blk.0.attn_")}
+    for model_type, permuted in (("llama", True), ("mistral", True), ("qwen2", False)):
+        config = SimpleNamespace(model_type=model_type, tie_word_embeddings=True, num_heads=HEADS,
+                                 num_kv_heads=KV_HEADS)
+        found = gguf_quantized_tensors(target, config, tuple(QTYPES))
+        for gguf_name, hf_name, heads in (("attn_q", "q_proj", HEADS), ("attn_k", "k_proj", KV_HEADS),
+                                          ("attn_v", "v_proj", None)):
+            w = stored[f"blk.0.{gguf_name}.weight"]
+            expected = w[rope_row_order(len(w), heads)] if permuted and heads else w
+            assert torch.equal(found[f"model.layers.0.self_attn.{hf_name}.weight"].dequantize(), expected)
 
 
 def test_embedded_file_blocks_equal_its_conversion(embedded_model):
@@ -115,8 +184,8 @@ def test_gguf_model_keeps_every_block_and_equals_transformers(tiny):
 
     target, _ = tiny
     model = load(target, quantization="gguf")
-    assert all(isinstance(layer, (Int4Linear, Q8Linear)) for _, _, layer, _ in projections(model))
-    assert isinstance(model.lm.lm_head, Q8Linear)                      # the tied Q8_0 embedding's blocks
+    assert all(isinstance(layer, BlockLinear) for _, _, layer, _ in projections(model))
+    assert isinstance(model.lm.lm_head, BlockLinear)                   # the tied Q8_0 embedding's blocks
     hf = AutoModelForCausalLM.from_pretrained(model.path).eval()        # transformers' dequantized conversion
     for seed in range(3):
         prompt = prompt_ids(7 + seed, seed, VOCAB)
@@ -140,7 +209,7 @@ def test_int4_and_int8_keep_the_blocks_of_their_own_width(tiny, scheme, keeps, r
     # the tied head is Q8_0 in the file: both schemes keep its blocks (an 8-bit head), none rounded again
     head = file_blocks_["lm_head.weight"].to_module(torch.float32)
     x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(99))
-    assert isinstance(model.lm.lm_head, Q8Linear) and torch.equal(model.lm.lm_head(x), head(x))
+    assert isinstance(model.lm.lm_head, BlockLinear) and torch.equal(model.lm.lm_head(x), head(x))
 
 
 def test_greedy_speculation_equals_the_gguf_target(tiny, tmp_path_factory):
@@ -149,7 +218,7 @@ def test_greedy_speculation_equals_the_gguf_target(tiny, tmp_path_factory):
     prompts = [prompt_ids(5, 1, VOCAB), [5, 6, 7, 5, 6, 7, 5, 6], prompt_ids(12, 3, VOCAB)]
     reference = target.generate(prompts, max_new_tokens=30, eos_token_id=[])
     draft = DraftModel.from_pretrained(draft_path, target)
-    assert isinstance(draft.model.lm.lm_head, Q8Linear)                 # a GGUF draft inherits "gguf"
+    assert isinstance(draft.model.lm.lm_head, BlockLinear)              # a GGUF draft inherits "gguf"
     _, float_dir = save_tiny(tmp_path_factory, "float-draft", 1, 5, vocab=VOCAB)
     float_draft = DraftModel.from_pretrained(float_dir, target)          # a checkpoint directory stays float
     assert type(float_draft.model.lm.model.layers[0].mlp.gate_up_proj) is torch.nn.Linear   # float, fused
@@ -197,4 +266,4 @@ def test_gguf_graphs_export(tiny):
     target, _ = tiny
     model = load(target, amp="bf16", quantization="gguf")
     exported = model.export(model.graph_keys(prompt_length=16, max_length=32)[-1])
-    assert any(n.target == torch.ops.aten._weight_int4pack_mm_for_cpu.default for n in exported.graph.nodes)
+    assert any(n.target == torch.ops.specdec.block_mm.default for n in exported.graph.nodes)   # one custom op

@@ -1,23 +1,42 @@
 """A GGUF file's quantized tensors kept as the file stores them (no second rounding).
 
-GGML's block formats hold 32 consecutive weights of a row (K = in features) per block:
+GGML's block formats hold a row's (K = in features) consecutive weights in blocks (f16 fields, codes):
 
-    Q4_0: d (f16), 16 bytes of 4-bit codes q in [0, 15]:     w = d · (q − 8)
-    Q4_1: d (f16), m (f16), 16 bytes of codes q in [0, 15]:  w = d · q + m
-    Q8_0: d (f16), 32 signed bytes q in [−128, 127]:          w = d · q
+    type  weights  bytes  layout                                                   ggml's weight
+    Q4_0    32      18    d, 16 B: 4-bit q (q_j, q_j+16 share byte j: low, high)   d · (q − 8)
+    Q4_1    32      20    d, m, 16 B: 4-bit q as Q4_0                              d · q + m
+    Q5_0    32      22    d, qh (u32: bit j = q_j's bit 4), 16 B: q's low 4 bits   d · (q − 16)
+                          as Q4_0
+    Q8_0    32      34    d, 32 signed bytes q                                     d · q
+    Q4_K   256     144    d, dmin, 12 B: 8 packed 6-bit (sc_j, m_j) (ggml's        (d · sc_j) · q − (dmin · m_j)
+                          ``get_scale_min_k4``), 128 B: 4 chunks of 32 bytes,
+                          chunk i = sub-blocks 2i (low nibbles), 2i + 1 (high)
+    Q6_K   256     210    ql 128 B, qh 64 B, 16 int8 sc_j, d; 16 sub-blocks of     (d · sc_j) · (q − 32)
+                          16; weight 128h + 32c + l (h < 2, c < 4, l < 32):
+                          low 4 bits = ql[64h + 32 (c mod 2) + l]'s low (c < 2)
+                          or high nibble, bits 4-5 = qh[32h + l]'s bits 2c, 2c + 1
 
-(codes j and j + 16 of a block share byte j: low and high nibble). They map exactly onto PyTorch's CPU
-int4 kernel (``quant.Int4Linear``: w = (u − 8) · scale + zero per group of 32):
+``BlockWeights`` holds every type in one form: codes [N, K] int16, per sub-block (G weights) integer
+``sc`` / ``mn``, per super-block (SB weights) f32 ``d`` / ``dmin``, and
 
-    Q4_0: u = q, scale = d, zero = 0        Q4_1: u = q, scale = d, zero = m + 8d
-    Q8_0: q = 16 h + l with l = q & 15 in [0, 15], h = q >> 4 in [−8, 7]; two int4 groups read the same
-          inputs, (u = h + 8, scale = 16 d, zero = 0) and (u = l, scale = d, zero = 8 d), and their sum is
-          d · q (``Q8Linear``: the kernel runs over the input twice, K' = 2K).
+    weight = (d · sc) · code − (dmin · mn)          (each product and the difference in f32, in this order)
 
-The codes are the file's; scale and zero are held in the compute dtype, as the kernel requires: exact
-in f32, in bf16 rounded to bf16 as every bf16 weight is. llama.cpp's converter stores the rows of
-``attn_q`` / ``attn_k`` permuted for its RoPE layout; they are permuted back (whole rows, so blocks are
-untouched), as transformers does when it dequantizes.
+    type  code            G   SB   sc     mn   dmin
+    Q4_0  q in [0, 15]    32  32   1      1    8 d     (d q − 8 d = d (q − 8) exactly: d is an f16)
+    Q4_1  q in [0, 15]    32  32   1      1    −m      (d q − (−m) = d q + m)
+    Q5_0  q − 16          32  32   1      0    0
+    Q8_0  q               32  32   1      0    0
+    Q4_K  q in [0, 15]    32  256  sc_j   m_j  dmin
+    Q6_K  q − 32          16  256  sc_j   0    0
+
+which is ``gguf.quants.dequantize``'s value for every weight (the one difference: Q4_0's q = 8 with a
+negative d gives +0 where gguf gives −0). ``to_module`` puts every type on ``block_linear.BlockLinear``
+(the ``block_mm`` CPU kernel), which computes with exactly these weights: 4-bit codes two to a byte,
+the others one signed byte each. llama.cpp's converter stores the rows of ``attn_q`` / ``attn_k``
+permuted for its RoPE layout for llama-family models only (llama, mistral: a GGUF
+``general.architecture`` "llama"; not qwen2); they are permuted back (whole rows, so blocks are
+untouched), as transformers does when it dequantizes. The tensors are found with ``gguf_index`` (the
+file's tensor table, read in well under a second) and their bytes mapped from the file.
 """
 from __future__ import annotations
 
@@ -28,119 +47,160 @@ import numpy as np
 import torch
 from torch import nn
 
+from .block_linear import BlockLinear
+from .gguf_index import tensor_bytes, tensor_index
 from .parallel import Shard
-from .quant import INT4_GROUP, Int4Linear
 
-BLOCK = INT4_GROUP      # GGML's blocks of 32 weights are the int4 kernel's groups
-KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# GGML type name → (SB weights per block, bytes per block, G weights per sub-block)
+FORMATS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q5_0": (32, 22, 32), "Q8_0": (32, 34, 32),
+           "Q4_K": (256, 144, 32), "Q6_K": (256, 210, 16)}
+KEPT_TYPES = tuple(FORMATS)
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")     # unsigned 4-bit codes in groups of 32
 # GGUF tensor name suffix → (HF module path within a layer, RoPE row permutation by "heads" / "kv_heads")
 LAYER_TENSORS = {"attn_q": ("self_attn.q_proj", "heads"), "attn_k": ("self_attn.k_proj", "kv_heads"),
                  "attn_v": ("self_attn.v_proj", None), "attn_output": ("self_attn.o_proj", None),
                  "ffn_gate": ("mlp.gate_proj", None), "ffn_up": ("mlp.up_proj", None),
                  "ffn_down": ("mlp.down_proj", None)}
+ROPE_PERMUTED = ("llama", "mistral")     # model types whose GGUF q / k rows llama.cpp's converter permutes
+DECODE_WEIGHTS = 1 << 18                 # ``from_bytes`` decodes about this many weights at a time
+
+
+def _nibbles(packed: np.ndarray, chunk: int) -> np.ndarray:
+    """[R, B, c · chunk] uint8 → [R, B, 2 · c · chunk]: per chunk of bytes its low nibbles, then its high."""
+    r, b, size = packed.shape
+    packed = packed.reshape(r, b, size // chunk, 1, chunk)
+    out = np.empty((r, b, size // chunk, 2, chunk), np.uint8)
+    np.bitwise_and(packed, 15, out=out[..., :1, :])
+    np.right_shift(packed, 4, out=out[..., 1:, :])
+    return out.reshape(r, b, 2 * size)
+
+
+def _decode(blocks: np.ndarray, qtype: str, codes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Rows of blocks [R, B, block bytes] uint8: their codes written to ``codes`` [R, B, SB] int16, and
+    (d, dmin [R, B] f32, sc, mn [R, B, SB/G] int16) returned."""
+    r, b, _ = blocks.shape
+    sb, _, g = FORMATS[qtype]
+
+    def f16(at: int) -> np.ndarray:             # the f16 field at byte ``at`` of every block, as f32 [R, B]
+        return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    def signed(q: np.ndarray, offset: int) -> None:     # uint8 q (overwritten) → codes q − offset
+        q -= np.uint8(offset)                           # wraps to the int8 value of q − offset
+        np.copyto(codes, q.view(np.int8).reshape(codes.shape), casting="unsafe")
+
+    d = f16(208 if qtype == "Q6_K" else 0)
+    dmin, sc, mn = np.zeros_like(d), np.ones((r, b, sb // g), np.int16), np.zeros((r, b, sb // g), np.int16)
+    if qtype in ("Q4_0", "Q4_1"):               # d, (m,) 16 bytes: codes j, j + 16 in byte j's nibbles
+        codes[...] = _nibbles(blocks[..., 2 if qtype == "Q4_0" else 4:], 16)
+        dmin, mn = (8 * d if qtype == "Q4_0" else -f16(2)), np.ones_like(mn)
+    elif qtype == "Q8_0":
+        codes[...] = blocks[..., 2:].view(np.int8)
+    elif qtype == "Q5_0":                       # d, qh: bit j of the little-endian u32 = code j's bit 4
+        q = _nibbles(blocks[..., 6:], 16)
+        high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")
+        high <<= 4
+        q |= high
+        signed(q, 16)
+    elif qtype == "Q4_K":                       # d, dmin, 12 bytes of 6-bit scales and mins, 4 × 32 bytes
+        codes[...] = _nibbles(blocks[..., 16:], 32)
+        dmin, s = f16(2), blocks[..., 4:16]     # ggml's get_scale_min_k4
+        sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+        sc[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+        mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    else:                                       # Q6_K: halves h of 128 weights, 4 runs c of 32 in each
+        ql = blocks[..., :128].reshape(r, b, 2, 1, 64)
+        q = np.empty((r, b, 2, 2, 64), np.uint8)    # (h, nibble, 64 bytes of ql) = (h, c, 32)
+        np.bitwise_and(ql, 15, out=q[..., :1, :])
+        np.right_shift(ql, 4, out=q[..., 1:, :])
+        q = q.reshape(r, b, 2, 4, 32)
+        high = blocks[..., 128:192].reshape(r, b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+        high &= 3                               # run c: qh's bits 2c, 2c + 1 = its codes' bits 4, 5
+        high <<= 4
+        q |= high
+        signed(q, 32)
+        sc[...] = blocks[..., 192:208].view(np.int8)
+    return d, dmin, sc, mn
 
 
 @dataclass
 class BlockWeights:
-    """One quantized matrix [N, K] as codes and per-block parameters: ``codes`` [N, K] int16 (the file's
-    q), ``d`` / ``m`` [N, K/32] f32 (``m`` zero for Q4_0 and Q8_0), ``qtype`` the GGML type name."""
+    """One quantized matrix [N, K] (see the module docstring): ``codes`` [N, K] int16, ``group`` G and
+    ``superblock`` SB, ``d`` / ``dmin`` [N, K/SB] f32, ``sc`` / ``mn`` [N, K/G] int16, ``qtype`` the GGML
+    type name; weight = (d · sc) · code − (dmin · mn) in f32."""
 
     qtype: str
     codes: torch.Tensor
+    group: int
+    superblock: int
     d: torch.Tensor
-    m: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    mn: torch.Tensor
 
     @classmethod
     def from_bytes(cls, raw: np.ndarray, qtype: str) -> BlockWeights:
-        """raw [N, K/32 · block bytes] uint8, as ``gguf.GGUFReader`` gives a tensor's data."""
-        n = raw.shape[0]
-        blocks = np.ascontiguousarray(raw).reshape(n, -1, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype])
-        def f16(at: int) -> np.ndarray:         # the f16 field at byte ``at`` of every block, as f32
-            return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+        """raw [N, K/SB · block bytes] uint8, a tensor's bytes (``gguf_index.tensor_bytes``; decoded a few
+        hundred thousand weights at a time, so that the intermediates stay in cache)."""
+        if qtype not in FORMATS:
+            raise ValueError(f"GGML type {qtype} is not kept as blocks; kept: {', '.join(KEPT_TYPES)}")
+        sb, size, g = FORMATS[qtype]
+        if raw.ndim != 2 or raw.shape[1] % size:
+            raise ValueError(f"{qtype} rows are whole blocks of {size} bytes; got raw bytes {tuple(raw.shape)}")
+        n, b = raw.shape[0], raw.shape[1] // size
+        blocks = raw.view(np.uint8).reshape(n, b, size)
+        codes = np.empty((n, b, sb), np.int16)
+        step = max(1, DECODE_WEIGHTS // (b * sb))
+        parts = [_decode(blocks[i:i + step], qtype, codes[i:i + step]) for i in range(0, n, step)]
+        d, dmin, sc, mn = (torch.from_numpy(np.concatenate(p).reshape(n, -1)) for p in zip(*parts))
+        return cls(qtype, torch.from_numpy(codes.reshape(n, b * sb)), g, sb, d, dmin, sc, mn)
 
-        d = f16(0)
-        if qtype == "Q8_0":
-            codes = blocks[..., 2:].copy().view(np.int8).astype(np.int16)
-            return cls(qtype, torch.from_numpy(codes.reshape(n, -1)), torch.from_numpy(d), torch.zeros(d.shape))
-        m = f16(2) if qtype == "Q4_1" else np.zeros_like(d)
-        packed = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
-        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int16)
-        return cls(qtype, torch.from_numpy(codes.reshape(n, -1)), torch.from_numpy(d), torch.from_numpy(m))
+    def group_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d · sc, dmin · mn) [N, K/G] f32: every sub-block's scale and offset."""
+        per = self.superblock // self.group
+        d, dmin = (t.repeat_interleave(per, dim=1) if per > 1 else t for t in (self.d, self.dmin))
+        return d * self.sc, dmin * self.mn
 
     def dequantize(self) -> torch.Tensor:
-        """[N, K] f32, GGML's formula (what ``gguf.quants.dequantize`` computes)."""
+        """[N, K] f32, (d · sc) · code − (dmin · mn): what ``gguf.quants.dequantize`` computes."""
         n, k = self.codes.shape
-        q = self.codes.float().view(n, k // BLOCK, BLOCK)
-        if self.qtype == "Q4_0":
-            q = q - 8
-        return (self.d.unsqueeze(-1) * q + self.m.unsqueeze(-1)).view(n, k)
+        scale, offset = self.group_parameters()
+        w = scale.unsqueeze(-1) * self.codes.view(n, k // self.group, self.group)
+        return w.sub_(offset.unsqueeze(-1)).view(n, k)
 
     def take(self, dim: int, index: list[int] | torch.Tensor) -> BlockWeights:
         """Rows (dim 0) or columns (dim 1) ``index`` of the matrix; -1 gives zero weights. Columns must
-        come in whole, aligned blocks of 32 (a tensor-parallel split along K at a block boundary)."""
+        come in whole, aligned super-blocks of SB (a tensor-parallel split along K at a block boundary)."""
         index = torch.as_tensor(index, dtype=torch.long)
         pad = index < 0
-        zero_code = 8 if self.qtype == "Q4_0" else 0
         source = index.clamp(min=0)
+        fields = (self.codes, self.d, self.dmin, self.sc, self.mn)
         if dim == 0:
-            codes = self.codes[source].masked_fill(pad.unsqueeze(1), zero_code)
-            d, m = (t[source].masked_fill(pad.unsqueeze(1), 0) for t in (self.d, self.m))
-            return BlockWeights(self.qtype, codes, d, m)
-        groups = index.view(-1, BLOCK)
-        first = groups[:, 0]
-        aligned = torch.where(first[:, None] < 0, groups < 0,
-                              (groups == first[:, None] + torch.arange(BLOCK)) & (first[:, None] % BLOCK == 0))
-        if not bool(aligned.all()):
-            raise ValueError("a GGUF block-quantized matrix can be split along its input dimension only at "
-                             f"multiples of {BLOCK} columns; this tensor-parallel layout splits inside a block: "
+            codes, d, dmin, sc, mn = (t[source].masked_fill(pad.unsqueeze(1), 0) for t in fields)
+            return BlockWeights(self.qtype, codes, self.group, self.superblock, d, dmin, sc, mn)
+        sb, per = self.superblock, self.superblock // self.group
+        aligned = len(index) % sb == 0
+        if aligned:
+            blocks = index.view(-1, sb)
+            first = blocks[:, 0]
+            aligned = bool(torch.where(first[:, None] < 0, blocks < 0, (blocks == first[:, None] + torch.arange(sb))
+                                       & (first[:, None] % sb == 0)).all())
+        if not aligned:
+            raise ValueError(f"a GGUF {self.qtype} matrix can be split along its input dimension only at "
+                             f"multiples of {sb} columns; this tensor-parallel layout splits inside a block: "
                              "use quantization='int8' / 'int4' or another tp_degree")
-        block_index = torch.where(first < 0, -1, first // BLOCK)
-        keep = (block_index >= 0).unsqueeze(0)
-        codes = self.codes[:, source].masked_fill(pad.unsqueeze(0), zero_code)
-        d, m = (t[:, block_index.clamp(min=0)] * keep for t in (self.d, self.m))
-        return BlockWeights(self.qtype, codes, d, m)
+        block_pad = first < 0
+        block = torch.where(block_pad, 0, first // sb)
+        groups = (block[:, None] * per + torch.arange(per)).view(-1)
+        group_pad = block_pad.repeat_interleave(per).unsqueeze(0)
+        codes = self.codes[:, source].masked_fill(pad.unsqueeze(0), 0)
+        d, dmin = (t[:, block].masked_fill(block_pad.unsqueeze(0), 0) for t in (self.d, self.dmin))
+        sc, mn = (t[:, groups].masked_fill(group_pad, 0) for t in (self.sc, self.mn))
+        return BlockWeights(self.qtype, codes, self.group, self.superblock, d, dmin, sc, mn)
 
-    def to_module(self, dtype: torch.dtype, bias: torch.Tensor | None = None) -> nn.Module:
-        """The kernel-backed layer computing x · Wᵀ (+ ``bias``) with exactly these weights (see the module
-        docstring)."""
-        if self.qtype == "Q8_0":
-            return Q8Linear.from_blocks(self, dtype, bias)
-        zero = self.m + 8 * self.d if self.qtype == "Q4_1" else torch.zeros_like(self.d)
-        return Int4Linear.from_codes(self.codes, self.d, zero, bias, dtype)
-
-
-class Q8Linear(nn.Module):
-    """A Q8_0 matrix [N, K] on the int4 kernel: codes split into high and low nibbles (two groups of 32
-    per block, K' = 2K), the input read twice. x [..., K] → [..., N]."""
-
-    def __init__(self, inner: Int4Linear):
-        """``inner``: the int4 layer over the doubled input [x, x] (K' = 2K)."""
-        super().__init__()
-        self.inner = inner
-        self.out_features, self.in_features = inner.out_features, inner.in_features // 2
-
-    @classmethod
-    def from_blocks(cls, weights: BlockWeights, dtype: torch.dtype, bias: torch.Tensor | None = None) -> Q8Linear:
-        q, d = weights.codes, weights.d
-        codes = torch.cat([(q >> 4) + 8, q & 15], dim=1)
-        return cls(Int4Linear.from_codes(codes, torch.cat([16 * d, d], 1),
-                                         torch.cat([torch.zeros_like(d), 8 * d], 1), bias, dtype))
-
-    @classmethod
-    def cat_rows(cls, layers: list[Q8Linear]) -> Q8Linear:
-        """One layer whose output is the layers' outputs concatenated (``Int4Linear.cat_rows``)."""
-        return cls(Int4Linear.cat_rows([layer.inner for layer in layers]))
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.inner.bias
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.inner.dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(torch.cat([x, x], dim=-1))
+    def to_module(self, dtype: torch.dtype, bias: torch.Tensor | None = None) -> BlockLinear:
+        """The kernel-backed layer computing x · Wᵀ (+ ``bias``) with exactly these weights, activations and
+        outputs in ``dtype`` (``block_linear``)."""
+        return BlockLinear.from_blocks(self, dtype, bias)
 
 
 def rope_row_order(rows: int, heads: int) -> torch.Tensor:
@@ -153,14 +213,13 @@ def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...],
                            head_keep: tuple[str, ...] | None = None) -> dict[str, BlockWeights]:
     """HF weight name → ``BlockWeights`` for every projection tensor of ``path`` whose GGML type is in
     ``keep`` and its LM-head tensor if its type is in ``head_keep`` (default: ``keep``; () for none),
-    rows in Hugging Face order. The tied embedding's blocks, if quantized, appear as ``lm_head.weight``
-    when the config ties the LM head to it."""
-    from gguf import GGUFReader
-
+    rows in Hugging Face order (q / k rows permuted back for llama-family models only, ``ROPE_PERMUTED``).
+    The tied embedding's blocks, if quantized, appear as ``lm_head.weight`` when the config ties the LM
+    head to it."""
     head_keep = keep if head_keep is None else head_keep
     found = {}
-    for tensor in GGUFReader(str(path)).tensors:
-        qtype = tensor.tensor_type.name
+    for tensor in tensor_index(path):
+        qtype = tensor.qtype
         parts = tensor.name.split(".")
         if parts[0] == "blk" and parts[2] in LAYER_TENSORS and qtype in keep:
             module, permute = LAYER_TENSORS[parts[2]]
@@ -170,8 +229,8 @@ def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...],
             name, permute = "lm_head.weight", None
         else:
             continue
-        weights = BlockWeights.from_bytes(np.asarray(tensor.data), qtype)
-        if permute:
+        weights = BlockWeights.from_bytes(tensor_bytes(path, tensor), qtype)
+        if permute and config.model_type in ROPE_PERMUTED:
             heads = config.num_heads if permute == "heads" else config.num_kv_heads
             weights = weights.take(0, rope_row_order(weights.codes.shape[0], heads))
         found[name] = weights
@@ -179,8 +238,9 @@ def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...],
 
 
 # GGML types each scheme keeps as the file stores them (the rest is quantized by ``quant``, or for
-# "gguf" left in the compute dtype): (projections, LM head); int8 and int4 hold the head at 8 bits
-KEEP = {"gguf": (KEPT_TYPES, KEPT_TYPES), "int4": (("Q4_0", "Q4_1"), ("Q8_0",)), "int8": (("Q8_0",), ("Q8_0",))}
+# "gguf" left in the compute dtype): (projections, LM head); int8 and int4 hold the head at up to 8 bits
+KEEP = {"gguf": (KEPT_TYPES, KEPT_TYPES), "int4": (INT4_TYPES, ("Q8_0", "Q6_K")),
+        "int8": (("Q8_0",), ("Q8_0", "Q6_K"))}
 
 
 def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[str, Shard]) -> None:

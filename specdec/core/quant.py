@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .block_linear import BlockLinear
 from .parallel import TPGroup, all_reduce_max
 
 ALIASES = {"int8": "int8", "s8": "int8", "per_channel_symmetric": "int8", "int8_weight_only": "int8",
@@ -220,9 +221,11 @@ def _fused(parts: list[nn.Module | None], float_layers: bool) -> nn.Module | Non
     if kind is nn.Linear:
         same = len({(p.weight.dtype, p.weight.device, p.in_features) for p in parts}) == 1
         return cat_linears(parts) if float_layers and same else None
-    if not hasattr(kind, "cat_rows"):
+    if kind is BlockLinear:
+        return kind.cat_rows(parts) if len({p.layout for p in parts}) == 1 else None
+    if kind not in (Int4Linear, Int8Linear):
         return None
-    if kind is not Int8Linear and any(p.out_features % INT4_PACK_ROWS for p in parts):
+    if kind is Int4Linear and any(p.out_features % INT4_PACK_ROWS for p in parts):
         return None
     return kind.cat_rows(parts)
 

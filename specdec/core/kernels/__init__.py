@@ -64,7 +64,8 @@ def _build() -> None:
     if not any(directory.glob("*.so")):
         print("specdec: building the block_mm CPU kernel (once; about a minute)", file=sys.stderr, flush=True)
     cpp_extension.load(name="specdec_block_mm", sources=[str(SOURCE)], build_directory=str(directory),
-                       extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False, verbose=False)
+                       extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)    # OpenMP: at::parallel_for's threads
 
 
 def _define_reference() -> None:

@@ -12,6 +12,9 @@
 // fma(iota, a, −b) indexed by the nibbles with vpermps) and applied to up to RMAX activation rows held in
 // registers, so a verify of M ≤ RMAX rows reads and unpacks the weights once, as a decode step does.
 //
+// Threads: at::parallel_for over blocks of output columns (torch's intra-op threads; the extension is built
+// with -fopenmp, without which ATen's OpenMP parallel_for runs on one thread).
+//
 // Row invariance: the result for (row r, column n) is the same sequence of f32 operations whatever M is
 // and whichever rows or columns share its tile or thread: two 16-lane accumulators (the group's first and
 // second 16 weights) fed group by group in order, summed lane-wise, then reduced in a fixed lane order.
@@ -34,7 +37,7 @@
 namespace {
 
 constexpr int RMAX = 12;    // activation rows per register tile (2·RMAX accumulators + 4 in 32 registers)
-constexpr int NBLOCK = 4;   // output columns per parallel work item
+constexpr int NBLOCK = 8;   // output columns per parallel work item
 
 struct Args {
   const float* x; float* y; const uint8_t* qs; const float* d; const float* dmin; const int8_t* sc;
@@ -131,8 +134,8 @@ AVX512 void column_params_avx512(const Args& p, int64_t n, float* a, float* b) {
       dv = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(d + h / 2)));
       mv = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(dmin + h / 2)));
     } else {                              // all 16 halves in one superblock
-      dv = _mm512_set1_ps(d[h / sb_halves]);
-      mv = _mm512_set1_ps(dmin[h / sb_halves]);
+      dv = _mm512_set1_ps(d[h >> (p.sb_shift - 4)]);
+      mv = _mm512_set1_ps(dmin[h >> (p.sb_shift - 4)]);
     }
     __m128i s8, m8;
     if (p.g_shift == 4) {                 // groups of 16: one scale per half
@@ -152,22 +155,22 @@ AVX512 void column_params_avx512(const Args& p, int64_t n, float* a, float* b) {
   column_params(p, n, a, b, h);
 }
 
-// NT columns × R rows; 2·NT·R accumulators stay in registers.
+// Steps [s0, s1) (32 weights each) of NT columns × R rows: 2·NT·R accumulators in registers, loaded from and
+// stored back to `acc` (column-major over the block's columns) around the chunk.
 template <int R, int NT, bool U4>
-AVX512 void tile_avx512(const Args& p, int64_t n, int64_t r0, float* ab) {
+AVX512 void chunk_avx512(const Args& p, int64_t n, const float* ab, __m512 (*acc)[RMAX][2], int64_t r0,
+                         int64_t s0, int64_t s1) {
   const int64_t stride = p.K / 8;    // floats of ab per column: a[K/16], then b[K/16]
-  __m512 acc[NT][R][2];
+  __m512 sum[NT][R][2];
 #pragma GCC unroll 12
-  for (int t = 0; t < NT; ++t) {
-    column_params_avx512(p, n + t, ab + t * stride, ab + t * stride + p.K / 16);
+  for (int t = 0; t < NT; ++t)
 #pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) acc[t][r][0] = acc[t][r][1] = _mm512_setzero_ps();
-  }
+    for (int r = 0; r < R; ++r) sum[t][r][0] = acc[t][r][0], sum[t][r][1] = acc[t][r][1];
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const uint8_t* qs = p.qs + n * (U4 ? p.K / 2 : p.K);
   const int64_t qstride = U4 ? p.K / 2 : p.K;
+  const uint8_t* qs = p.qs + n * qstride;
   const float* x = p.x + r0 * p.K;
-  for (int64_t s = 0; s < p.K / 32; ++s) {
+  for (int64_t s = s0; s < s1; ++s) {
     __m512 w[NT][2];
 #pragma GCC unroll 12
     for (int t = 0; t < NT; ++t) {
@@ -194,30 +197,43 @@ AVX512 void tile_avx512(const Args& p, int64_t n, int64_t r0, float* ab) {
       const __m512 x0 = _mm512_loadu_ps(x + r * p.K + 32 * s), x1 = _mm512_loadu_ps(x + r * p.K + 32 * s + 16);
 #pragma GCC unroll 12
       for (int t = 0; t < NT; ++t) {
-        acc[t][r][0] = _mm512_fmadd_ps(w[t][0], x0, acc[t][r][0]);
-        acc[t][r][1] = _mm512_fmadd_ps(w[t][1], x1, acc[t][r][1]);
+        sum[t][r][0] = _mm512_fmadd_ps(w[t][0], x0, sum[t][r][0]);
+        sum[t][r][1] = _mm512_fmadd_ps(w[t][1], x1, sum[t][r][1]);
       }
     }
   }
 #pragma GCC unroll 12
   for (int t = 0; t < NT; ++t)
 #pragma GCC unroll 12
-    for (int r = 0; r < R; ++r)
-      p.y[(r0 + r) * p.N + n + t] = reduce16(_mm512_add_ps(acc[t][r][0], acc[t][r][1]));
+    for (int r = 0; r < R; ++r) acc[t][r][0] = sum[t][r][0], acc[t][r][1] = sum[t][r][1];
 }
 
-// columns [n0, n1) for rows r0 .. r0 + R: as many columns at once as the registers hold
+// Columns [n0, n1) (at most NBLOCK) for rows r0 .. r0 + R. K is walked in chunks whose R rows of x fit in L1
+// (about 12 KB), each chunk applied to every column of the block before the next: x is read from L2 once per
+// block and chunk, not once per column. The columns' (a, b) are computed with the first row chunk (r0 = 0).
 template <int R>
 AVX512 void rows_avx512(const Args& p, int64_t n0, int64_t n1, int64_t r0, float* ab) {
   constexpr int NT = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
-  int64_t n = n0;
-  if (p.u4) {
-    for (; n + NT <= n1; n += NT) tile_avx512<R, NT, true>(p, n, r0, ab);
-    for (; n < n1; ++n) tile_avx512<R, 1, true>(p, n, r0, ab);
-  } else {
-    for (; n + NT <= n1; n += NT) tile_avx512<R, NT, false>(p, n, r0, ab);
-    for (; n < n1; ++n) tile_avx512<R, 1, false>(p, n, r0, ab);
+  constexpr int64_t CHUNK = 96 / R > 0 ? 96 / R : 1;   // steps per chunk: R · 32 · CHUNK floats ≈ 12 KB
+  const int64_t stride = p.K / 8, steps = p.K / 32, cols = n1 - n0;
+  if (r0 == 0)
+    for (int64_t c = 0; c < cols; ++c) column_params_avx512(p, n0 + c, ab + c * stride, ab + c * stride + p.K / 16);
+  alignas(64) __m512 acc[NBLOCK][RMAX][2];
+  for (int64_t c = 0; c < cols; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r][0] = acc[c][r][1] = _mm512_setzero_ps();
+  for (int64_t s0 = 0; s0 < steps; s0 += CHUNK) {
+    const int64_t s1 = std::min(steps, s0 + CHUNK);
+    int64_t c = 0;
+    if (p.u4) {
+      for (; c + NT <= cols; c += NT) chunk_avx512<R, NT, true>(p, n0 + c, ab + c * stride, acc + c, r0, s0, s1);
+      for (; c < cols; ++c) chunk_avx512<R, 1, true>(p, n0 + c, ab + c * stride, acc + c, r0, s0, s1);
+    } else {
+      for (; c + NT <= cols; c += NT) chunk_avx512<R, NT, false>(p, n0 + c, ab + c * stride, acc + c, r0, s0, s1);
+      for (; c < cols; ++c) chunk_avx512<R, 1, false>(p, n0 + c, ab + c * stride, acc + c, r0, s0, s1);
+    }
   }
+  for (int64_t c = 0; c < cols; ++c)
+    for (int r = 0; r < R; ++r) p.y[(r0 + r) * p.N + n0 + c] = reduce16(_mm512_add_ps(acc[c][r][0], acc[c][r][1]));
 }
 
 // ------------------------------------------------------------------------------------------ AVX2
