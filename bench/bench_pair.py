@@ -1,0 +1,513 @@
+#!/usr/bin/env python
+"""Same-run benchmark of the Qwen2.5-Coder pair: specdec against llama.cpp, on one machine, in one process run.
+
+What it measures. Batch 1, greedy decoding with EOS ignored (every system generates exactly
+``--max-new-tokens`` N new tokens; llama-speculative may overshoot by up to k and says how many it made), on
+the chat-templated prompts of a prompt set, the target Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF) and the
+draft Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF):
+
+- ``specdec-target``: ``DecoderModel.generate`` (the GGUF file's own Q4_K/Q6_K blocks on ``block_mm``);
+- ``specdec-<strategy>-k<k>``: ``SpeculativeGenerator`` with ``model`` (``DraftModel`` of the draft GGUF),
+  ``lookup`` (``PromptLookup``) or ``lookup+model`` (``LookupOrDraft``), for every k of ``--ks``;
+- ``llamacpp-target``: ``llama-completion`` on the target GGUF;
+- ``llamacpp-spec-k<k>``: ``llama-speculative`` with the draft GGUF, ``--spec-draft-n-max k`` (its greedy
+  draft sampler gives every draft token p = 1, so each round drafts k tokens).
+
+Every system runs on every prompt, prompt after prompt (all systems on prompt 1, then on prompt 2, ...), so
+a slow spell of the machine hits every system alike. Each system first does one untimed warm-up
+generation (``--warmup-tokens``) on the first prompt (on every prompt with ``--backend compiled``: the
+prefill graph of each context bucket); llama.cpp's warm-up runs fill the page cache with its GGUF files.
+specdec systems are timed as a user waits: wall clock around the ``generate`` call (prefill included),
+``e2e_tok_s`` = N / seconds; ``decode_tok_s`` = (N - 1) / (time of the last token - time of the first),
+taken from a streamer in the same call. llama.cpp's figures are its own timing lines (``LlamaCppRun``):
+``e2e_tok_s`` = generated tokens / (prefill + decoding), model loading excluded.
+τ (mean acceptance length) = 1 + accepted / speculation steps, pooled over prompts; for llama-speculative
+the steps are its draft rounds, gen_tokens - 1 - n_accept (each round emits its accepted tokens + 1, the
+first token comes from the prefill).
+
+llama.cpp gets the same templated text (``tokenizer.decode(chat ids)``; it parses the special tokens) and
+the number of prompt tokens it reports is recorded next to ours (``prompt_tokens_match``). Greedy outputs:
+every speculative specdec system must equal ``specdec-target`` token for token (``identical_to_target``);
+llama.cpp's text is compared with specdec-target's decoded text (``text_equal_to_specdec``,
+``common_prefix_chars``): llama.cpp's numerics differ, so that comparison is only informational.
+
+llama.cpp runs as its users run it: the inherited environment (OpenMP threads spin at barriers; run on an
+idle machine), plus any ``--llamacpp-env KEY=VALUE`` (e.g. ``OMP_WAIT_POLICY=PASSIVE`` on a busy one);
+``config.llamacpp_setup.env`` records both.
+
+Command (the full run; progress lines go to stderr, the JSON to stdout and ``--output``)::
+
+    python bench/bench_pair.py --prompts code --num-prompts 16 --max-new-tokens 96 --threads 2 --ks 4 \\
+        --strategies none,model,lookup,lookup+model --output bench/results/pair_code.json
+
+JSON keys: ``command`` (argv), ``commit`` (short hash, ``+dirty`` with uncommitted changes), ``machine``
+(``specdec.bench.runtime._machine_info``), ``config`` (settings, model and GGUF paths, prompt ids and
+token counts, ``llamacpp_setup``: llama.cpp's build, GGUF files and env), ``systems`` (per system: medians
+over prompts of ``e2e_tok_s`` and ``decode_tok_s``, pooled ``tau`` and ``acceptance``, ``by_category``
+medians, the output checks), ``per_prompt`` (each prompt's raw numbers per system: seconds, rates, stats,
+our tokens; llama.cpp's timings, text and command line) and ``ratios`` (every system's median e2e tok/s ÷
+``llamacpp-target``'s and ÷ ``specdec-target``'s, decode likewise, and the best speculative specdec system ÷
+the best ``llamacpp-spec-k*``). Ctrl-C abandons the generation under way and prints what was measured so far
+(``interrupted: true``, exit code 130).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from specdec import (
+    DecoderModel,
+    DraftModel,
+    LookupOrDraft,
+    PromptLookup,
+    SpecStats,
+    SpeculativeGenerator,
+)
+from specdec.bench import emit_json
+from specdec.bench.llamacpp import (
+    LlamaCppRun,
+    llamacpp_bin_dir,
+    run_completion,
+    run_speculative,
+)
+from specdec.bench.prompts import int_list, load_records, resolve_prompts
+from specdec.bench.runtime import _machine_info
+from specdec.core.chat import chat_ids
+from specdec.core.named_models import is_named_model, named_model_path
+
+TARGET = "qwen2.5-coder-1.5b-instruct"
+DRAFT = "qwen2.5-coder-0.5b-instruct"
+STRATEGIES = ("none", "model", "lookup", "lookup+model")
+SPECDEC_TARGET, LLAMACPP_TARGET = "specdec-target", "llamacpp-target"
+ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "GGML_", "LLAMA_")   # inherited variables that can change llama.cpp
+
+
+# ---------------------------------------------------------------------------------------------- config
+@dataclass
+class Config:
+    """The parsed command line."""
+
+    prompts: str
+    num_prompts: int
+    max_new_tokens: int
+    threads: int
+    ks: list[int]
+    strategies: list[str]
+    model: str
+    draft_model: str
+    backend: str
+    amp: str
+    quantization: str | None
+    n_positions: int
+    warmup_tokens: int
+    llamacpp: bool
+    llamacpp_env: dict[str, str]
+    output: str | None
+
+
+def _strategy_list(text: str) -> list[str]:
+    """argparse type: ``"none,lookup"`` -> ``["none", "lookup"]`` (each one of ``STRATEGIES``)."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in STRATEGIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"strategies must be among {', '.join(STRATEGIES)}, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    """argparse type: ``"KEY=VALUE"`` -> ``("KEY", "VALUE")``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """The command line as a ``Config``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--prompts", default="code", help="prompt set ('code', 'mt-bench', 'varied') or an MT-Bench jsonl")
+    p.add_argument("--num-prompts", type=int, default=16, help="the first N prompts of the set")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="N: new tokens per prompt (EOS ignored)")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="torch threads and llama.cpp -t/-tb (default: the CPUs this process may use)")
+    p.add_argument("--ks", type=int_list, default=[4], help="draft lengths, comma-separated")
+    p.add_argument("--strategies", type=_strategy_list, default=list(STRATEGIES),
+                   help=f"specdec strategies, comma-separated, of {', '.join(STRATEGIES)} "
+                        "(none = no speculative system; specdec-target always runs)")
+    p.add_argument("--model", default=TARGET, help="target: a named model, a .gguf file or a checkpoint directory")
+    p.add_argument("--draft-model", default=DRAFT, help="draft: a named model, a .gguf file or a checkpoint")
+    p.add_argument("--backend", choices=("eager", "compiled"), default="eager")
+    p.add_argument("--amp", choices=("f32", "bf16"), default="f32")
+    p.add_argument("--quantization", default="gguf", help="DecoderModel quantization ('none' for None)")
+    p.add_argument("--n-positions", type=int, default=1024, help="KV positions (also llama.cpp's -c)")
+    p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each untimed warm-up generation")
+    p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false", help="skip the llama.cpp systems")
+    p.add_argument("--llamacpp-env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable for llama.cpp's runs (repeatable; default: the inherited env)")
+    p.add_argument("--output", default=None, help="also write the JSON here")
+    a = p.parse_args(argv)
+    if a.max_new_tokens < 2 or a.num_prompts < 1 or a.threads < 1 or a.warmup_tokens < 1 or min(a.ks) < 1:
+        p.error("--max-new-tokens must be >= 2, --num-prompts, --threads, --warmup-tokens and every k >= 1")
+    return Config(prompts=a.prompts, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens, threads=a.threads,
+                  ks=list(dict.fromkeys(a.ks)), strategies=a.strategies, model=a.model, draft_model=a.draft_model,
+                  backend=a.backend, amp=a.amp, quantization=None if a.quantization == "none" else a.quantization,
+                  n_positions=a.n_positions, warmup_tokens=a.warmup_tokens, llamacpp=a.llamacpp,
+                  llamacpp_env=dict(a.llamacpp_env), output=a.output)
+
+
+def log(message: str) -> None:
+    """A progress line on stderr."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def git_commit() -> str:
+    """``git rev-parse --short HEAD`` of the repository, ``+dirty`` when ``git status --porcelain`` lists anything."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain") else "")
+
+
+def gguf_file(name_or_path: str) -> Path:
+    """The GGUF file llama.cpp reads for a named model or a ``.gguf`` path (ValueError otherwise)."""
+    if is_named_model(name_or_path):
+        return named_model_path(name_or_path)
+    if str(name_or_path).endswith(".gguf") and Path(name_or_path).is_file():
+        return Path(name_or_path)
+    raise ValueError(f"llama.cpp reads GGUF files only: {name_or_path!r} is neither a named model nor a .gguf "
+                     "file (pass --no-llamacpp)")
+
+
+# ---------------------------------------------------------------------------------------------- systems
+@dataclass
+class OurSystem:
+    """A specdec system: its generate call and, for speculative ones, the last call's ``SpecStats``."""
+
+    name: str
+    strategy: str
+    k: int | None
+    generate: Callable[..., torch.Tensor]
+    last_stats: Callable[[], SpecStats] | None = None
+
+
+@dataclass
+class LlamaSystem:
+    """A llama.cpp system: ``k`` None is ``llama-completion``, else ``llama-speculative`` drafting k."""
+
+    name: str
+    k: int | None
+
+
+def load_target(cfg: Config) -> DecoderModel:
+    """The target model, loaded once."""
+    return DecoderModel.from_pretrained(cfg.model, quantization=cfg.quantization, amp=cfg.amp, backend=cfg.backend,
+                                        n_positions=cfg.n_positions)
+
+
+def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
+    """``specdec-target`` and one ``specdec-<strategy>-k<k>`` per strategy (not none) and k; one draft model
+    (loaded only if a strategy needs it) serves every system that drafts with it."""
+    systems = {SPECDEC_TARGET: OurSystem(SPECDEC_TARGET, "none", None, target.generate)}
+    draft = None
+    if any(s in ("model", "lookup+model") for s in cfg.strategies):
+        log(f"loading the draft {cfg.draft_model} ...")
+        draft = DraftModel.from_pretrained(cfg.draft_model, target)
+    for strategy in cfg.strategies:
+        if strategy == "none":
+            continue
+        for k in cfg.ks:
+            gen = SpeculativeGenerator(make_proposer(strategy, target, draft), target, k)
+            name = f"specdec-{strategy}-k{k}"
+            systems[name] = OurSystem(name, strategy, k, gen.generate, lambda gen=gen: gen.last_stats)
+    return systems
+
+
+def make_proposer(strategy: str, target: DecoderModel, draft: DraftModel | None) -> object:
+    """The proposer of a strategy: the draft model, a ``PromptLookup``, or a ``LookupOrDraft`` of both."""
+    if strategy == "lookup":
+        return PromptLookup(target)
+    assert draft is not None
+    return draft if strategy == "model" else LookupOrDraft(PromptLookup(target), draft)
+
+
+def llama_systems(cfg: Config) -> dict[str, LlamaSystem]:
+    """``llamacpp-target`` and one ``llamacpp-spec-k<k>`` per k (none with ``--no-llamacpp``)."""
+    if not cfg.llamacpp:
+        return {}
+    systems = {LLAMACPP_TARGET: LlamaSystem(LLAMACPP_TARGET, None)}
+    systems |= {f"llamacpp-spec-k{k}": LlamaSystem(f"llamacpp-spec-k{k}", k) for k in cfg.ks}
+    return systems
+
+
+# ---------------------------------------------------------------------------------------------- runs
+class TokenClock:
+    """HF streamer protocol: the first ``put`` is the prompt, then one per emitted token; records the times."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_ours(system: OurSystem, ids: list[int], n_new: int) -> dict:
+    """One timed generation: the new tokens, wall seconds, e2e and decode tok/s, and (speculative) the stats."""
+    x = torch.tensor([ids])
+    clock = TokenClock()
+    start = time.perf_counter()
+    out = system.generate(x, max_new_tokens=n_new, eos_token_id=[], streamer=clock)
+    seconds = time.perf_counter() - start
+    tokens = out[0, len(ids):].tolist()
+    if len(tokens) != n_new:
+        raise RuntimeError(f"{system.name} generated {len(tokens)} tokens, not {n_new}")
+    decode_s = clock.times[-1] - clock.times[1] if len(clock.times) > 2 else 0.0
+    result = {"tokens": tokens, "seconds": seconds, "e2e_tok_s": n_new / seconds,
+              "decode_tok_s": (n_new - 1) / decode_s if decode_s > 0 else None}
+    if system.last_stats is not None:
+        st = system.last_stats()
+        result |= {"steps": st.steps, "drafted": st.drafted, "accepted": st.accepted,
+                   "tau": st.mean_acceptance_length, "acceptance": st.acceptance_rate}
+    return result
+
+
+def run_llama(system: LlamaSystem, bin_dir: Path, target_gguf: Path, draft_gguf: Path | None, text: str,
+              n_new: int, cfg: Config) -> LlamaCppRun:
+    """One llama.cpp run of ``text`` (the templated prompt) with EOS ignored."""
+    kw = {"threads": cfg.threads, "ctx": cfg.n_positions, "ignore_eos": True, "env": cfg.llamacpp_env or None}
+    if system.k is None:
+        return run_completion(bin_dir, target_gguf, text, n_new, **kw)
+    assert draft_gguf is not None
+    return run_speculative(bin_dir, target_gguf, draft_gguf, text, n_new, n_draft=system.k, **kw)
+
+
+def llama_entry(run: LlamaCppRun, n_new: int, our_text: str | None) -> dict:
+    """A llama.cpp run's numbers for ``per_prompt``: its rates, τ (speculative) and the text comparison."""
+    entry = {"prompt_tokens": run.prompt_tokens, "gen_tokens": run.gen_tokens, "prompt_ms": run.prompt_ms,
+             "gen_ms": run.gen_ms, "e2e_tok_s": run.e2e_tok_s, "decode_tok_s": run.decode_tok_s,
+             "wall_s_with_load": run.wall_s, "text": run.text, "command": run.command}
+    if run.n_accept is not None:
+        rounds = run.gen_tokens - 1 - run.n_accept
+        entry |= {"steps": rounds, "drafted": run.n_drafted, "accepted": run.n_accept,
+                  "tau": 1 + run.n_accept / rounds if rounds > 0 else None, "acceptance": run.acceptance}
+    if our_text is not None:
+        entry |= compare_text(our_text, run.text, overshoot=run.gen_tokens > n_new)
+    return entry
+
+
+def compare_text(ours: str, theirs: str, overshoot: bool) -> dict:
+    """Whether llama.cpp's text equals ours (a prefix of it when llama.cpp generated more than N tokens), and the
+    length of the common prefix in characters."""
+    prefix = 0
+    for a, b in zip(ours, theirs):
+        if a != b:
+            break
+        prefix += 1
+    equal = theirs == ours or (overshoot and theirs.startswith(ours))
+    return {"text_equal_to_specdec": equal, "common_prefix_chars": prefix, "specdec_text_chars": len(ours)}
+
+
+def warm_up(ours: dict[str, OurSystem], llamas: dict[str, LlamaSystem], prompts: list[list[int]], texts: list[str],
+            cfg: Config, llama_files: tuple[Path, Path, Path | None] | None) -> None:
+    """One untimed generation of every system (our systems on every prompt with the compiled backend)."""
+    warm = prompts if cfg.backend == "compiled" else prompts[:1]
+    for name, system in ours.items():
+        start = time.perf_counter()
+        for ids in warm:
+            system.generate(torch.tensor([ids]), max_new_tokens=cfg.warmup_tokens, eos_token_id=[])
+        log(f"warm-up {name}: {time.perf_counter() - start:.1f} s")
+    for name, system in llamas.items():
+        assert llama_files is not None
+        start = time.perf_counter()
+        run_llama(system, *llama_files, texts[0], cfg.warmup_tokens, cfg)
+        log(f"warm-up {name}: {time.perf_counter() - start:.1f} s")
+
+
+def bench_prompt(ids: list[int], text: str, ours: dict[str, OurSystem],
+                 llamas: dict[str, LlamaSystem], cfg: Config, tokenizer, llama_files, entry: dict, where: str) -> None:
+    """Run every system on one prompt, filling ``entry["systems"]`` as results come (kept if interrupted)."""
+    n_new = cfg.max_new_tokens
+    reference: list[int] | None = None
+    our_text: str | None = None
+    for name, system in ours.items():
+        res = run_ours(system, ids, n_new)
+        if name == SPECDEC_TARGET:
+            reference = res["tokens"]
+            our_text = tokenizer.decode(reference, skip_special_tokens=True).strip("\n")
+            res["text"] = our_text
+        elif reference is not None:
+            res["identical_to_target"] = res["tokens"] == reference
+        entry["systems"][name] = res
+        log(f"{where} {name}: {_describe(res)}")
+    for name, system in llamas.items():
+        run = run_llama(system, *llama_files, text, n_new, cfg)
+        res = llama_entry(run, n_new, our_text)
+        res["prompt_tokens_match"] = run.prompt_tokens == len(ids)
+        if not res["prompt_tokens_match"]:
+            log(f"{where} WARNING: llama.cpp read {run.prompt_tokens} prompt tokens, specdec {len(ids)}")
+        entry["systems"][name] = res
+        log(f"{where} {name}: {_describe(res)}")
+
+
+def _describe(res: dict) -> str:
+    """A result as one progress line."""
+    parts = [f"e2e {res['e2e_tok_s']:.2f} tok/s"]
+    if res.get("decode_tok_s"):
+        parts.append(f"decode {res['decode_tok_s']:.2f} tok/s")
+    if res.get("tau") is not None:
+        parts.append(f"tau {res['tau']:.2f}")
+    if "identical_to_target" in res:
+        parts.append("identical" if res["identical_to_target"] else "DIFFERS from specdec-target")
+    if "text_equal_to_specdec" in res:
+        parts.append(f"text {'equal' if res['text_equal_to_specdec'] else 'differs'} "
+                     f"({res['common_prefix_chars']}/{res['specdec_text_chars']} chars in common)")
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _pooled_tau(results: list[dict]) -> dict:
+    """τ = 1 + Σ accepted / Σ steps and acceptance = Σ accepted / Σ drafted over ``results`` (speculative only)."""
+    spec = [r for r in results if "steps" in r]
+    if not spec:
+        return {}
+    steps, drafted, accepted = (sum(r[key] for r in spec) for key in ("steps", "drafted", "accepted"))
+    return {"tau": 1 + accepted / steps if steps else None, "acceptance": accepted / drafted if drafted else None}
+
+
+def summarize_system(name: str, per_prompt: list[dict], kind: str, strategy: str | None, k: int | None) -> dict:
+    """One system's summary: medians over prompts, pooled τ, per-category medians and the output checks."""
+    rows = [(p["category"], p["systems"][name]) for p in per_prompt if name in p["systems"]]
+    results = [r for _, r in rows]
+    summary = {"kind": kind, "strategy": strategy, "k": k, "prompts": len(results),
+               "e2e_tok_s": _median([r["e2e_tok_s"] for r in results]),
+               "decode_tok_s": _median([r.get("decode_tok_s") for r in results]), **_pooled_tau(results)}
+    by_category: dict[str, list[dict]] = {}
+    for category, r in rows:
+        by_category.setdefault(category, []).append(r)
+    summary["by_category"] = {c: {"prompts": len(rs), "e2e_tok_s": _median([r["e2e_tok_s"] for r in rs]),
+                                  "decode_tok_s": _median([r.get("decode_tok_s") for r in rs]), **_pooled_tau(rs)}
+                              for c, rs in by_category.items()}
+    for key in ("identical_to_target", "text_equal_to_specdec", "prompt_tokens_match"):
+        flags = [r[key] for r in results if key in r]
+        if flags:
+            summary[key] = all(flags)
+            summary[f"{key}_count"] = sum(flags)
+    return summary
+
+
+def ratios(systems: dict[str, dict]) -> dict:
+    """Median e2e (and decode) tok/s of each system ÷ both targets', and best speculative ÷ best llama.cpp spec."""
+    out: dict[str, object] = {}
+    for metric, prefix in (("e2e_tok_s", ""), ("decode_tok_s", "decode_")):
+        for base in (LLAMACPP_TARGET, SPECDEC_TARGET):
+            ref = systems.get(base, {}).get(metric)
+            if ref:
+                out[f"{prefix}vs_{base}"] = {n: s[metric] / ref for n, s in systems.items() if s.get(metric)}
+    ours = {n: s["e2e_tok_s"] for n, s in systems.items()
+            if s["kind"] == "specdec" and s["strategy"] != "none" and s["e2e_tok_s"]}
+    theirs = {n: s["e2e_tok_s"] for n, s in systems.items() if n.startswith("llamacpp-spec-") and s["e2e_tok_s"]}
+    if ours and theirs:
+        best, best_llama = max(ours, key=ours.get), max(theirs, key=theirs.get)
+        out["best_speculative_vs_best_llamacpp_spec"] = {
+            "specdec": best, "specdec_e2e_tok_s": ours[best], "llamacpp": best_llama,
+            "llamacpp_e2e_tok_s": theirs[best_llama], "ratio": ours[best] / theirs[best_llama]}
+    return out
+
+
+def summarize(per_prompt: list[dict], ours: dict[str, OurSystem], llamas: dict[str, LlamaSystem]) -> dict:
+    """Every system's summary (``systems`` in the JSON)."""
+    systems = {n: summarize_system(n, per_prompt, "specdec", s.strategy, s.k) for n, s in ours.items()}
+    systems |= {n: summarize_system(n, per_prompt, "llamacpp", None if s.k is None else "model", s.k)
+                for n, s in llamas.items()}
+    return systems
+
+
+def llama_config(cfg: Config, bin_dir: Path, files: tuple[Path, Path, Path | None]) -> dict:
+    """llama.cpp's build, GGUF files and environment (the inherited variables that matter plus ``--llamacpp-env``)."""
+    build_info = bin_dir.parent / "build.json"
+    inherited = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+    return {"bin_dir": str(bin_dir), "build": json.loads(build_info.read_text()) if build_info.is_file() else None,
+            "target_gguf": str(files[1]), "draft_gguf": str(files[2]),
+            "env": {"inherited": inherited, "added": cfg.llamacpp_env}, "threads": cfg.threads,
+            "ctx": cfg.n_positions, "ignore_eos": True}
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    """Load, warm up, run every system on every prompt, print the JSON; 0, or 130 when interrupted."""
+    cfg = parse_args(argv)
+    torch.set_num_threads(cfg.threads)
+    torch.set_grad_enabled(False)
+    result: dict = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(),
+                    "machine": _machine_info()}
+    records = load_records(cfg.prompts, cfg.num_prompts)
+    log(f"loading the target {cfg.model} ({cfg.quantization}, {cfg.amp}, {cfg.backend}) ...")
+    target = load_target(cfg)
+    tokenizer = target.tokenizer
+    prompts = [chat_ids(tokenizer, text) for _, _, text in records]
+    texts = [tokenizer.decode(ids) for ids in prompts]
+    needed = max(len(p) for p in prompts) + cfg.max_new_tokens + max(cfg.ks) + 1
+    if needed > cfg.n_positions:
+        raise SystemExit(f"--n-positions {cfg.n_positions} is too small: the longest prompt + N + a verify step "
+                         f"needs {needed}")
+    ours, llamas = our_systems(cfg, target), llama_systems(cfg)
+    llama_files = None
+    config = {**asdict(cfg), "prompt_file": str(resolve_prompts(cfg.prompts)),
+              "question_ids": [q for q, _, _ in records], "categories": [c for _, c, _ in records],
+              "prompt_tokens": [len(p) for p in prompts], "model_path": str(target.path),
+              "systems": [*ours, *llamas], "torch_threads": torch.get_num_threads(), "batch_size": 1,
+              "decoding": "greedy, EOS ignored"}
+    if llamas:
+        bin_dir = llamacpp_bin_dir(build=False)
+        draft_gguf = gguf_file(cfg.draft_model) if len(llamas) > 1 else None
+        llama_files = (bin_dir, gguf_file(cfg.model), draft_gguf)
+        config["llamacpp_setup"] = llama_config(cfg, bin_dir, llama_files)
+    result["config"] = config
+    per_prompt: list[dict] = []
+    interrupted = False
+    try:
+        warm_up(ours, llamas, prompts, texts, cfg, llama_files)
+        for i, (record, ids, text) in enumerate(zip(records, prompts, texts)):
+            entry = {"id": record[0], "category": record[1], "prompt_tokens": len(ids), "systems": {}}
+            per_prompt.append(entry)
+            where = f"[{i + 1}/{len(records)} q={record[0]} {record[1]}, {len(ids)} prompt tokens]"
+            bench_prompt(ids, text, ours, llamas, cfg, tokenizer, llama_files, entry, where)
+    except KeyboardInterrupt:
+        interrupted = True
+        log("interrupted: reporting what was measured so far")
+    result["systems"] = summarize(per_prompt, ours, llamas)
+    result["per_prompt"] = per_prompt
+    result["ratios"] = ratios(result["systems"])
+    if interrupted:
+        result["interrupted"] = True
+    emit_json(result, cfg.output)
+    return 130 if interrupted else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:       # during loading, before anything was measured
+        log("interrupted")
+        sys.exit(130)
