@@ -47,7 +47,8 @@ over prompts of ``e2e_tok_s`` and ``decode_tok_s``, pooled ``tau`` and ``accepta
 medians, the output checks), ``per_prompt`` (each prompt's raw numbers per system: seconds, rates, stats,
 our tokens; llama.cpp's timings, text and command line) and ``ratios`` (every system's median e2e tok/s ÷
 ``llamacpp-target``'s and ÷ ``specdec-target``'s, decode likewise, and the best speculative specdec system ÷
-the best ``llamacpp-spec-k*``). Ctrl-C abandons the generation under way and prints what was measured so far
+the best ``llamacpp-spec-k*``). ``bench_pair.py --table RESULT.json`` prints a result's markdown table (the
+docs' table is generated so). Ctrl-C abandons the generation under way and prints what was measured so far
 (``interrupted: true``, exit code 130).
 """
 from __future__ import annotations
@@ -112,6 +113,7 @@ class Config:
     amp: str
     quantization: str | None
     n_positions: int
+    context_buckets: list[int] | None
     warmup_tokens: int
     llamacpp: bool
     llamacpp_env: dict[str, str]
@@ -154,6 +156,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--amp", choices=("f32", "bf16"), default="f32")
     p.add_argument("--quantization", default="gguf", help="DecoderModel quantization ('none' for None)")
     p.add_argument("--n-positions", type=int, default=1024, help="KV positions (also llama.cpp's -c)")
+    p.add_argument("--context-buckets", type=int_list, default=None,
+                   help="prompt-length buckets, comma-separated (default: the runtime's powers of two from 128; "
+                        "eager graphs cost nothing per bucket, so fine buckets waste no padding)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each untimed warm-up generation")
     p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false", help="skip the llama.cpp systems")
     p.add_argument("--llamacpp-env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
@@ -165,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     return Config(prompts=a.prompts, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens, threads=a.threads,
                   ks=list(dict.fromkeys(a.ks)), strategies=a.strategies, model=a.model, draft_model=a.draft_model,
                   backend=a.backend, amp=a.amp, quantization=None if a.quantization == "none" else a.quantization,
-                  n_positions=a.n_positions, warmup_tokens=a.warmup_tokens, llamacpp=a.llamacpp,
+                  n_positions=a.n_positions, context_buckets=a.context_buckets, warmup_tokens=a.warmup_tokens, llamacpp=a.llamacpp,
                   llamacpp_env=dict(a.llamacpp_env), output=a.output)
 
 
@@ -215,7 +220,7 @@ class LlamaSystem:
 def load_target(cfg: Config) -> DecoderModel:
     """The target model, loaded once."""
     return DecoderModel.from_pretrained(cfg.model, quantization=cfg.quantization, amp=cfg.amp, backend=cfg.backend,
-                                        n_positions=cfg.n_positions)
+                                        n_positions=cfg.n_positions, context_buckets=cfg.context_buckets)
 
 
 def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
@@ -453,9 +458,41 @@ def llama_config(cfg: Config, bin_dir: Path, files: tuple[Path, Path, Path | Non
             "ctx": cfg.n_positions, "ignore_eos": True}
 
 
+def markdown_table(result: dict) -> str:
+    """The README / docs table of a result JSON: one line per system, medians over prompts."""
+    systems, machine = result["systems"], result["machine"]
+    vs_llama = result["ratios"].get(f"vs_{LLAMACPP_TARGET}", {})
+    vs_ours = result["ratios"].get(f"vs_{SPECDEC_TARGET}", {})
+    lines = ["| system | e2e tok/s | decode tok/s | τ | × llama.cpp target | × specdec target | greedy output |",
+             "|---|---|---|---|---|---|---|"]
+    for name, s in systems.items():
+        check = ""
+        for key, label in (("identical_to_target", "tokens = specdec-target"),
+                           ("text_equal_to_specdec", "text = specdec-target")):
+            if key in s:
+                check = f"{s[f'{key}_count']}/{s['prompts']} {label}"
+        tau = f"{s['tau']:.2f}" if s.get("tau") else "—"
+        lines.append(f"| {name} | {s['e2e_tok_s']:.2f} | {s['decode_tok_s'] or 0:.2f} | {tau} | "
+                     f"{vs_llama.get(name, 0):.2f} | {vs_ours.get(name, 0):.2f} | {check} |")
+    cfg = result["config"]
+    lines.append("")
+    lines.append(f"Medians over {len(cfg['question_ids'])} prompts of `{Path(cfg['prompt_file']).stem}`, "
+                 f"{cfg['max_new_tokens']} new tokens (EOS ignored), greedy, batch 1, {cfg['threads']} threads, "
+                 f"{cfg['backend']} {cfg['amp']} `{cfg['quantization']}`; {machine['cpu_model']} "
+                 f"({machine['cpu_capability']}), commit {result['commit']}.")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    """Load, warm up, run every system on every prompt, print the JSON; 0, or 130 when interrupted."""
+    """Load, warm up, run every system on every prompt, print the JSON; 0, or 130 when interrupted.
+    ``--table RESULT.json``: print that result's markdown table instead."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--table"]:
+        if len(argv) != 2:
+            raise SystemExit("usage: bench_pair.py --table RESULT.json")
+        print(markdown_table(json.loads(Path(argv[1]).read_text())))
+        return 0
     cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads)
     torch.set_grad_enabled(False)

@@ -208,8 +208,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
                    help="weight-only attention and MLP projections: int8 per channel (with --amp bf16 PyTorch's "
                         "int8 CPU kernel) or int4 in groups of 32 (PyTorch's int4 CPU kernel), the LM head int8 "
-                        "under both; gguf (a GGUF "
-                        "model, e.g. the embedded one): its own Q4_0 / Q4_1 / Q8_0 blocks, LM head included")
+                        "under both; gguf (a GGUF model: the embedded one, the Qwen2.5-Coder pair): the file's own "
+                        "Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 blocks, LM head included, exactly, on specdec's "
+                        "block_mm CPU kernel (f32 activations)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3"],
                    help="8-bit KV cache with an f32 scale per (slot, KV head), dequantized when read "
                         "(default: the --amp dtype); drafts use it too")
@@ -235,6 +236,10 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint directory of the draft model / EAGLE head / Medusa heads trained for --model; "
                         "--draft model also takes a named model (qwen2.5-coder-0.5b-instruct drafts for "
                         "qwen2.5-coder-1.5b-instruct)")
+    s.add_argument("--draft-model", type=draft_path, default=None, metavar="MODEL",
+                   help="a draft model (a named model such as qwen2.5-coder-0.5b-instruct, a .gguf file or a "
+                        "checkpoint directory): --draft model --draft-path MODEL (with --draft lookup+model, its "
+                        "model part)")
     s.add_argument("--k", type=positive_int, default=None,
                    help="draft tokens per step (default: model 4, eagle 5, lookup 4; medusa and eagle-tree: the tree's depth, "
                         "and a given --k must equal it)")
@@ -315,8 +320,17 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
 
 
 def check_speculation_arguments(args: argparse.Namespace) -> None:
-    """--draft / --draft-path / --k / --tree combinations, checked before any model loads."""
+    """--draft / --draft-path / --draft-model / --k / --tree combinations, checked before any model loads
+    (``--draft-model X`` becomes ``--draft model --draft-path X``, or the model part of ``--draft lookup+model``)."""
     from .shipped import TREE_KINDS
+    if getattr(args, "draft_model", None) is not None:
+        if args.draft_path is not None:
+            raise CLIError("give --draft-model or --draft-path, not both")
+        if args.draft not in ("none", "model", "lookup+model"):
+            raise CLIError(f"--draft-model is a draft model: use it alone, or with --draft model or lookup+model "
+                           f"(not {args.draft})")
+        args.draft = "model" if args.draft == "none" else args.draft
+        args.draft_path = args.draft_model
     d = args.draft
     if d == "none" and args.k is not None:
         raise CLIError("--k needs --draft (model, eagle, medusa, lookup, lookup+model or lookup+eagle)")

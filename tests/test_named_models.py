@@ -152,6 +152,24 @@ def test_hooks(fake, capsys):
     cli.check_generate_arguments(args)
 
 
+def test_draft_model_flag(fake):
+    """--draft-model X is --draft model --draft-path X (or the model part of --draft lookup+model)."""
+    from specdec import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "hi", "--model", NAME, "--draft-model", NAME])
+    cli.check_generate_arguments(args)
+    assert (args.draft, args.draft_path) == ("model", NAME)
+    args = parser.parse_args(["generate", "hi", "--model", NAME, "--draft", "lookup+model", "--draft-model", NAME])
+    cli.check_generate_arguments(args)
+    assert (args.draft, args.draft_path) == ("lookup+model", NAME)
+    for extra, message in ((["--draft", "eagle"], "use it alone, or with --draft model"),
+                           (["--draft-path", NAME], "not both")):
+        args = parser.parse_args(["generate", "hi", "--model", NAME, "--draft-model", NAME, *extra])
+        with pytest.raises(cli.CLIError, match=message):
+            cli.check_generate_arguments(args)
+
+
 # ---------------------------------------------------------------------------------------------- the real pair
 # What the Qwen2.5-Coder GGUF files hold: architecture, layers, and tensors per GGML type.
 REAL = {"qwen2.5-coder-1.5b-instruct": (28, {"Q4_K": 169, "Q6_K": 29, "F32": 141}, "Q6_K"),
