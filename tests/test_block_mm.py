@@ -115,3 +115,27 @@ def test_bad_shapes_fail_clearly():
         torch.ops.specdec.block_mm(torch.randn(2, 250), qs, d, dmin, sc, mn, group, superblock)
     with pytest.raises(RuntimeError, match="qs shape"):
         torch.ops.specdec.block_mm(torch.randn(2, 512), qs, d, dmin, sc, mn, group, superblock)
+
+
+def test_python_fallback_defines_the_same_op(tmp_path):
+    """Where the extension cannot be built, ``block_mm`` is defined in Python with the same schema and
+    results (run in a fresh interpreter: one process holds one definition of the op)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fallback.py"
+    script.write_text(
+        "import torch\n"
+        "from specdec.core import kernels\n"
+        "kernels._define_reference()\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "qs = torch.randint(0, 256, (6, 128), dtype=torch.uint8, generator=g)\n"
+        "d, dmin = torch.rand(6, 1, generator=g), torch.rand(6, 1, generator=g)\n"
+        "sc = torch.randint(0, 64, (6, 8), dtype=torch.int8, generator=g)\n"
+        "x = torch.randn(3, 256, generator=g)\n"
+        "y = torch.ops.specdec.block_mm(x, qs, d, dmin, sc, sc, 32, 256)\n"
+        "ref = x.double() @ kernels.dequantize(qs, d, dmin, sc, sc, 32, 256).double().t()\n"
+        "torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

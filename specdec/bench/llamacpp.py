@@ -397,9 +397,7 @@ def run_completion(bin_dir: str | Path, gguf: str | Path, prompt: str, n_predict
                "-t", str(threads), "-tb", str(threads), "--temp", "0", "--top-k", "1", "-no-cnv"]
         if _has_flag(program, "--no-display-prompt"):
             cmd.append("--no-display-prompt")
-        if ignore_eos:
-            cmd.append("--ignore-eos")
-        cmd += extra_args or []
+        cmd = [*cmd, *(["--ignore-eos"] if ignore_eos else []), *(extra_args or [])]
         stdout, stderr, wall = _execute(cmd, timeout, env)
     log = stdout + "\n" + stderr
     pe, ev, tot = _PROMPT_EVAL.findall(log), _EVAL.findall(log), _TOTAL.findall(log)
@@ -437,9 +435,7 @@ def run_speculative(bin_dir: str | Path, target_gguf: str | Path, draft_gguf: st
         if _has_flag(program, "-tbd"):
             cmd += ["-tbd", str(threads)]
         cmd += ["--temp", "0", "--top-k", "1", _draft_flag(program), str(n_draft)]
-        if ignore_eos:
-            cmd.append("--ignore-eos")
-        cmd += extra_args or []
+        cmd = [*cmd, *(["--ignore-eos"] if ignore_eos else []), *(extra_args or [])]
         stdout, stderr, wall = _execute(cmd, timeout, env)
     log = stdout + "\n" + stderr
     enc, dec, tot = _ENCODED.search(log), _DECODED.search(log), _TOTAL.findall(log)

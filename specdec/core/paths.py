@@ -62,12 +62,7 @@ def file_sha256(path: str | Path, progress: bool = True) -> str:
     size, mtime): hashed once per file version, not on every load."""
     path = Path(path).resolve()
     stat = path.stat()
-    index_file = cache_dir() / "gguf" / HASH_INDEX
-    try:
-        index = json.loads(index_file.read_text())
-    except (OSError, ValueError):
-        index = {}
-    memo = index.get(str(path))
+    memo = _hash_index().get(str(path))
     if isinstance(memo, dict) and memo.get("size") == stat.st_size and memo.get("mtime_ns") == stat.st_mtime_ns:
         return memo["sha256"]
     from tqdm.auto import tqdm
@@ -89,14 +84,17 @@ def record_sha256(path: str | Path, sha256: str) -> None:
     does not read the file."""
     path = Path(path).resolve()
     stat = path.stat()
-    index_file = cache_dir() / "gguf" / HASH_INDEX
-    try:
-        index = json.loads(index_file.read_text())
-    except (OSError, ValueError):
-        index = {}
-    index = {p: m for p, m in index.items() if Path(p).exists()}    # forget files that are gone
+    index = {p: m for p, m in _hash_index().items() if Path(p).exists()}    # forget files that are gone
     index[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
-    _write_atomic(index_file, json.dumps(index, indent=1))
+    _write_atomic(cache_dir() / "gguf" / HASH_INDEX, json.dumps(index, indent=1))
+
+
+def _hash_index() -> dict:
+    """The memo of file hashes (``$SPECDEC_CACHE/gguf/hashes.json``); empty when missing or unreadable."""
+    try:
+        return json.loads((cache_dir() / "gguf" / HASH_INDEX).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def gguf_cache_path(gguf_path: str | Path, progress: bool = True) -> Path:

@@ -21,6 +21,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("block_mm.cpp")
 _state: dict[str, str] = {}
+_libraries: list[torch.library.Library] = []     # the Python definition, when used, kept alive here
 
 
 def block_mm_isa() -> str:
@@ -45,7 +46,7 @@ def load_block_mm() -> None:
     try:
         _build()
         _state["isa"] = torch.ops.specdec.block_mm_isa()
-    except Exception as e:   # no compiler, no headers: the Python definition of the same op
+    except (RuntimeError, OSError, ImportError) as e:   # no compiler, no headers: the op defined in Python
         warnings.warn(f"specdec: the block_mm CPU kernel could not be built ({type(e).__name__}: {e}); "
                       "using the slower Python reference", stacklevel=2)
         _define_reference()
@@ -69,8 +70,8 @@ def _build() -> None:
 
 
 def _define_reference() -> None:
-    lib = torch.library.Library("specdec", "DEF")   # noqa: F841 (kept alive by the registry)
-    _state["lib"] = lib
+    lib = torch.library.Library("specdec", "DEF")
+    _libraries.append(lib)
     lib.define("block_mm(Tensor x, Tensor qs, Tensor d, Tensor dmin, Tensor sc, Tensor mn, int group, "
                "int superblock) -> Tensor")
     lib.impl("block_mm", reference_block_mm, "CPU")
