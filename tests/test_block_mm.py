@@ -105,8 +105,12 @@ def test_runs_inside_a_compiled_graph():
     def f(x):
         return torch.relu(torch.ops.specdec.block_mm(x * 2, *w)) + 1
 
-    compiled = torch.compile(f, fullgraph=True, dynamic=False)
-    assert torch.equal(compiled(x), f(x))
+    # a fresh artifact record: what this process compiles is what DecoderModel.save stores (test_compiled)
+    from torch.compiler._cache import CacheArtifactManager
+
+    with CacheArtifactManager.with_fresh_cache():
+        compiled = torch.compile(f, fullgraph=True, dynamic=False)
+        assert torch.equal(compiled(x), f(x))
 
 
 def test_bad_shapes_fail_clearly():
