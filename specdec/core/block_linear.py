@@ -24,7 +24,7 @@ from torch import nn
 
 from .kernels import dequantize, load_block_mm
 
-U4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+U4_TYPES = ("Q4_0", "Q4_1", "Q4_K")     # unsigned 4-bit codes in groups of 32: packed two to a byte
 
 
 class BlockLinear(nn.Module):

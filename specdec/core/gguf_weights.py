@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .block_linear import BlockLinear
+from .block_linear import U4_TYPES, BlockLinear
 from .gguf_index import tensor_bytes, tensor_index
 from .parallel import Shard
 
@@ -55,7 +55,6 @@ from .parallel import Shard
 FORMATS = {"Q4_0": (32, 18, 32), "Q4_1": (32, 20, 32), "Q5_0": (32, 22, 32), "Q8_0": (32, 34, 32),
            "Q4_K": (256, 144, 32), "Q6_K": (256, 210, 16)}
 KEPT_TYPES = tuple(FORMATS)
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")     # unsigned 4-bit codes in groups of 32
 # GGUF tensor name suffix → (HF module path within a layer, RoPE row permutation by "heads" / "kv_heads")
 LAYER_TENSORS = {"attn_q": ("self_attn.q_proj", "heads"), "attn_k": ("self_attn.k_proj", "kv_heads"),
                  "attn_v": ("self_attn.v_proj", None), "attn_output": ("self_attn.o_proj", None),
@@ -239,7 +238,7 @@ def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...],
 
 # GGML types each scheme keeps as the file stores them (the rest is quantized by ``quant``, or for
 # "gguf" left in the compute dtype): (projections, LM head); int8 and int4 hold the head at up to 8 bits
-KEEP = {"gguf": (KEPT_TYPES, KEPT_TYPES), "int4": (INT4_TYPES, ("Q8_0", "Q6_K")),
+KEEP = {"gguf": (KEPT_TYPES, KEPT_TYPES), "int4": (U4_TYPES, ("Q8_0", "Q6_K")),
         "int8": (("Q8_0",), ("Q8_0", "Q6_K"))}
 
 
