@@ -7,6 +7,7 @@ package's ``GGUFWriter`` and converted by ``specdec.core.paths`` exactly as the 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 import shutil
 import signal
@@ -28,8 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, context=256)
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A small random-weight Llama GGUF with a byte-level BPE tokenizer (what transformers reads)."""
+def write_tiny_gguf(path: Path, seed: int = 0, arch: str = "llama") -> Path:
+    """A small random-weight GGUF (``arch`` llama, or qwen2: q / k / v biases) with a byte-level BPE tokenizer
+    (what transformers reads)."""
     import numpy as np
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -38,8 +40,8 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     types = [1] * (len(tokens) - 1) + [3]           # 3 = control
     h, f, v = TINY["hidden"], TINY["ffn"], len(tokens)
     kv = h // TINY["heads"] * TINY["kv_heads"]
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
     w.add_context_length(TINY["context"])
     w.add_embedding_length(h)
     w.add_block_count(TINY["layers"])
@@ -65,6 +67,9 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
         tensor(b + "attn_q.weight", h, h)
         tensor(b + "attn_k.weight", kv, h)
         tensor(b + "attn_v.weight", kv, h)
+        if arch == "qwen2":
+            for name, rows in (("attn_q", h), ("attn_k", kv), ("attn_v", kv)):
+                tensor(b + name + ".bias", rows)
         tensor(b + "attn_output.weight", h, h)
         tensor(b + "ffn_gate.weight", f, h)
         tensor(b + "ffn_up.weight", f, h)
@@ -133,18 +138,37 @@ def test_conversion_is_cached_once_per_file_content(tiny_gguf, cache, tmp_path, 
     assert len(entries(cache)) == 2
 
 
-def test_converted_checkpoint_matches_transformers(tiny_gguf, cache):
-    """The cache entry holds the tensors transformers dequantises, loadable by the runtime."""
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama-blocks"])
+def test_converted_checkpoint_matches_transformers(kind, tmp_path, cache):
+    """The cache entry holds the config, the tensors and the tokenizer transformers builds from the same file
+    (its own GGUF reader and dequantization), loadable by the runtime: f32 llama and qwen2 files, and a llama
+    file of GGML blocks (Q4_0 / Q4_1 / Q8_0) whose q / k rows llama.cpp's converter permuted."""
+    from tiny_gguf import write_tiny_gguf as write_block_gguf
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from conftest import hf_greedy, load
+    from specdec.core.config import ModelConfig
+    from specdec.core.model import rope_inv_freq
 
-    out = convert_gguf(tiny_gguf, progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name).eval()
+    path = tmp_path / f"tiny-{kind}.gguf"
+    if kind == "llama-blocks":
+        write_block_gguf(path, seed=2)
+    else:
+        write_tiny_gguf(path, arch=kind)
+    out = convert_gguf(path, progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
     state = load_file(out / "model.safetensors")
-    assert set(state) == set(hf.state_dict())
-    for name, t in hf.state_dict().items():
-        assert torch.equal(state[name], t), name
+    assert set(state) == set(hf.state_dict()) - ({"lm_head.weight"} if hf.config.tie_word_embeddings else set())
+    for name, t in state.items():
+        assert torch.equal(t, hf.state_dict()[name]), name
+    config, reference = ModelConfig.from_dir(out), ModelConfig.from_hf(AutoConfig.from_pretrained(path.parent,
+                                                                                                gguf_file=path.name))
+    assert replace(config, hf_config=None) == replace(reference, hf_config=None)
+    (freq, scale), (ref_freq, ref_scale) = rope_inv_freq(config), rope_inv_freq(reference)
+    assert torch.equal(freq, ref_freq) and scale == ref_scale
+    ours, theirs = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    text = "hello there, the 3 heh"
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"] and ours.eos_token_id == theirs.eos_token_id
     model = load(out)
     p = prompt_ids(7, seed=3, vocab=250)
     assert model.generate([p], max_new_tokens=8, eos_token_id=[])[0, len(p):].tolist() == \

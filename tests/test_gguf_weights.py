@@ -12,7 +12,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 from test_speculative import lossless_pvalue, save_tiny  # noqa: E402
-from tiny_gguf import (HEADS, HF_PROJECTIONS, KV_HEADS, LAYER_TYPES, VOCAB, llama_cpp_permute,  # noqa: E402
+from tiny_gguf import (GGUF_PROJECTIONS, HEADS, HF_PROJECTIONS, KV_HEADS, LAYER_TYPES, VOCAB, llama_cpp_permute,  # noqa: E402
                        write_tiny_gguf)
 
 from conftest import hf_logits, load, prompt_ids  # noqa: E402
@@ -136,19 +136,27 @@ def test_only_llama_family_rows_are_permuted(tiny):
             assert torch.equal(found[f"model.layers.0.self_attn.{hf_name}.weight"].dequantize(), expected)
 
 
-def test_embedded_file_blocks_equal_its_conversion(embedded_model):
-    from safetensors.torch import load_file
-
+def test_embedded_file_blocks_equal_gguf_dequantize(embedded_model):
     from specdec.core.config import ModelConfig
+    from specdec.core.gguf_index import tensor_bytes, tensor_index
     from specdec.core.paths import embedded_gguf_path, resolve_model_path
 
-    path = resolve_model_path(None, progress=False)
-    converted = load_file(path / "model.safetensors")
-    found = gguf_quantized_tensors(embedded_gguf_path(), ModelConfig.from_dir(path), tuple(QTYPES))
+    path = embedded_gguf_path()
+    found = gguf_quantized_tensors(path, ModelConfig.from_dir(resolve_model_path(None, progress=False)),
+                                   tuple(QTYPES))
     assert len(found) == 30 * 7 + 1 and found["lm_head.weight"].qtype == "Q8_0"     # tied: the embedding's blocks
-    for name, blocks in found.items():
-        source = "model.embed_tokens.weight" if name == "lm_head.weight" else name
-        assert torch.equal(blocks.dequantize(), converted[source].float()), name
+    names = {"lm_head.weight": "token_embd.weight"}
+    names |= {f"model.layers.{i}.{hf}.weight": f"blk.{i}.{ours}.weight" for i in range(30)
+              for ours, hf in zip(GGUF_PROJECTIONS, HF_PROJECTIONS)}
+    entries = {t.name: t for t in tensor_index(path)}
+    for name, blocks in found.items():       # llama: q / k rows are compared in the file's (permuted) order
+        entry = entries[names[name]]
+        expected = dequantize(tensor_bytes(path, entry), T[entry.qtype]).reshape(entry.shape)
+        permute = {"self_attn.q_proj": 9, "self_attn.k_proj": 3}.get(name.split(".", 3)[-1].removesuffix(".weight"))
+        ours = blocks.dequantize()
+        if permute:
+            ours = ours[torch.argsort(rope_row_order(ours.shape[0], permute))]
+        assert torch.equal(ours, torch.from_numpy(expected)), name
 
 
 # ---------------------------------------------------------------------------------- a tiny GGUF model
@@ -186,7 +194,7 @@ def test_gguf_model_keeps_every_block_and_equals_transformers(tiny):
     model = load(target, quantization="gguf")
     assert all(isinstance(layer, BlockLinear) for _, _, layer, _ in projections(model))
     assert isinstance(model.lm.lm_head, BlockLinear)                   # the tied Q8_0 embedding's blocks
-    hf = AutoModelForCausalLM.from_pretrained(model.path).eval()        # transformers' dequantized conversion
+    hf = AutoModelForCausalLM.from_pretrained(target.parent, gguf_file=target.name).eval()  # transformers' own
     for seed in range(3):
         prompt = prompt_ids(7 + seed, seed, VOCAB)
         logits = model.prefill([torch.tensor(prompt)], model.sampling_params()).logits[0, -1]

