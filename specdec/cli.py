@@ -218,7 +218,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="--backend compiled on the CPU: freeze the weights into each graph and pick every matmul's "
                         "kernel by timing (Inductor's C++ GEMM templates vs ATen): faster decoding at every "
                         "precision, a longer first compile, and with bf16 / int8 weights a copy of the weights "
-                        "per graph (README: Autotuned graphs)")
+                        "per graph (docs/backends.md: Autotuned graphs)")
 
 
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
@@ -289,7 +289,7 @@ def add_generate_arguments(g: argparse.ArgumentParser) -> None:
                         f"use: {available_cores()} here); split over the --tp-degree processes. Unless "
                         f"OMP_WAIT_POLICY is set, the command runs with OMP_WAIT_POLICY={WAIT_POLICY}: no "
                         "collapse when other processes use the cores, slower than spinning threads on an idle "
-                        "machine (README: Threads)")
+                        "machine (docs/cli.md: Threads)")
     r.add_argument("--tp-degree", type=positive_int, metavar="N", default=1,
                    help="tensor parallelism: shard the model over this many processes (launched for you; "
                         "--backend neuron: over this many NeuronCores from this one process)")
