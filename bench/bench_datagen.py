@@ -66,7 +66,8 @@ def main() -> None:
             runs.append({"method": name, "repeat": r, "seconds": round(time.perf_counter() - start, 1),
                          "answer_tokens": tokens})
             print(json.dumps(runs[-1]), flush=True)
-    rate = {m: statistics.median(x["answer_tokens"] / x["seconds"] for x in runs if x["method"] == m and x["repeat"] >= 0)
+    rate = {m: statistics.median(x["answer_tokens"] / x["seconds"]
+                                 for x in runs if x["method"] == m and x["repeat"] >= 0)
             for m in methods}
     result = {"config": {**vars(args), "backend": cfg.backend, "amp": cfg.amp}, "runs": runs,
               "answer_tokens_per_s": {m: round(v, 1) for m, v in rate.items()},

@@ -1,7 +1,8 @@
 """One target graph call, timed: a decode step (n = 1) or a verify step (n tokens, causal) at a batch size
 and KV bucket, on the embedded model (compiled bf16 by default) or ``--model`` (a named model such as
-``qwen2.5-coder-1.5b-instruct``, a GGUF file, a checkpoint) with ``--quantization``. For comparing runtime changes: run it
-under each version (e.g. ``PYTHONPATH=<other checkout>``) back to back on an idle machine.
+``qwen2.5-coder-1.5b-instruct``, a GGUF file, a checkpoint) with ``--quantization``.
+For comparing runtime changes: run it under each version (e.g. ``PYTHONPATH=<other checkout>``) back to back on
+an idle machine.
 
     python bench/bench_decode_step.py --shapes 1x1x384,1x9x384,4x1x384,4x9x384,128x1x640 --threads 2
 
@@ -47,7 +48,8 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"])
     ap.add_argument("--backend", default="compiled")
     ap.add_argument("--amp", default="bf16")
-    ap.add_argument("--autotune", action="store_true", help="Inductor freezing + max_autotune (README, Autotuned graphs)")
+    ap.add_argument("--autotune", action="store_true",
+                    help="Inductor freezing + max_autotune (docs/backends.md, Autotuned graphs)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=15)
@@ -56,8 +58,8 @@ def main() -> None:
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from specdec.bench import emit_json
     from specdec import DecoderModel
+    from specdec.bench import emit_json
 
     results = []
     for shape in args.shapes.split(","):

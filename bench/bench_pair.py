@@ -170,8 +170,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     return Config(prompts=a.prompts, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens, threads=a.threads,
                   ks=list(dict.fromkeys(a.ks)), strategies=a.strategies, model=a.model, draft_model=a.draft_model,
                   backend=a.backend, amp=a.amp, quantization=None if a.quantization == "none" else a.quantization,
-                  n_positions=a.n_positions, context_buckets=a.context_buckets, warmup_tokens=a.warmup_tokens, llamacpp=a.llamacpp,
-                  llamacpp_env=dict(a.llamacpp_env), output=a.output)
+                  n_positions=a.n_positions, context_buckets=a.context_buckets, warmup_tokens=a.warmup_tokens,
+                  llamacpp=a.llamacpp, llamacpp_env=dict(a.llamacpp_env), output=a.output)
 
 
 def log(message: str) -> None:

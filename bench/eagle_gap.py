@@ -106,12 +106,12 @@ def main() -> None:
         records.append(rec)
         print(f"prompt {pi}: P={P} {time.time() - t0:.1f}s", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "in_vocab_ids": token_ids.tolist(), "records": records}))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "in_vocab_ids": token_ids.tolist(),
+                                              "records": records}))
     analyse(records, token_ids, in_vocab)
 
 
 def analyse(records, token_ids, in_vocab) -> None:
-    import numpy as np
     tot = {}
 
     def add(name, hits, n):

@@ -19,7 +19,8 @@ def main() -> None:
 
     from specdec import DecoderModel
     from specdec.medusa.smollm2 import SHIPPED_MEDUSA
-    target = DecoderModel.from_pretrained(None, batch_size=1, n_positions=768, amp="f32", backend="eager", progress=False)
+    target = DecoderModel.from_pretrained(None, batch_size=1, n_positions=768, amp="f32", backend="eager",
+                                          progress=False)
     head = target.lm.lm_head.weight.float()
     med = load_file(str(SHIPPED_MEDUSA / "medusa_lm_head.safetensors"))
     ids = med["token_ids"].long()
@@ -36,8 +37,9 @@ def main() -> None:
             L = len(seq)
             mask = torch.ones(L, L, dtype=torch.bool).tril().unsqueeze(0)
             with torch.no_grad():
-                logits, hidden = target.lm(seq.unsqueeze(0), torch.arange(L).unsqueeze(0), torch.zeros(1, dtype=torch.long),
-                                           mask, torch.arange(L).unsqueeze(0), kv_len=L)
+                logits, hidden = target.lm(seq.unsqueeze(0), torch.arange(L).unsqueeze(0),
+                                           torch.zeros(1, dtype=torch.long), mask, torch.arange(L).unsqueeze(0),
+                                           kv_len=L)
                 f = hidden[0].float()
                 tgt = logits[0].argmax(-1)                   # at i: the target's next token t_{i+1}
                 x = f + F.silu(f @ W.T + b)

@@ -94,11 +94,11 @@ def main() -> None:
     print(json.dumps(res, indent=1), flush=True)
 
     # runtime: greedy rows' prompts, k=1, EOS on (as the training rows) and EOS off (as the benchmarks)
-    target = DecoderModel.from_pretrained(None, batch_size=1, n_positions=640, amp="bf16", backend="eager", progress=False)
+    target = DecoderModel.from_pretrained(None, batch_size=1, n_positions=640, amp="bf16", backend="eager",
+                                          progress=False)
     eagle = shipped("eagle", target, progress=False)
     for eos in ("on", "off"):
         acc = drafted = 0
-        first128 = [0, 0]
         for i in greedy[: args.runtime_rows]:
             prompt = rows[i]["tokens"][: rows[i]["prompt_len"]]
             gen = SpeculativeGenerator(eagle, target, k=1)

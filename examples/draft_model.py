@@ -25,7 +25,7 @@ out = gen.generate(ids, max_new_tokens=48)
 spec_s = time.perf_counter() - start
 
 # Speed: eager on a CPU the 135M target costs little per step, so drafting seldom pays here (the
-# README's benchmark sections give compiled-backend numbers). The tokens are the same either way.
+# benchmark sections of docs/results.md give compiled-backend numbers). The tokens are the same either way.
 assert torch.equal(out, reference), "greedy speculation must reproduce target-only output"
 print(target.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 print(f"target-only {target_s:.2f} s, draft model k=4 {spec_s:.2f} s: identical tokens")

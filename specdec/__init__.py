@@ -21,7 +21,7 @@ from .medusa.draft import MedusaDraft
 from .proposer import Proposal, Proposer
 from .shipped import shipped
 
-__all__ = ["AdaptiveK", "CostGate", "DecoderModel", "DraftModel", "DynamicTree", "EagleDraft", "EagleTreeDraft", "Engine",
-           "LookupBranch", "LookupOrDraft", "MedusaDraft", "PromptLookup", "Proposal", "Proposer", "SamplingConfig", "SpecStats",
-           "SpeculativeGenerator", "shipped"]
+__all__ = ["AdaptiveK", "CostGate", "DecoderModel", "DraftModel", "DynamicTree", "EagleDraft", "EagleTreeDraft",
+           "Engine", "LookupBranch", "LookupOrDraft", "MedusaDraft", "PromptLookup", "Proposal", "Proposer",
+           "SamplingConfig", "SpecStats", "SpeculativeGenerator", "shipped"]
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
-"""The ``specdec`` command: ``generate`` (target-only or speculative), ``serve`` (HTTP server), ``bench`` / ``bench-spec`` / ``bench-coverage``
-(benchmarks), ``plan`` (capacity planning), ``train-draft`` / ``train-eagle`` / ``train-medusa``,
-``build-tree`` (Medusa trees), ``eagle-lm-head`` (EAGLE checkpoints). ``build_parser`` defines them;
-``main`` runs one (bad arguments: one ``specdec: error:`` line, exit code 2)."""
+"""The ``specdec`` command: ``generate`` (target-only or speculative), ``serve`` (HTTP server), ``bench`` /
+``bench-spec`` / ``bench-coverage`` (benchmarks), ``plan`` (capacity planning), ``train-draft`` /
+``train-eagle`` / ``train-medusa``, ``build-tree`` (Medusa trees), ``eagle-lm-head`` (EAGLE checkpoints).
+``build_parser`` defines them; ``main`` runs one (bad arguments: one ``specdec: error:`` line, exit code 2)."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +27,7 @@ LOOKUP_AND = "lookup+"     # --draft lookup+X: prompt lookup where an n-gram mat
 EMBEDDED_NAME = "smollm2-135m-instruct"
 # OpenMP wait policy for `generate` when the user sets none. libgomp's default lets idle threads spin at
 # every barrier; when another process holds one of the cores, every parallel region waits for the thread
-# that shares it: measured on 2 cores (README, "Threads"), 2 spinning threads fell from 53 tok/s to 17
+# that shares it: measured on 2 cores (docs/cli.md, "Threads"), 2 spinning threads fell from 53 tok/s to 17
 # beside one busy process and to 0.5-3 beside another OpenMP process; PASSIVE stays at 28-32 (but 31,
 # not 53, on an idle machine: a thread wake-up per parallel region).
 WAIT_POLICY = "PASSIVE"
@@ -241,8 +241,8 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         "checkpoint directory): --draft model --draft-path MODEL (with --draft lookup+model, its "
                         "model part)")
     s.add_argument("--k", type=positive_int, default=None,
-                   help="draft tokens per step (default: model 4, eagle 5, lookup 4; medusa and eagle-tree: the tree's depth, "
-                        "and a given --k must equal it)")
+                   help="draft tokens per step (default: model 4, eagle 5, lookup 4; medusa and eagle-tree: "
+                        "the tree's depth, and a given --k must equal it)")
     s.add_argument("--fused", action="store_true",
                    help="model / eagle: one graph per speculation step (draft loop, verification and "
                         "acceptance fused; NxD Inference's enable_fused_speculation); same output")
@@ -341,8 +341,8 @@ def check_speculation_arguments(args: argparse.Namespace) -> None:
         raise CLIError("--gate needs a --draft and runs unfused (not with --fused)")
     d = d.removeprefix(LOOKUP_AND)         # the model part of lookup+X
     if args.draft_path is not None and d not in SHIPPED_KIND:
-        raise CLIError(f"--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa (or lookup+model, "
-                       f"lookup+eagle; not {d})")
+        raise CLIError("--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa "
+                       f"(or lookup+model, lookup+eagle; not {d})")
     if args.draft_path is not None and d != "model" and _is_named(args.draft_path):
         raise CLIError(f"--draft-path {args.draft_path} (a named model) is a draft model: use it with --draft model "
                        "or lookup+model")
@@ -378,8 +378,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def make_proposer(args: argparse.Namespace, target):
     """The proposer --draft / --draft-path / --tree ask for (None for --draft none)."""
-    from . import (DraftModel, DynamicTree, EagleDraft, EagleTreeDraft, LookupBranch, LookupOrDraft, MedusaDraft,
-                   PromptLookup, shipped)
+    from . import (
+        DraftModel,
+        DynamicTree,
+        EagleDraft,
+        EagleTreeDraft,
+        LookupBranch,
+        LookupOrDraft,
+        MedusaDraft,
+        PromptLookup,
+        shipped,
+    )
     from .shipped import TREE_KINDS
     d = args.draft
     if d == "none":
@@ -493,7 +502,8 @@ def generate_on_rank(args: argparse.Namespace) -> int:
     if args.backend != "eager":
         if rank0:
             print("compiling the graphs this request needs"
-                  f"{' (cached on disk after the first run)' if args.backend == 'compiled' else ''} ...", file=sys.stderr)
+                  f"{' (cached on disk after the first run)' if args.backend == 'compiled' else ''} ...",
+                  file=sys.stderr)
         precompile(target, proposer, gen, len(ids), max_new, penalty=args.repetition_penalty != 1)
     text = args.prompt_ids is None
     streamer = TextStreamer(target.tokenizer, skip_prompt=True, skip_special_tokens=True) if rank0 and text else None
@@ -565,8 +575,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = command("generate", "generate from a prompt (chat template applied), target-only or speculative")
     add_generate_arguments(g)
     g.set_defaults(func=cmd_generate)
-    from .bench import coverage as bench_coverage, quality as bench_quality, runtime as bench_runtime, \
-        serving as bench_serving, speculative as bench_spec
+    from .bench import coverage as bench_coverage
+    from .bench import quality as bench_quality
+    from .bench import runtime as bench_runtime
+    from .bench import serving as bench_serving
+    from .bench import speculative as bench_spec
 
     def benchmark(name: str, help: str, module) -> None:
         """A benchmark command: ``module.add_arguments``, then ``module.print_result(module.run(args), args)``."""

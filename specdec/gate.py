@@ -13,7 +13,7 @@ changes (acceptance follows the text; a step's cost follows the KV bucket) is se
 the preference as it was doubles the spacing of probes, up to ``max_probe_every``; one that flips it
 resets the spacing to ``probe_every`` (so a kind that is much slower costs little). Where speculation
 is slower than decoding — a verify that costs more than τ decode steps, as at batch 4 on a CPU without
-AMX or against autotuned kernels (README) — the generator decodes plainly, paying only the warm-up and
+AMX or against autotuned kernels (docs/strategies/gate.md) — the generator decodes plainly, paying only the warm-up and
 the probes; where it pays it keeps speculating.
 
 Lossless: a plain step is the proposer's k = 0 step (``specdec.speculative``: the target decodes one
@@ -26,8 +26,8 @@ target's. The choice is per batch (one graph call serves every row).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)

@@ -64,9 +64,10 @@ import math
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -161,7 +162,7 @@ def resolve_platform(platform: str, *, cores: int | None = None, lnc: int | None
     if family in _DEFAULT_LNC:
         lnc_value = _DEFAULT_LNC[family] if lnc is None else lnc
         if (family, lnc_value) not in _NEURON:
-            allowed = sorted(l for (f, l) in _NEURON if f == family)
+            allowed = sorted(v for (f, v) in _NEURON if f == family)
             raise ValueError(f"lnc={lnc!r} is not available on {family}; use {' or '.join(map(str, allowed))}"
                              + ("" if family == "trn2" else " (logical NeuronCores with LNC=2 exist on Trn2 only)"))
         fam = _NEURON[(family, lnc_value)]
@@ -256,7 +257,10 @@ class ModelFootprint:
         """Weights one core holds with ``q_heads`` / ``kv_heads`` head slots (padding included)."""
         from .core.parallel import per_rank
         attention = q_heads * self.q_elems_per_head + kv_heads * self.kv_elems_per_head
-        split = lambda shapes: sum(per_rank(rows, tp_degree) * rest for rows, rest in shapes)
+
+        def split(shapes):
+            return sum(per_rank(rows, tp_degree) * rest for rows, rest in shapes)
+
         matrices = split(self.matrix_shapes)
         embeddings = sum(r * c for r, c in self.embedding_shapes) if replicate_embeddings else \
             split(self.embedding_shapes)
@@ -743,7 +747,10 @@ def format_plan(plan: CapacityPlan) -> str:
         row += [_gb(d.total_bytes_per_core), "fits" if d.valid else "no: " + "; ".join(d.reasons)]
         rows.append(row)
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols[:-1])]
-    fmt = lambda r: "  ".join(v.rjust(w) for v, w in zip(r[:-1], widths)) + "  " + r[-1]
+
+    def fmt(r):
+        return "  ".join(v.rjust(w) for v, w in zip(r[:-1], widths)) + "  " + r[-1]
+
     out += ["", fmt(cols), *(fmt(r) for r in rows), ""]
     out.append(f"smallest fitting tp_degree: {plan.smallest_fitting_tp}" if plan.fits
                else "smallest fitting tp_degree: none")

@@ -16,8 +16,7 @@ import pytest
 import torch
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file, save_file
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from specdec import DecoderModel
 from specdec.core.quant import FUSED

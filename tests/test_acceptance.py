@@ -8,8 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdec import acceptance as acc_mod
-from specdec.acceptance import (accept, accept_greedy, accept_one_hot, accept_rejection, draw_uniforms,
-                                last_tokens)
+from specdec.acceptance import accept, accept_greedy, accept_one_hot, accept_rejection, draw_uniforms, last_tokens
 
 PAD = -1
 
@@ -233,7 +232,8 @@ def chain_pvalues(emitted, P):
         joint_exp = joint_exp * P[prev, tok]
         prev = tok
     out = []
-    for obs_idx, exp in ((emitted[:, 0], first_exp), (emitted @ (V ** torch.arange(T - 1, -1, -1)), joint_exp.flatten())):
+    joint_idx = emitted @ (V ** torch.arange(T - 1, -1, -1))
+    for obs_idx, exp in ((emitted[:, 0], first_exp), (joint_idx, joint_exp.flatten())):
         obs = torch.bincount(obs_idx, minlength=exp.numel()).double()
         zero = exp == 0
         if bool((obs[zero] > 0).any()):
@@ -281,7 +281,7 @@ def test_lossless_single_step_first_token_float32():
     p, q = p.expand(N, -1, -1), q.expand(N, -1, -1)
     draft = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(N, k)
     u, v = draw_uniforms(N, k, g)
-    for n, out in (accept_rejection(draft, q, p, u, v), accept_one_hot(draft, p, u, v)):
+    for _n, out in (accept_rejection(draft, q, p, u, v), accept_one_hot(draft, p, u, v)):
         counts = torch.bincount(out[:, 0], minlength=V)
         assert counts[2] == 0
         keep = p0 > 0

@@ -5,11 +5,11 @@ and a broken cap that the chi-square test catches."""
 import pytest
 import torch
 
-from conftest import load, prompt_ids
-from test_speculative import chi2_pvalue, exact_joint, lossless_models, lossless_pvalue, sampled_joint  # noqa: F401
-
 import specdec.verify as verify_module
 from specdec import AdaptiveK, DraftModel, LookupOrDraft, PromptLookup, SpeculativeGenerator
+
+from conftest import load, prompt_ids
+from test_speculative import chi2_pvalue, exact_joint, lossless_models, lossless_pvalue, sampled_joint  # noqa: F401
 
 REPEATING = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]
 PROMPTS = [REPEATING, prompt_ids(7, 5), prompt_ids(11, 6) + prompt_ids(11, 6)[:6]]

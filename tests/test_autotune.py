@@ -10,8 +10,9 @@ import torch
 from torch._dynamo.utils import counters
 from torch.compiler._cache import CacheArtifactManager
 
-from conftest import checkpoint, hf_greedy, load, prompt_ids  # noqa: F401  (fixture)
 from specdec import DecoderModel, DraftModel, PromptLookup, SpeculativeGenerator
+
+from conftest import checkpoint, hf_greedy, load, prompt_ids  # noqa: F401  (fixture)
 
 SHAPES = dict(n_positions=64, context_buckets=[16], kv_buckets=[64])
 N_NEW = 24

@@ -12,8 +12,15 @@ import pytest
 import torch
 
 import specdec.bench
-from specdec.bench.prompts import (categories, default_prompts_path, load_prompts, load_questions, load_records,
-                                   resolve_prompts, varied_prompts_path)
+from specdec.bench.prompts import (
+    categories,
+    default_prompts_path,
+    load_prompts,
+    load_questions,
+    load_records,
+    resolve_prompts,
+    varied_prompts_path,
+)
 from specdec.core.config import module_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +166,8 @@ def test_xla_skipped_with_a_note_without_torch_xla(monkeypatch):
     res = runtime.run_worker("specdec-xla-f32", {"gguf": None, "model": "m"}, progress=False)
     assert res == {"system": "specdec-xla-f32", "skipped": runtime.XLA_MISSING}
     systems = runtime._summarize({"specdec-xla-f32": {"cold": {**res, "wall_s": 0.5}}}, 4, {})
-    assert systems["specdec-xla-f32"]["skipped"] == runtime.XLA_MISSING and "tokens_per_s" not in systems["specdec-xla-f32"]
+    xla = systems["specdec-xla-f32"]
+    assert xla["skipped"] == runtime.XLA_MISSING and "tokens_per_s" not in xla
 
 
 def _bench_json(capsys, *args: str) -> tuple[int, dict, str]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, load, prompt_ids
 from specdec.core.buckets import check_buckets, default_buckets, pick_bucket
+
+from conftest import hf_greedy, load, prompt_ids
 
 
 @pytest.mark.parametrize("buckets,needed", [([16, 32, 64, 128], n) for n in (1, 15, 16, 17, 32, 33, 100, 128)]

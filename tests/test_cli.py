@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import hf_greedy, prompt_ids
-from test_eagle import random_eagle, tiny_target, write_eagle
-from test_medusa import oracle_heads, token_map_target
-
 from specdec import cli
 from specdec.cli import main
 from specdec.eagle.checkpoint import copy_lm_head
 from specdec.medusa import save_heads
+
+from conftest import hf_greedy, prompt_ids
+from test_eagle import random_eagle, tiny_target, write_eagle
+from test_medusa import oracle_heads, token_map_target
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = prompt_ids(9, seed=3)
@@ -327,8 +327,8 @@ def test_top_level_help_lists_exactly_the_commands(capsys):
     rc, out, _ = run(["--help"], capsys)
     assert rc == 0
     names = set(commands())
-    assert names == {"generate", "serve", "bench", "bench-spec", "bench-serve", "bench-quality", "bench-coverage", "plan", "train-draft", "train-eagle", "train-medusa",
-                     "build-tree", "eagle-lm-head"}
+    assert names == {"generate", "serve", "bench", "bench-spec", "bench-serve", "bench-quality", "bench-coverage",
+                     "plan", "train-draft", "train-eagle", "train-medusa", "build-tree", "eagle-lm-head"}
     for name in names:
         assert f"    {name}" in out
     assert "bench-eagle" not in out and "``" not in out

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import hf_greedy, load, prompt_ids
 from specdec.core.graphs import configure_compile_cache
+
+from conftest import hf_greedy, load, prompt_ids
 
 SHAPES = dict(n_positions=64, context_buckets=[16], kv_buckets=[64])
 N_NEW = 40

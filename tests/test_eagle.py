@@ -8,16 +8,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdec import DecoderModel, EagleDraft, SpeculativeGenerator
+from specdec.eagle.checkpoint import copy_lm_head, target_lm_head
+from specdec.proposer import Proposal
+
 from conftest import save_checkpoint
 from test_speculative import lossless_pvalue
 
-from specdec import DecoderModel
-from specdec.eagle.checkpoint import copy_lm_head, target_lm_head
-from specdec import EagleDraft
-from specdec.proposer import Proposal
-from specdec import SpeculativeGenerator
-
-H, I = 32, 64
+H, I = 32, 64  # noqa: E741  (hidden size, intermediate size)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
 
 

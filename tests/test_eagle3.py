@@ -11,13 +11,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from test_eagle import H, I, PROMPTS, assert_true_pairs, load_target, record_true_pairs
-from test_eagle import tiny_target as tiny_hf
-from test_speculative import lossless_pvalue
-
 from specdec import DecoderModel, EagleDraft, SpeculativeGenerator
 from specdec.eagle import EagleModel
 from specdec.eagle.tree import DynamicTree, EagleTreeDraft
+
+from test_eagle import PROMPTS, H, I, assert_true_pairs, load_target, record_true_pairs
+from test_eagle import tiny_target as tiny_hf
+from test_speculative import lossless_pvalue
 
 LAYERS = 8                      # default aux layers (2, L//2, L-3) = (2, 4, 5)
 DEFAULT_AUX = (2, 4, 5)
@@ -78,7 +78,8 @@ def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def reference_first_step(hf: LlamaForCausalLM, t: dict, aux_ids, sequence: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_first_step(hf: LlamaForCausalLM, t: dict, aux_ids,
+                         sequence: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The EAGLE-3 draft's first step at every position of ``sequence`` (true features), written from the
     checkpoint tensors ``t`` with plain torch: (pre-norm outputs [n-1, H], target-vocabulary logits [n-1, V])."""
     eps, heads, kv = hf.config.rms_norm_eps, hf.config.num_attention_heads, hf.config.num_key_value_heads
@@ -281,8 +282,8 @@ def test_errors(tiny, tmp_path):
     with pytest.raises(ValueError, match="t2d .* does not mark"):
         EagleModel.from_pretrained(write_eagle3(tmp_path / "d", hf, bad_t2d), target, progress=False)
     with pytest.raises(ValueError, match="shape"):
-        EagleModel.from_pretrained(write_eagle3(tmp_path / "e", hf, dict(t, **{"fc.weight": t["fc.weight"][:, :2 * H]})),
-                                   target, progress=False)
+        narrow_fc = dict(t, **{"fc.weight": t["fc.weight"][:, :2 * H]})
+        EagleModel.from_pretrained(write_eagle3(tmp_path / "e", hf, narrow_fc), target, progress=False)
     wide = LlamaForCausalLM(type(hf.config)(**{**hf.config.to_dict(), "hidden_size": 48}))
     wide.save_pretrained(tmp_path / "h48")
     with pytest.raises(ValueError, match="hidden_size=32 .* != target hidden_size=48"):
@@ -323,12 +324,12 @@ def test_graphs_export_with_aux_outputs(tiny):
 
 
 # ---------------------------------------------------------------- training
-from dataclasses import asdict                                          # noqa: E402
+from dataclasses import asdict  # noqa: E402
 
-from test_train import data_dir, tiny_target                            # noqa: E402,F401  (module fixtures)
-
-from specdec.train.distill import load_target_state                     # noqa: E402
+from specdec.train.distill import load_target_state  # noqa: E402
 from specdec.train.eagle import EagleTrainConfig, EagleTrainer, export_eagle, init_state, train_eagle  # noqa: E402
+
+from test_train import data_dir, tiny_target  # noqa: E402,F401  (module fixtures)
 
 TRAIN3 = dict(steps=4, batch_rows=2, lr=3e-3, warmup=1, save_every=2, eval_every=2, seed=1, bf16=False,
               draft_vocab_size=48, unroll=3, arch="eagle3", aux_layers=(1, 2, 3))   # 3 = the last layer's output

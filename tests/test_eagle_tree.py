@@ -3,13 +3,20 @@ losslessness (chi-square) and the gain over chains, on tiny random models."""
 import pytest
 import torch
 
-from test_eagle import (PROMPTS, assert_true_pairs, load_target, lossless_setup, perfect,  # noqa: F401 (fixture)
-                        record_true_pairs, saved_target_and_eagle)
-from test_speculative import lossless_pvalue
-
 from specdec import EagleDraft, SpeculativeGenerator
 from specdec.eagle.tree import DynamicTree, EagleTreeDraft, _rerank
 from specdec.tree import PAD_NODE, TokenTree, row_trees, tree_buffers
+
+from test_eagle import (  # noqa: F401 (fixture)
+    PROMPTS,
+    assert_true_pairs,
+    load_target,
+    lossless_setup,
+    perfect,
+    record_true_pairs,
+    saved_target_and_eagle,
+)
+from test_speculative import lossless_pvalue
 
 
 # ---------------------------------------------------------------- tree buffers

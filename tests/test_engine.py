@@ -4,11 +4,11 @@ model, EAGLE and Medusa), and per-row seeds (a row's samples do not depend on it
 import pytest
 import torch
 
+from specdec import DraftModel, EagleDraft, Engine, Proposal, SpeculativeGenerator
+
 from conftest import VOCAB, checkpoint, load, prompt_ids  # noqa: F401  (fixture)
 from test_eagle import saved_target_and_eagle
 from test_medusa import draft_for, oracle_heads, token_map_target
-
-from specdec import DraftModel, EagleDraft, Engine, Proposal, SpeculativeGenerator
 
 BUDGETS = [40, 14, 30, 20]
 

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config
 
-from conftest import VOCAB, hf_greedy, hf_logits, load, prompt_ids
 from specdec import DecoderModel, SamplingConfig
+
+from conftest import VOCAB, hf_greedy, hf_logits, load, prompt_ids
 
 N_NEW = 12
 N_POS = 64
@@ -93,7 +94,8 @@ def test_wrong_tensor_shape(tmp_path, ckpt, good):
         state[name] = state[name][:16].contiguous()
         return state
     dst = broken_copy(ckpt.path, tmp_path / "ckpt", edit)
-    with pytest.raises(ValueError, match=rf"tensor '{name}' .* has shape \(16, 64\), but the config implies \(32, 64\)"):
+    with pytest.raises(ValueError,
+                       match=rf"tensor '{name}' .* has shape \(16, 64\), but the config implies \(32, 64\)"):
         load(dst)
     assert_still_correct(load(ckpt, batch_size=2), good)
 
@@ -104,7 +106,8 @@ def test_sliding_window_shorter_than_n_positions(tmp_path, checkpoint):
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     cfg["sliding_window"] = 64
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"n_positions=128 exceeds sliding_window=64; sliding-window attention is not implemented"):
+    with pytest.raises(ValueError,
+                       match=r"n_positions=128 exceeds sliding_window=64; sliding-window attention is not implemented"):
         load(tmp_path / "ckpt")
     assert load(tmp_path / "ckpt", n_positions=64, kv_buckets=[64]).config.sliding_window == 64
 
@@ -150,7 +153,8 @@ REQUEST_ERRORS = [
     ("ok", {"max_new_tokens": 4, "temperature": float("nan")}, r"temperature=nan is invalid"),
     ("ok", {"max_new_tokens": 4, "do_sample": True, "top_k": -1}, r"top_k=-1 is invalid: must be >= 0"),
     ("ok", {"max_new_tokens": 4, "do_sample": True, "top_k": 2.5}, r"top_k=2.5 is invalid: must be an integer"),
-    ("ok", {"max_new_tokens": 4, "do_sample": True, "top_k": [1, 2, 3]}, r"top_k has 3 values; give one value or one per row \(2\)"),
+    ("ok", {"max_new_tokens": 4, "do_sample": True, "top_k": [1, 2, 3]},
+     r"top_k has 3 values; give one value or one per row \(2\)"),
     ("ok", {"max_new_tokens": 0}, r"max_new_tokens must be >= 1, got 0"),
     ("ok", {}, r"give max_new_tokens or sequence_length"),
     ([[]], {"max_new_tokens": 4}, r"prompt 0 is empty"),
@@ -158,7 +162,8 @@ REQUEST_ERRORS = [
     ([[5, 6], []], {"max_new_tokens": 4}, r"prompt 1 is empty"),
     (torch.zeros(1, 0, dtype=torch.long), {"max_new_tokens": 4}, r"prompt 0 is empty"),
     (torch.zeros(0, 3, dtype=torch.long), {"max_new_tokens": 4}, r"input_ids is empty"),
-    ([[5, 6], [7, VOCAB]], {"max_new_tokens": 4}, rf"prompt 1 has token id {VOCAB} outside the vocabulary \[0, {VOCAB}\)"),
+    ([[5, 6], [7, VOCAB]], {"max_new_tokens": 4},
+     rf"prompt 1 has token id {VOCAB} outside the vocabulary \[0, {VOCAB}\)"),
     ([[5, -1]], {"max_new_tokens": 4}, rf"prompt 0 has token id -1 outside the vocabulary \[0, {VOCAB}\)"),
     ([5, 10**9], {"max_new_tokens": 4}, r"token id 1000000000 outside the vocabulary"),
     (torch.tensor([[5.0, 6.0]]), {"max_new_tokens": 4}, r"input_ids must be integer token ids"),

@@ -12,13 +12,24 @@ pd = pytest.importorskip("pandas")
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
-from conftest import load, prompt_ids  # noqa: E402
-
 from specdec import DraftModel, SpecStats  # noqa: E402
 from specdec.core.engine import Engine  # noqa: E402
-from specdec.experiments import (COLUMNS, Config, Prompt, frame, grid, load_results, mt_bench_prompts,  # noqa: E402
-                                 row_seed, stats_of, summarize, sweep)
-from specdec.experiments import plots  # noqa: E402
+from specdec.experiments import (  # noqa: E402
+    COLUMNS,
+    Config,
+    Prompt,
+    frame,
+    grid,
+    load_results,
+    mt_bench_prompts,
+    plots,
+    row_seed,
+    stats_of,
+    summarize,
+    sweep,
+)
+
+from conftest import load, prompt_ids  # noqa: E402
 
 COUNT_FIELDS = ["steps", "drafted", "accepted", "emitted", "accepted_per_position", "accepted_histogram"]
 CONFIGS = [Config("target", 0, 0.0), Config("draft", 2, 0.0), Config("lookup", 3, 0.0),

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.core.graphs import GraphKey, StepGraph
+
 from conftest import hf_logits, load, prompt_ids
-from specdec.core.graphs import GraphKey
-from specdec.core.graphs import StepGraph
 
 SPEC = 4
 
@@ -26,7 +26,8 @@ def zero_caches(model) -> None:
 
 
 def all_keys(model) -> list[GraphKey]:
-    return model.graph_keys(do_sample=False, spec_tokens=(SPEC,)) + model.graph_keys(do_sample=True, spec_tokens=(SPEC,))
+    return (model.graph_keys(do_sample=False, spec_tokens=(SPEC,))
+            + model.graph_keys(do_sample=True, spec_tokens=(SPEC,)))
 
 
 KEY_IDS = ["ctx8-greedy", "ctx16-greedy", "tokgen-greedy", "multi4-greedy-probs",
@@ -139,8 +140,8 @@ def check_tree_logits(ckpt, prompts, tokens, parents_per_row, logits):
         for path in paths:
             ref = hf_logits(ckpt.hf, prompt + tokens[r, path].tolist())
             for node in path:
-                torch.testing.assert_close(logits[r, node], ref[len(prompt) + int(depth[node])],
-                                           atol=1e-4, rtol=1e-4, msg=lambda m: f"row {r} node {node}: {m}")
+                torch.testing.assert_close(logits[r, node], ref[len(prompt) + int(depth[node])], atol=1e-4,
+                                           rtol=1e-4, msg=lambda m: f"row {r} node {node}: {m}")  # noqa: B023
                 covered.add(node)
         assert covered == set(range(len(parents)))
 

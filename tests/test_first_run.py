@@ -7,12 +7,11 @@ package's ``GGUFWriter`` and converted by ``specdec.core.paths`` exactly as the 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import os
 import shutil
-import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,9 +20,10 @@ from safetensors.torch import load_file
 
 gguf = pytest.importorskip("gguf")
 
-from conftest import prompt_ids  # noqa: E402
 from specdec.core import paths  # noqa: E402
 from specdec.core.paths import HASH_INDEX, convert_gguf, file_sha256, gguf_cache_path, write_safetensors  # noqa: E402
+
+from conftest import prompt_ids  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, context=256)
@@ -143,12 +143,13 @@ def test_converted_checkpoint_matches_transformers(kind, tmp_path, cache):
     """The cache entry holds the config, the tensors and the tokenizer transformers builds from the same file
     (its own GGUF reader and dequantization), loadable by the runtime: f32 llama and qwen2 files, and a llama
     file of GGML blocks (Q4_0 / Q4_1 / Q8_0) whose q / k rows llama.cpp's converter permuted."""
-    from tiny_gguf import write_tiny_gguf as write_block_gguf
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from conftest import hf_greedy, load
     from specdec.core.config import ModelConfig
     from specdec.core.model import rope_inv_freq
+
+    from conftest import hf_greedy, load
+    from tiny_gguf import write_tiny_gguf as write_block_gguf
 
     path = tmp_path / f"tiny-{kind}.gguf"
     if kind == "llama-blocks":
@@ -264,7 +265,7 @@ def test_write_safetensors_round_trip(tmp_path, capfd):
              "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "strided": torch.randn(4, 6)[:, ::2],
              "i32": torch.arange(5, dtype=torch.int32), "u8": torch.arange(9, dtype=torch.uint8)}
     write_safetensors(state, tmp_path / "m.safetensors", {"format": "pt"}, desc="writing m")
-    assert f"writing m: 100%" in capfd.readouterr().err
+    assert "writing m: 100%" in capfd.readouterr().err
     back = load_file(tmp_path / "m.safetensors")
     assert set(back) == set(state)
     for k, t in state.items():
@@ -278,9 +279,11 @@ def test_write_safetensors_round_trip(tmp_path, capfd):
 def test_lazy_compile_says_so_once_per_graph(checkpoint, monkeypatch, capfd):
     """A compiled-backend graph built on first use (not by compile()) prints one line with its time."""
     import specdec.core.decoder as decoder
+
     from conftest import load
 
-    monkeypatch.setattr(decoder, "build_graph", lambda graph, backend, batch_size, name, autotune: graph)   # no real compile
+    monkeypatch.setattr(decoder, "build_graph",
+                        lambda graph, backend, batch_size, name, autotune: graph)   # no real compile
     model = load(checkpoint("llama"), backend="compiled", progress=True)
     p = prompt_ids(9, seed=5)
     model.generate([p], max_new_tokens=4, eos_token_id=[])

@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from test_eagle import matched_eagle, saved_target_and_eagle, tiny_target, write_eagle
-from test_speculative import VOCAB, chi2_pvalue, exact_joint, lossless_pvalue, sampled_joint, save_tiny
-
 import specdec.fused.step as fused_step
 from specdec import DecoderModel, EagleDraft, PromptLookup, SpeculativeGenerator
 from specdec.fused import FusedKey, FusedSpeculator, FusedStep
+
+from test_eagle import matched_eagle, saved_target_and_eagle, tiny_target, write_eagle
+from test_speculative import VOCAB, chi2_pvalue, exact_joint, lossless_pvalue, sampled_joint, save_tiny
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
 WIDTH = max(map(len, PROMPTS))

@@ -5,13 +5,13 @@ losslessness of mixed steps, and the API / CLI / bench-spec boundaries."""
 import pytest
 import torch
 
+from specdec import CostGate, SpeculativeGenerator
+from specdec.gate import GateMeter
+
 from conftest import load
 from test_adaptive import PROMPTS, proposer
 from test_eagle3 import tiny  # noqa: F401
 from test_speculative import lossless_models, lossless_pvalue  # noqa: F401
-
-from specdec import CostGate, SpeculativeGenerator
-from specdec.gate import GateMeter
 
 
 class Clock:
@@ -135,6 +135,7 @@ def test_slow_speculation_is_turned_off_and_fast_speculation_kept(checkpoint):
 
 def test_greedy_tree_with_lookup_branch_equals_target_only_with_mixed_steps(tiny):
     from specdec import DynamicTree, EagleTreeDraft, LookupBranch, PromptLookup
+
     from test_eagle import PROMPTS as EAGLE_PROMPTS
     from test_eagle import load_target
     target = load_target(tiny["target_dir"])
@@ -198,6 +199,7 @@ def test_eagle_rereads_the_pairs_of_plain_steps_before_drafting(tiny):
     prompt's context encoding or a re-read window). Without the catch-up, the slots of the tokens that
     plain steps emitted would hold zeros or tree scratch."""
     from specdec import DynamicTree, EagleTreeDraft
+
     from test_eagle import PROMPTS as EAGLE_PROMPTS
     from test_eagle import load_target
     target = load_target(tiny["target_dir"])

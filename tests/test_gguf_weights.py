@@ -11,17 +11,26 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
-from test_speculative import lossless_pvalue, save_tiny  # noqa: E402
-from tiny_gguf import (GGUF_PROJECTIONS, HEADS, HF_PROJECTIONS, KV_HEADS, LAYER_TYPES, VOCAB, llama_cpp_permute,  # noqa: E402
-                       write_tiny_gguf)
 
-from conftest import hf_logits, load, prompt_ids  # noqa: E402
 from specdec import DraftModel, PromptLookup, SpeculativeGenerator  # noqa: E402
 from specdec.core import gguf_weights
 from specdec.core.block_linear import BlockLinear  # noqa: E402
 from specdec.core.gguf_weights import FORMATS, BlockWeights, gguf_quantized_tensors, rope_row_order  # noqa: E402
 from specdec.core.parallel import launch  # noqa: E402
 from specdec.core.quant import FUSED, Int4Linear, Int8Linear  # noqa: E402
+
+from conftest import hf_logits, load, prompt_ids  # noqa: E402
+from test_speculative import lossless_pvalue, save_tiny  # noqa: E402
+from tiny_gguf import (  # noqa: E402
+    GGUF_PROJECTIONS,
+    HEADS,
+    HF_PROJECTIONS,
+    KV_HEADS,
+    LAYER_TYPES,
+    VOCAB,
+    llama_cpp_permute,
+    write_tiny_gguf,
+)
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]              # the tiny model's types (gguf's ``quantize`` writes them)
 ALL_QTYPES = list(FORMATS)                      # + Q5_0, Q4_K, Q6_K (the Qwen2.5-Coder files' types)

@@ -8,17 +8,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_eagle import saved_target_and_eagle
-from test_export import check_export
-from test_speculative import VOCAB, lossless_pvalue, save_tiny
 
-from conftest import checkpoint, load, prompt_ids  # noqa: F401  (fixture)
 from specdec import DecoderModel, DraftModel, EagleDraft, PromptLookup, SpeculativeGenerator
 from specdec.cli import build_parser, main
 from specdec.core.kv_quant import dequantize_kv, parse_kv_cache_dtype, quantize_kv, storage_dtype
 from specdec.core.model import Attention
 from specdec.core.parallel import launch
 from specdec.serving.server import load_engine
+
+from conftest import checkpoint, load, prompt_ids  # noqa: F401  (fixture)
+from test_eagle import saved_target_and_eagle
+from test_export import check_export
+from test_speculative import VOCAB, lossless_pvalue, save_tiny
 
 DTYPES = ["int8", "fp8_e4m3"]
 
@@ -209,7 +210,7 @@ def test_kv_quantized_graphs_export_and_compile(checkpoint, kv):
     model = load(ckpt, batch_size=2, n_positions=32, context_buckets=[16], kv_buckets=[32], kv_cache_dtype=kv)
     for key in model.graph_keys(do_sample=False, spec_tokens=(4,)):        # context, one token, verify
         exported = model.export(key)
-        check_export(model, lambda _: exported, key)
+        check_export(model, lambda _: exported, key)  # noqa: B023  (called at once)
     mutated = set(exported.run_decompositions().graph_signature.buffers_to_mutate.values())
     assert mutated == {f"lm.model.layers.{i}.self_attn.{which}_{part}" for i in range(2) for which in "kv"
                        for part in ("cache", "scale")}

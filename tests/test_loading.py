@@ -36,7 +36,7 @@ def reference(hf_models):
     return get
 
 
-@pytest.mark.parametrize("variant,layout", CASES, ids=[f"{v}-{l}" for v, l in CASES])
+@pytest.mark.parametrize("variant,layout", CASES, ids=[f"{v}-{lay}" for v, lay in CASES])
 def test_logits_and_greedy_match_transformers(checkpoint, reference, variant, layout):
     ckpt = checkpoint(variant, layout)
     prompt, ref_tokens, ref_logits, ref_hidden = reference(variant)
@@ -55,7 +55,7 @@ def test_logits_and_greedy_match_transformers(checkpoint, reference, variant, la
     for i in range(N_NEW - 1):
         out = model.step(torch.tensor([[seq[L + i]]]), params)
         torch.testing.assert_close(out.logits[0, -1], ref_logits[L + i], atol=ATOL, rtol=RTOL,
-                                   msg=lambda m: f"step {i}: {m}")
+                                   msg=lambda m: f"step {i}: {m}")  # noqa: B023  (called at once)
         torch.testing.assert_close(out.hidden[0, -1].float(), ref_hidden[L + i], atol=ATOL, rtol=RTOL)
         assert int(out.tokens[0, -1]) == ref_tokens[i + 1]
     assert model.lengths.tolist() == [L + N_NEW - 1]

@@ -5,12 +5,12 @@ elsewhere), plus both sources really used and the draft model's cache tracking v
 import pytest
 import torch
 
+import specdec.verify as verify_module
+from specdec import DraftModel, EagleDraft, LookupOrDraft, PromptLookup, SpeculativeGenerator
+
 from conftest import load, prompt_ids
 from test_eagle import load_target, saved_target_and_eagle
 from test_speculative import chi2_pvalue, exact_joint, lossless_models, lossless_pvalue, sampled_joint  # noqa: F401
-
-import specdec.verify as verify_module
-from specdec import DraftModel, EagleDraft, LookupOrDraft, PromptLookup, SpeculativeGenerator
 
 REPEATING = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]          # a cycle: lookups find continuations
 PROMPTS = [REPEATING, prompt_ids(7, 5), prompt_ids(11, 6) + prompt_ids(11, 6)[:6]]

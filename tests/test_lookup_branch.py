@@ -3,14 +3,14 @@ losslessness, and that repeats in the prompt are accepted through the lookup bra
 import pytest
 import torch
 
-from test_eagle import load_target, lossless_setup, random_eagle, saved_target_and_eagle, tiny_target, write_eagle
-from test_speculative import lossless_pvalue
-
 from specdec import PromptLookup, SpeculativeGenerator
 from specdec.eagle import copy_lm_head
 from specdec.eagle.tree import DynamicTree, EagleTreeDraft
 from specdec.lookup.branch import LookupBranch, graft
 from specdec.tree import row_trees
+
+from test_eagle import load_target, lossless_setup, random_eagle, saved_target_and_eagle, tiny_target, write_eagle
+from test_speculative import lossless_pvalue
 
 REPEATS = [[5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7], [1, 2, 3, 1, 2, 3, 1, 2], [20, 21, 22, 23]]
 

@@ -6,14 +6,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdec import DecoderModel, SpeculativeGenerator, shipped
+from specdec.medusa import MedusaHeads, load_tree, save_heads
+from specdec.medusa.draft import MedusaDraft
+from specdec.tree import TokenTree
+
 from test_quantization import dequantized_hf
 from test_speculative import lossless_pvalue
-
-from specdec import DecoderModel, shipped
-from specdec.medusa import MedusaHeads, load_tree, save_heads
-from specdec.tree import TokenTree
-from specdec.medusa.draft import MedusaDraft
-from specdec import SpeculativeGenerator
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
 TREES = ["chain_4", "small_8", "mc_sim_7b_63"]

@@ -8,15 +8,16 @@ import copy
 
 import pytest
 import torch
-from test_medusa import PROMPTS, load_target, models, oracle_heads  # noqa: F401  (fixture)
-from test_quantization import LINEAR, SCHEMES, dequantize, dequantized_hf
 
-from conftest import load
 from specdec import SpeculativeGenerator
 from specdec.core.config import module_bytes
 from specdec.core.quant import Int8Linear, computed_weight
 from specdec.medusa import MedusaHeads, save_heads
 from specdec.medusa.draft import MedusaDraft
+
+from conftest import load
+from test_medusa import PROMPTS, load_target, models, oracle_heads  # noqa: F401  (fixture)
+from test_quantization import LINEAR, SCHEMES, dequantize, dequantized_hf
 
 HIDDEN = 64      # the ``models`` target's hidden size and vocabulary
 

@@ -7,8 +7,15 @@ import json
 import pytest
 import torch
 
-from specdec.medusa.tree import (build_tree, builtin_trees, expected_accept_length, gather_tree_tokens, load_tree,
-                                 measure_head_accuracy, save_tree)
+from specdec.medusa.tree import (
+    build_tree,
+    builtin_trees,
+    expected_accept_length,
+    gather_tree_tokens,
+    load_tree,
+    measure_head_accuracy,
+    save_tree,
+)
 from specdec.tree import PAD_NODE, TokenTree, tree_buffers
 
 SMALL = [[0], [1], [0, 0], [0, 1], [1, 0]]

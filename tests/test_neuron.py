@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from conftest import fused_names, load, prompt_ids
-
-from specdec.core.graphs import CacheCompaction, StepGraph
 from specdec.core import parallel
+from specdec.core.graphs import CacheCompaction, StepGraph
 from specdec.core.neuron import INSTALL, NeuronGraph
 from specdec.core.parallel import TPGroup, all_gather_last, launch, shard_plan
+
+from conftest import fused_names, load, prompt_ids
 
 
 class Recorder:

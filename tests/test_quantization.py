@@ -6,14 +6,22 @@ import copy
 
 import pytest
 import torch
-from test_speculative import VOCAB, lossless_pvalue, save_tiny
 
-from conftest import checkpoint, hf_greedy, hf_logits, load, prompt_ids  # noqa: F401  (fixture)
 from specdec import DecoderModel, DraftModel, PromptLookup, SpeculativeGenerator
 from specdec.core.config import module_bytes
 from specdec.core.parallel import launch
-from specdec.core.quant import (INT4_GROUP, PROJECTIONS, Int4Linear, Int8Linear, parse_quantization, quantize_int4,
-                                quantize_int8)
+from specdec.core.quant import (
+    INT4_GROUP,
+    PROJECTIONS,
+    Int4Linear,
+    Int8Linear,
+    parse_quantization,
+    quantize_int4,
+    quantize_int8,
+)
+
+from conftest import checkpoint, hf_greedy, hf_logits, load, prompt_ids  # noqa: F401  (fixture)
+from test_speculative import VOCAB, lossless_pvalue, save_tiny
 
 SCHEMES = ["int8", "int4"]
 LINEAR = {"int8": Int8Linear, "int4": Int4Linear}
@@ -142,8 +150,9 @@ def test_quantization_names(name, scheme):
     assert parse_quantization(name) == scheme
 
 
-@pytest.mark.parametrize("variant,name,match", [("llama", "fp4", "not supported: use None, 'int8', 'int4' or 'gguf'"),
-                                                ("llama-tp-padded", "int4", "divisible by 16 .* use quantization='int8'")])
+@pytest.mark.parametrize("variant,name,match", [
+    ("llama", "fp4", "not supported: use None, 'int8', 'int4' or 'gguf'"),
+    ("llama-tp-padded", "int4", "divisible by 16 .* use quantization='int8'")])
 def test_unsupported_quantization_is_a_clear_error(checkpoint, variant, name, match):
     with pytest.raises(ValueError, match=match):
         load(checkpoint(variant), quantization=name)

@@ -7,15 +7,15 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from specdec import DraftModel, EagleDraft, Engine, MedusaDraft, PromptLookup, SpeculativeGenerator
+from specdec.core.graphs import GraphKey, StepGraph, build_graph
+
 from conftest import hf_logits, load, prompt_ids
 from test_cli import generate_args, new_ids, restore_threads, run  # noqa: F401  (autouse fixture)
 from test_eagle import matched_eagle, tiny_target, write_eagle
 from test_export import TREES, tree_inputs
 from test_medusa import SMALL_TREE, draft_for, lossless, oracle_heads, token_map_target  # noqa: F401
 from test_speculative import chi2_pvalue, exact_joint, lossless_models, lossless_pvalue, sampled_joint  # noqa: F401
-
-from specdec import DraftModel, EagleDraft, Engine, MedusaDraft, PromptLookup, SpeculativeGenerator
-from specdec.core.graphs import GraphKey, StepGraph, build_graph
 
 N_NEW = 24
 REPEATING = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]          # prompt lookup finds continuations

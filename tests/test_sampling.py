@@ -8,9 +8,10 @@ import torch
 from scipy.stats import chisquare
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from conftest import load, prompt_ids
 from specdec import SamplingConfig
 from specdec.core.sampling import needs_filter, sample, sampling_params, warp
+
+from conftest import load, prompt_ids
 
 V = 24
 N = 20_000

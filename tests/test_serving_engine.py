@@ -6,13 +6,13 @@ import asyncio
 import pytest
 import torch
 
-from conftest import EOS, checkpoint, load, prompt_ids  # noqa: F401  (fixture)
-from test_eagle import saved_target_and_eagle
-from test_medusa import draft_for, oracle_heads, token_map_target
-
 from specdec import DraftModel, EagleDraft, Engine, PromptLookup, SpeculativeGenerator
 from specdec.serving import AsyncEngine, EngineBusy, RequestParams
 from specdec.serving.text import TextStream
+
+from conftest import EOS, checkpoint, load, prompt_ids  # noqa: F401  (fixture)
+from test_eagle import saved_target_and_eagle
+from test_medusa import draft_for, oracle_heads, token_map_target
 
 pytest.importorskip("prometheus_client")
 

@@ -20,12 +20,12 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from conftest import checkpoint, load  # noqa: E402,F401  (fixture)
-
 from specdec import DraftModel, Engine, SpeculativeGenerator  # noqa: E402
 from specdec.core.chat import conversation_ids  # noqa: E402
 from specdec.serving import AsyncEngine, create_app  # noqa: E402
 from specdec.serving.server import running_server as serving  # noqa: E402
+
+from conftest import checkpoint, load  # noqa: E402,F401  (fixture)
 
 MODEL = "tiny"
 TEXTS = ["Hello there", "The quick brown fox", "a", "Translate: bonjour le monde", "1 + 1 =", "xyz " * 6]

@@ -7,12 +7,11 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from conftest import save_reduced_vocab
-
 import specdec.verify as verify_module
-from specdec import DecoderModel
-from specdec.core.sampling import warp, full_probs
-from specdec import SpeculativeGenerator
+from specdec import DecoderModel, SpeculativeGenerator
+from specdec.core.sampling import full_probs, warp
+
+from conftest import save_reduced_vocab
 
 VOCAB = 16
 
@@ -32,7 +31,10 @@ def save_tiny(tmp_path_factory, name, layers, seed, vocab=64):
 def tiny(tmp_path_factory):
     target_hf, target_dir = save_tiny(tmp_path_factory, "target", 2, 0)
     _, draft_dir = save_tiny(tmp_path_factory, "draft", 1, 1)
-    load = lambda d, **kw: DecoderModel.from_pretrained(d, backend="eager", progress=False, **kw)
+
+    def load(d, **kw):
+        return DecoderModel.from_pretrained(d, backend="eager", progress=False, **kw)
+
     return dict(target_hf=target_hf, target_dir=target_dir, draft_dir=draft_dir, load=load)
 
 
@@ -85,7 +87,8 @@ def test_target_kv_after_rejections_equals_target_only(tiny):
     out = gen.sample([PROMPTS[0]], max_new_tokens=30, eos_token_id=[])
     assert gen.last_stats.drafted > gen.last_stats.accepted > 0 or gen.last_stats.accepted == 0
     n = int(target.lengths[0])
-    spec_kv = [(l.self_attn.k_cache[0, :n].clone(), l.self_attn.v_cache[0, :n].clone()) for l in target.lm.model.layers]
+    spec_kv = [(layer.self_attn.k_cache[0, :n].clone(), layer.self_attn.v_cache[0, :n].clone())
+               for layer in target.lm.model.layers]
     target.generate([PROMPTS[0]], max_new_tokens=30, eos_token_id=[])
     for (k, v), layer in zip(spec_kv, target.lm.model.layers):
         torch.testing.assert_close(k, layer.self_attn.k_cache[0, :n], rtol=1e-5, atol=1e-5)
@@ -97,7 +100,7 @@ def test_statistics_add_up(tiny):
     target = tiny["load"](tiny["target_dir"], batch_size=3, n_positions=128)
     draft = tiny["load"](tiny["draft_dir"], batch_size=3, n_positions=128)
     gen = SpeculativeGenerator(draft, target, 3)
-    out = gen.sample(PROMPTS, max_new_tokens=20, eos_token_id=[])
+    gen.sample(PROMPTS, max_new_tokens=20, eos_token_id=[])
     s = gen.last_stats
     assert s.accepted <= s.drafted
     assert sum(s.accepted_histogram) == s.steps
@@ -162,11 +165,14 @@ def chi2_pvalue(exact, counts):
     for s in keys:
         e = exact[s] * total
         if e >= 5:
-            obs.append(counts.get(s, 0)); exp.append(e)
+            obs.append(counts.get(s, 0))
+            exp.append(e)
         else:
-            rest_o += counts.get(s, 0); rest_e += e
+            rest_o += counts.get(s, 0)
+            rest_e += e
     unexpected = sum(v for s, v in counts.items() if s not in exact)
-    obs.append(rest_o + unexpected); exp.append(rest_e)
+    obs.append(rest_o + unexpected)
+    exp.append(rest_e)
     obs, exp = np.array(obs, float), np.array(exp, float)
     if exp[-1] < 1e-9:
         assert obs[-1] == 0, "sampled a sequence the target gives probability 0"

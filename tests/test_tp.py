@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import load, prompt_ids, save_reduced_vocab
-from specdec import DecoderModel
+from specdec import DecoderModel, SpeculativeGenerator
 from specdec.core.graphs import GraphKey
 from specdec.core.parallel import launch
-from specdec import SpeculativeGenerator
+
+from conftest import load, prompt_ids, save_reduced_vocab
 
 PROMPTS = [prompt_ids(7, seed=61), prompt_ids(12, seed=62)]
 N_NEW = 12

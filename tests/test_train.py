@@ -7,9 +7,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specdec import DecoderModel
+from specdec import DecoderModel, SpeculativeGenerator
 from specdec.draft.assemble import assemble
-from specdec import SpeculativeGenerator
 from specdec.train.data import DataConfig, generate_data, load_dataset
 from specdec.train.distill import DraftSpec, TrainConfig, split_rows, train_draft
 from specdec.train.export import export_draft
@@ -84,7 +83,8 @@ def test_split_keeps_each_row_on_its_side_when_the_data_grows():
     """Held-out rows are chosen by their tokens alone: reordered, grown data keeps every old row where it
     was, the share is near the fraction, and another seed splits differently."""
     g = torch.Generator().manual_seed(0)
-    rows = [{"tokens": torch.randint(0, 1000, (int(n),), generator=g)} for n in torch.randint(3, 30, (600,), generator=g)]
+    rows = [{"tokens": torch.randint(0, 1000, (int(n),), generator=g)}
+            for n in torch.randint(3, 30, (600,), generator=g)]
     train, held = split_rows(rows[:400], 0.1, seed=3)
     assert sorted(train + held) == list(range(400)) and not set(train) & set(held)
     assert 20 <= len(held) <= 60                      # Binomial(400, 0.1): mean 40, sd 6
@@ -122,7 +122,10 @@ def test_export_loads_and_speculation_is_exact(data_dir, tiny_target, tmp_path):
     ship = export_draft(tmp_path / "t" / "ckpt.pt", tmp_path / "ship")
     assert sorted(f.name for f in ship.iterdir()) == ["config.json", "draft.safetensors"]
     draft_dir = assemble(ship, tiny_target, tmp_path / "draft")
-    load = lambda d: DecoderModel.from_pretrained(d, batch_size=2, n_positions=128, backend="eager", progress=False)
+
+    def load(d):
+        return DecoderModel.from_pretrained(d, batch_size=2, n_positions=128, backend="eager", progress=False)
+
     draft, target = load(draft_dir), load(tiny_target)
     assert draft.config.output_vocab_size == SPEC.draft_vocab_size and draft.config.num_layers == 2
     assert int(draft.lm.output_token_ids.max()) < VOCAB
@@ -139,8 +142,8 @@ def test_export_loads_and_speculation_is_exact(data_dir, tiny_target, tmp_path):
 @pytest.mark.slow
 def test_shipped_smollm2_draft_is_exact():
     pytest.importorskip("gguf")
-    from specdec.core.paths import embedded_gguf_path
     from specdec import shipped
+    from specdec.core.paths import embedded_gguf_path
     from specdec.draft.smollm2 import SHIPPED_DRAFT
     try:
         embedded_gguf_path()
@@ -154,7 +157,8 @@ def test_shipped_smollm2_draft_is_exact():
     target = DecoderModel.from_pretrained(None, **kw)
     draft = shipped("draft", target).model
     assert draft.config.output_vocab_size and draft.config.num_layers < target.config.num_layers
-    assert draft.config.bytes_read_per_token(torch.bfloat16) <= 0.15 * target.config.bytes_read_per_token(torch.bfloat16)
+    assert (draft.config.bytes_read_per_token(torch.bfloat16)
+            <= 0.15 * target.config.bytes_read_per_token(torch.bfloat16))
     tok = target.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "Give me three tips for learning to cook."}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]

@@ -6,17 +6,15 @@ import json
 import pytest
 import torch
 
-from test_train import data_dir, tiny_target  # noqa: F401  (module fixtures)
-
-from specdec import DecoderModel
+from specdec import DecoderModel, EagleDraft, SpeculativeGenerator
 from specdec.core.chat import chat_ids
 from specdec.eagle.checkpoint import copy_lm_head
-from specdec import EagleDraft
-from specdec import SpeculativeGenerator
 from specdec.train.data import load_dataset
 from specdec.train.distill import load_target_state
 from specdec.train.eagle import EagleTrainConfig, EagleTrainer, export_eagle, init_state, train_eagle, unrolled_mask
 from specdec.train.features import compute_features
+
+from test_train import data_dir, tiny_target  # noqa: F401  (module fixtures)
 
 TRAIN = dict(steps=8, batch_rows=2, lr=3e-3, warmup=2, save_every=2, eval_every=4, seed=1, bf16=False,
              draft_vocab_size=48, unroll=3)
@@ -44,7 +42,8 @@ def test_unrolled_training_forward_equals_runtime_drafting(tiny_target, tmp_path
     g = torch.Generator().manual_seed(1)
     trainable = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in trainable.items()}
     ids = torch.arange(48) * 3
-    trainer = EagleTrainer(target_cfg, trainable, state["model.embed_tokens.weight"], state["model.embed_tokens.weight"][ids])
+    embed = state["model.embed_tokens.weight"]
+    trainer = EagleTrainer(target_cfg, trainable, embed, embed[ids])
     ckpt = {"step": 0, "model": trainer.state(), "output_token_ids": ids, "target_config": target_cfg}
     torch.save(ckpt, tmp_path / "ckpt.pt")
     ship = export_eagle(tmp_path / "ckpt.pt", tmp_path / "ship", dtype=torch.float32)
@@ -169,8 +168,8 @@ def test_init_from_a_shipped_draft(data_dir, tiny_target, tmp_path, arch, int8):
 def test_shipped_smollm2_eagle_is_exact(kind):
     """The shipped EAGLE-1 and EAGLE-3 heads: small, exact, and they get runs accepted."""
     pytest.importorskip("gguf")
-    from specdec.core.paths import embedded_gguf_path
     from specdec import shipped
+    from specdec.core.paths import embedded_gguf_path
     from specdec.eagle.smollm2 import SHIPPED_EAGLE, SHIPPED_EAGLE3
     try:
         embedded_gguf_path()
@@ -223,8 +222,9 @@ def test_generation_features_and_training_run_on_a_device(data_dir, tiny_target,
     """``device``: the target generates the tokens and computes the features there and the draft trains
     there; the features are the CPU's (f32), the loss falls, and the checkpoint holds CPU tensors (a run
     resumes and exports anywhere)."""
-    from test_train import DATA
     from specdec.train.data import DataConfig, generate_data
+
+    from test_train import DATA
     store = tmp_path / "tokens"
     generate_data(tmp_path / "gen", DataConfig(**{**DATA, "num_prompts": 3, "amp": "f32"}), tiny_target,
                   progress=False, store=store, label=False, device=device)

@@ -8,16 +8,28 @@ import json
 import pytest
 import torch
 
-from test_train import tiny_target  # noqa: F401  (module fixture)
-
 from specdec.cli import main as specdec_main
-from specdec.train.distill import split_rows
-from specdec.train.features import training_rows
 from specdec.core.checkpoint import target_lm_head
 from specdec.medusa.heads import WEIGHTS_NAME, load_heads, load_medusa_config
 from specdec.medusa.tree import build_tree, expected_accept_length, load_tree
-from specdec.train.medusa import (ACCURACY_FILE, MedusaTrainConfig, build_heads, calibrate, evaluate, export_medusa,
-                                  link_features, load_checkpoint, load_data, make_batch, train_medusa, vocab_index)
+from specdec.train.distill import split_rows
+from specdec.train.features import training_rows
+from specdec.train.medusa import (
+    ACCURACY_FILE,
+    MedusaTrainConfig,
+    build_heads,
+    calibrate,
+    evaluate,
+    export_medusa,
+    link_features,
+    load_checkpoint,
+    load_data,
+    make_batch,
+    train_medusa,
+    vocab_index,
+)
+
+from test_train import tiny_target  # noqa: F401  (module fixture)
 
 TRAIN = dict(steps=30, batch_rows=4, lr=1e-2, warmup=2, save_every=5, eval_every=10, seed=1, num_heads=3,
              medusa_vocab_size=48, heldout_fraction=0.25)

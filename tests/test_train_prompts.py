@@ -6,15 +6,24 @@ from collections import Counter
 import pytest
 import torch
 
-from test_train import tiny_target  # noqa: F401  (module fixture)
-
 from specdec import DecoderModel
-from specdec.core.chat import chat_ids
 from specdec.bench.prompts import load_records, resolve_prompts
+from specdec.core.chat import chat_ids
 from specdec.train.data import DataConfig, fit_request, generate_data, generate_tokens, token_settings
-from specdec.train.prompts import (KIND_WEIGHTS, LANGUAGES, TASKS, WRITTEN, build_requests, math_problem, plan_rows,
-                                   written_digest, written_requests)
+from specdec.train.prompts import (
+    KIND_WEIGHTS,
+    LANGUAGES,
+    TASKS,
+    WRITTEN,
+    build_requests,
+    math_problem,
+    plan_rows,
+    written_digest,
+    written_requests,
+)
 from specdec.train.store import EMBEDDED_STORE, read_shard, shard_files
+
+from test_train import tiny_target  # noqa: F401  (module fixture)
 
 
 @pytest.mark.skipif(not shard_files(EMBEDDED_STORE), reason="the repository's token store is absent")

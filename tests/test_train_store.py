@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from test_train import VOCAB, tiny_target  # noqa: F401  (module fixture)
-
 from specdec import DecoderModel
 from specdec.train import data as data_mod
 from specdec.train.cli import prepare_data
 from specdec.train.data import DataConfig, generate_data, label_sequences, label_store, load_dataset
 from specdec.train.store import Shard, is_store, read_shard, read_store, shard_files, write_shard
+
+from test_train import VOCAB, tiny_target  # noqa: F401  (module fixture)
 
 DATA = dict(num_prompts=3, batch_size=3, backend="eager", amp="f32", max_new_tokens=20, max_question_tokens=6,
             sample_fraction=0.34, seed=5)
@@ -154,7 +154,8 @@ def test_answer_stream_refills_rows_and_each_answer_is_the_rows_own(tiny_target,
             yield job
 
     real_step = Engine.step
-    monkeypatch.setattr(Engine, "step", lambda self: steps.append((len(self.active_rows), len(taken))) or real_step(self))
+    monkeypatch.setattr(Engine, "step",
+                        lambda self: steps.append((len(self.active_rows), len(taken))) or real_step(self))
     answers = list(data_mod.answer_stream(model, feed(), max_new_tokens=12))
     assert sorted(i for i, _ in answers) == list(range(len(jobs)))
     assert steps and all(active == 2 for active, n in steps if n < len(jobs))

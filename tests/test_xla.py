@@ -21,12 +21,12 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 torch_xla = pytest.importorskip("torch_xla")
 import torch_xla.debug.metrics as met  # noqa: E402
 
-from test_eagle import saved_target_and_eagle, tiny_target  # noqa: E402
-from test_medusa import oracle_heads, token_map_target  # noqa: E402
-
 from specdec import DecoderModel, DraftModel, EagleDraft, MedusaDraft, PromptLookup, SpeculativeGenerator  # noqa: E402
 from specdec.core.graphs import CacheCompaction, GraphKey  # noqa: E402
 from specdec.medusa import load_tree  # noqa: E402
+
+from test_eagle import saved_target_and_eagle, tiny_target  # noqa: E402
+from test_medusa import oracle_heads, token_map_target  # noqa: E402
 
 pytestmark = pytest.mark.xla
 
@@ -125,7 +125,7 @@ def test_each_graph_key_compiles_once(checkpoints):
     for key in keys:
         inputs = model.graph_module(key).example_inputs(2)               # views (expand) and plain tensors
         runs += [(key, inputs), (key, tuple(t.cpu().to(t.device) for t in inputs))]
-    for repeat in range(2):
+    for _ in range(2):
         before = compiles()
         for key, inputs in runs:
             model.graph(key)(*inputs)
@@ -217,7 +217,8 @@ def test_fused_step_is_one_graph_equal_to_eager(checkpoints, kind, batch_size):
     output equals eager, nothing compiles after warm-up, nothing falls back to the CPU."""
     prompts = PROMPTS[:batch_size] if batch_size == 3 else [PROMPTS[2]]
     kw = dict(max_new_tokens=NEW, eos_token_id=[])
-    reference = fused_generator(kind, load(checkpoints["target"], "eager", batch_size), checkpoints).generate(prompts, **kw)
+    eager = load(checkpoints["target"], "eager", batch_size)
+    reference = fused_generator(kind, eager, checkpoints).generate(prompts, **kw)
     gen = fused_generator(kind, load(checkpoints["target"], "xla", batch_size), checkpoints)
     met.clear_counters()
     outputs, compiled = [], []

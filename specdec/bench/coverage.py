@@ -122,7 +122,8 @@ def extension_orders(rows: list[dict], base: torch.Tensor, vocab_size: int) -> d
     for c in cats:
         own = Counter(t for r in rows if (r["set"], r["category"]) == c for t in r["output"])
         other = Counter(t for r in rows if (r["set"], r["category"]) != c for t in r["output"])
-        orders["/".join(c)] = {"merge_rank": merge, "other_categories": by_frequency(other), "oracle": by_frequency(own)}
+        orders["/".join(c)] = {"merge_rank": merge, "other_categories": by_frequency(other),
+                               "oracle": by_frequency(own)}
     return orders
 
 
@@ -187,13 +188,15 @@ def table(result: dict) -> str:
     others = [d for d in rest if vocab[d] != vocab[first]]
     lines = [f"| category | tokens | OOV {first} ({vocab[first]:,}) | OOV in prompt | OOV in context | " +
              "".join(f"OOV {d} ({vocab[d]:,}) | " for d in others) +
-             " | ".join(f"{int(s) // 1024}k merge / other / oracle" if s != sizes[-1] else f"full {int(s):,}" for s in sizes[1:]) + " |",
+             " | ".join(f"{int(s) // 1024}k merge / other / oracle" if s != sizes[-1] else f"full {int(s):,}"
+                        for s in sizes[1:]) + " |",
              "|---|---:|---:|---:|---:|" + "---:|" * len(others) + "---|" * (len(sizes) - 1)]
     for name, e in result["categories"].items():
         d = e["drafts"][first]
         cells = [" / ".join(f"{e['coverage'][st][s]:.3f}" for st in ("merge_rank", "other_categories", "oracle"))
                  for s in sizes[1:]]
-        lines.append(f"| {name} | {e['tokens']} | {d['oov']:.3f} | {d['oov_in_prompt']:.2f} | {d['oov_in_context']:.2f} | "
+        lines.append(f"| {name} | {e['tokens']} | {d['oov']:.3f} | {d['oov_in_prompt']:.2f} | "
+                     f"{d['oov_in_context']:.2f} | "
                      + "".join(f"{e['drafts'][o]['oov']:.3f} | " for o in others) + " | ".join(cells) + " |")
     lines.append("")
     lines.append("LM-head bytes per draft token (bf16): " + ", ".join(

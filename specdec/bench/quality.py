@@ -1,12 +1,14 @@
 """Quality of a precision / quantization setting: perplexity on held-out text and greedy agreement.
 
 For each ``--settings`` entry (``f32``, ``bf16``, ``int8`` / ``int4`` = bf16 activations with
-quantized projections, ``gguf`` = bf16 activations with the GGUF file's own blocks) the embedded model (or ``--model``) scores ``--text`` (default: ``HELD_OUT``, prose written for this
+quantized projections, ``gguf`` = bf16 activations with the GGUF file's own blocks) the embedded model
+(or ``--model``) scores ``--text`` (default: ``HELD_OUT``, prose written for this
 benchmark, none of it in the prompts or training data of the shipped drafts) in windows of
 ``--window`` tokens: perplexity = exp(mean negative log-likelihood of every token after the first of
 each window). It also decodes ``--max-new-tokens`` greedy tokens for the first ``--num-prompts``
 MT-Bench questions and reports, against the first setting (the reference), the tokens each output
-shares with the reference's before the first difference and the share of outputs identical. JSON on stdout (``--output`` also writes it).
+shares with the reference's before the first difference and the share of outputs identical. JSON on
+stdout (``--output`` also writes it).
 
     specdec bench-quality [--settings bf16,int8] [--window 256]
 """

@@ -530,7 +530,8 @@ def _spawn_worker(system: str, job_file: Path, result_file: Path, cache_dir: Pat
     env = dict(os.environ)
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
     env["TOKENIZERS_PARALLELISM"] = "false"
-    env["PYTHONPATH"] = os.pathsep.join([str(package_parent())] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([str(package_parent())]
+                                        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     result_file.unlink(missing_ok=True)
     t = time.perf_counter()
     # own session: Ctrl-C reaches only the parent, which then kills the whole worker group
@@ -803,7 +804,8 @@ def _agreements(systems: dict, raw: dict) -> None:
     toks = {s: t for s, t in toks.items() if t}
     if not toks:
         return
-    ref = BASELINE if BASELINE in toks else next((s for s in toks if system_info(s)["dtype"] == "f32"), next(iter(toks)))
+    ref = BASELINE if BASELINE in toks else next((s for s in toks if system_info(s)["dtype"] == "f32"),
+                                                 next(iter(toks)))
     for s, t in toks.items():
         systems[s]["agreement"] = {"reference": ref, **_agreement(t, toks[ref])}
 

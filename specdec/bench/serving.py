@@ -26,8 +26,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
-from .prompts import add_prompt_arguments, int_list, load_prompts, resolve_prompts
 from . import runtime
+from .prompts import add_prompt_arguments, int_list, load_prompts, resolve_prompts
 from .runtime import _machine_info
 
 
@@ -114,8 +114,9 @@ def run(args: argparse.Namespace) -> dict:
               "settings": {k: v for k, v in vars(args).items() if k not in ("func",)}, "runs": {}}
     for strategy in strategies:
         ns = argparse.Namespace(model=None, amp=args.amp, quantization=args.quantization, backend=args.backend,
-                                batch_size=args.batch_size, n_positions=args.n_positions, draft=strategy, draft_path=None,
-                                k=DEFAULT_K.get(strategy), tree=None, tp_degree=1, max_waiting=max(args.concurrency) + 1)
+                                batch_size=args.batch_size, n_positions=args.n_positions, draft=strategy,
+                                draft_path=None, k=DEFAULT_K.get(strategy), tree=None, tp_degree=1,
+                                max_waiting=max(args.concurrency) + 1)
         start = time.perf_counter()
         engine = serving_engine(load_engine(ns, progress=True), ns)
         build_s = time.perf_counter() - start
@@ -147,7 +148,8 @@ def table(result: dict) -> str:
         for r in v["levels"]:
             tau = "–" if r["tau"] is None else f"{r['tau']:.2f}"
             rows.append(f"| {strategy} | {r['concurrency']} | {r['request_throughput']:.2f} | "
-                        f"{r['output_tokens_per_s']:.1f} | {tau} | {ms(r['ttft_s']['p50'])} / {ms(r['ttft_s']['p99'])} | "
+                        f"{r['output_tokens_per_s']:.1f} | {tau} | "
+                        f"{ms(r['ttft_s']['p50'])} / {ms(r['ttft_s']['p99'])} | "
                         f"{ms(r['itl_s']['p50'])} / {ms(r['itl_s']['p99'])} | {ms(r['tpot_s']['p50'])} |")
     return "\n".join(rows)
 

@@ -45,9 +45,10 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -58,7 +59,6 @@ from ..shipped import TREE_KINDS
 from . import runtime
 from .prompts import add_prompt_arguments, int_list, load_records, resolve_prompts
 
-
 STRATEGIES = ("draft", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "medusa", "lookup", "lookup+draft",
               "lookup+eagle", "lookup+eagle-tree", "lookup+eagle3", "lookup+eagle3-tree")
 
@@ -68,7 +68,8 @@ def strategy_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in names if t not in STRATEGIES]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(bad) or text!r}; choose from {', '.join(STRATEGIES)}")
+        raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(bad) or text!r}; "
+                                         f"choose from {', '.join(STRATEGIES)}")
     return names
 
 
@@ -162,7 +163,8 @@ def run(args: argparse.Namespace) -> dict:
     if hf is not None:
         hf.generation_config.eos_token_id = None
     assistant = None if hf is None else HFAdapter(
-        DecoderModel.from_pretrained(embedded_draft_path(), **{**kw, "backend": "eager", "amp": "f32", "autotune": False}))
+        DecoderModel.from_pretrained(embedded_draft_path(),
+                                     **{**kw, "backend": "eager", "amp": "f32", "autotune": False}))
 
     def sampling(t):
         return dict(do_sample=t > 0, temperature=t) if t > 0 else dict(do_sample=False)
@@ -187,14 +189,15 @@ def run(args: argparse.Namespace) -> dict:
             if name == "specdec-target":
                 engine = Engine(target)
                 clock.watch(engine, [target])
-                _, dt = _timed(lambda: engine.generate(batch, max_new_tokens=n_new, eos_token_id=[],
-                                                       seed=seed, **sampling(t)))
+                # (B023: _timed calls each lambda at once, so it reads this iteration's loop variables)
+                _, dt = _timed(lambda: engine.generate(batch, max_new_tokens=n_new, eos_token_id=[],  # noqa: B023
+                                                       seed=seed, **sampling(t)))  # noqa: B023
                 clock.add_wall(dt)
             elif name in systems:
                 gen = systems[name].make()
                 clock.watch(gen.engine, [target, drafting_model(gen.proposer), gen.speculator])
-                _, dt = _timed(lambda: gen.generate(batch, max_new_tokens=n_new, eos_token_id=[], seed=seed,
-                                                    **sampling(t)))
+                _, dt = _timed(lambda: gen.generate(batch, max_new_tokens=n_new, eos_token_id=[],  # noqa: B023
+                                                    seed=seed, **sampling(t)))  # noqa: B023
                 clock.add_wall(dt)
                 stats = stats + gen.last_stats
                 for kind, count in (gen.gate_meter.steps.items() if gen.gate_meter else ()):
@@ -204,9 +207,10 @@ def run(args: argparse.Namespace) -> dict:
                 torch.manual_seed(seed)
                 x = torch.tensor(batch)
                 out, dt = _timed(lambda: hf.generate(
-                    x, attention_mask=torch.ones_like(x), assistant_model=assistant, max_new_tokens=n_new,
-                    min_new_tokens=n_new, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
-                    assistant_confidence_threshold=0.0, **sampling(t)))
+                    x, attention_mask=torch.ones_like(x), assistant_model=assistant,  # noqa: B023
+                    max_new_tokens=n_new, min_new_tokens=n_new, num_assistant_tokens=k,  # noqa: B023
+                    num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
+                    **sampling(t)))  # noqa: B023
                 if out.shape[1] - x.shape[1] != n_new:
                     raise RuntimeError(f"{name}: generated {out.shape[1] - x.shape[1]} tokens, not {n_new}")
             rates.append(len(batch) * n_new / dt)
@@ -256,7 +260,8 @@ def bench_records(args: argparse.Namespace) -> list[tuple[object, str, str]]:
     if not args.per_category:
         return load_records(args.prompts, args.num_prompts)
     records = load_records(args.prompts)
-    return [r for c in dict.fromkeys(c for _, c, _ in records) for r in [r for r in records if r[1] == c][:args.per_category]]
+    return [r for c in dict.fromkeys(c for _, c, _ in records)
+            for r in [r for r in records if r[1] == c][:args.per_category]]
 
 
 class System(NamedTuple):

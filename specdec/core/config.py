@@ -69,7 +69,7 @@ class ModelConfig:
     output_vocab_size: int | None = None  # reduced LM head (drafts): logits only for these tokens
 
     @classmethod
-    def from_hf(cls, hf: PretrainedConfig) -> "ModelConfig":
+    def from_hf(cls, hf: PretrainedConfig) -> ModelConfig:
         if hf.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {hf.model_type!r} is not supported; supported: "
@@ -105,7 +105,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face checkpoint directory")

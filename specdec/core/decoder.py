@@ -25,15 +25,21 @@ from .buckets import check_buckets, pick_bucket
 from .checkpoint import load_weights
 from .config import ModelConfig, amp_dtype
 from .gguf_weights import load_gguf_blocks
-from .paths import gguf_source, resolve_model_path
-from .graphs import (BACKENDS, CacheCompaction, GraphKey, StepGraph, backend_device, build_graph,
-                     configure_compile_cache)
+from .graphs import BACKENDS, CacheCompaction, GraphKey, StepGraph, backend_device, build_graph, configure_compile_cache
 from .kv_quant import parse_kv_cache_dtype
 from .model import DecoderLM, check_feature_layers, split_hidden
 from .parallel import TPGroup, barrier, shard_plan, spmd_group, tp_group
+from .paths import gguf_source, resolve_model_path
 from .quant import parse_quantization, quantize_and_fuse
-from .sampling import (TEMPERATURE, RowGenerators, SamplingConfig, any_penalised, any_sampled, needs_filter,
-                       sampling_params)
+from .sampling import (
+    TEMPERATURE,
+    RowGenerators,
+    SamplingConfig,
+    any_penalised,
+    any_sampled,
+    needs_filter,
+    sampling_params,
+)
 from .tp_layout import head_layout, parse_gqa
 
 
@@ -103,7 +109,7 @@ class DecoderModel:
                         sampling: SamplingConfig | None = None, backend: str = "compiled", device: str | None = None,
                         quantization: str | None = None, kv_cache_dtype: str | None = None,
                         feature_layers: tuple[int, ...] | list[int] = (), autotune: bool = False,
-                        progress: bool = True) -> "DecoderModel":
+                        progress: bool = True) -> DecoderModel:
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, a named model (e.g.
         ``"qwen2.5-coder-1.5b-instruct"``, ``named_models.NAMED_MODELS``: a GGUF file assembled once from
         its packages), or (``None``) the embedded SmolLM2-135M-Instruct. Graphs are built lazily on first
@@ -116,11 +122,11 @@ class DecoderModel:
         query/KV heads are laid out over the ranks (``tp_layout``). ``quantization``: None, or ``"int8"``
         weight-only per-channel int8 of the attention and MLP projections and the LM head (NxD
         Inference's names ``"per_channel_symmetric"``, transformers-neuronx's ``"s8"`` also accepted;
-        see ``quant``), ``"int4"`` group-wise int4 projections (the LM head int8), or ``"gguf"`` (a GGUF file only): every Q4_0 / Q4_1 /
-        Q4_K / Q5_0 / Q6_K / Q8_0 tensor, LM head included, keeps the file's own blocks (``gguf_weights``) and runs
-        on the ``block_mm`` CPU kernel (``block_linear``: exact weights, f32 activations, row-invariant). With
-        int4 / int8 a GGUF file's 4-bit (int4) or Q8_0 (int8) projections and ≤ 8-bit LM head keep theirs too
-        instead of being rounded again.
+        see ``quant``), ``"int4"`` group-wise int4 projections (the LM head int8), or ``"gguf"`` (a GGUF
+        file only): every Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 tensor, LM head included, keeps the file's
+        own blocks (``gguf_weights``) and runs on the ``block_mm`` CPU kernel (``block_linear``: exact
+        weights, f32 activations, row-invariant). With int4 / int8 a GGUF file's 4-bit (int4) or Q8_0 (int8)
+        projections and ≤ 8-bit LM head keep theirs too instead of being rounded again.
         ``kv_cache_dtype``: None / "auto" (the KV cache in the compute dtype), ``"int8"`` or ``"fp8_e4m3"``
         (alias ``"fp8"``; vLLM's names, NxD Inference's ``kv_cache_quant``): 8-bit K/V with an f32 scale
         per (row, slot, KV head), dequantized when read (``kv_quant``). Drafts inherit both settings.
@@ -131,7 +137,7 @@ class DecoderModel:
         its weights frozen in and every matmul's kernel chosen by timing Inductor's C++ GEMM templates
         against ATen's (``graphs.AUTOTUNE_OPTIONS``): faster steps at every precision, at the cost of a
         longer first compile and, for bf16 and int8 weights, a re-blocked copy of the weights per graph
-        (see the README's "Autotuned graphs")."""
+        (see docs/backends.md, "Autotuned graphs")."""
         gqa = parse_gqa(gqa_strategy)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")
@@ -274,7 +280,7 @@ class DecoderModel:
 
     def compile(self, progress: bool = True, spec_tokens: tuple[int, ...] = (), prompt_length: int | None = None,
                 max_length: int | None = None, single_row: bool = False,
-                compaction_slots: tuple[int, ...] = ()) -> "DecoderModel":
+                compaction_slots: tuple[int, ...] = ()) -> DecoderModel:
         """Build and warm the graphs (Neuron's ahead-of-time model): all buckets, or only those
         ``prompt_length`` / ``max_length`` need; ``single_row`` also the context graphs of rows joining
         a running batch (see ``graph_keys``); ``compaction_slots`` the KV-compaction graphs moving that
@@ -285,7 +291,7 @@ class DecoderModel:
         return self._warm(keys, f"compiling ({self.settings.backend})", progress, compaction_slots)
 
     def _to_neuron(self, keys: list[GraphKey], compaction_slots: tuple[int, ...] | list[int], progress: bool,
-                   program=None) -> "DecoderModel":
+                   program=None) -> DecoderModel:
         """Trace and compile ``keys`` and the compaction graphs into one Neuron program (or take
         ``program``, loaded by ``load``), load it with this model's weights and route the graphs to it."""
         from .neuron import NeuronProgram
@@ -324,7 +330,7 @@ class DecoderModel:
         return weights[-1:] + weights[:-1]
 
     def _warm(self, keys: list[GraphKey], desc: str, progress: bool,
-              compaction_slots: tuple[int, ...] | list[int] = ()) -> "DecoderModel":
+              compaction_slots: tuple[int, ...] | list[int] = ()) -> DecoderModel:
         """Build each graph (and the compaction graphs of ``compaction_slots``) and run it once on
         example inputs (timed); then clear the KV cache. The bar counts the graphs whose compiled code
         came from the on-disk cache. ``neuron``: one program of all of them (``_to_neuron``)."""
@@ -640,7 +646,7 @@ class DecoderModel:
         return directory / ("compile_cache.bin" if self.tp.size == 1 else f"compile_cache.rank{self.tp.rank}.bin")
 
     @classmethod
-    def load(cls, directory: str | Path, progress: bool = True) -> "DecoderModel":
+    def load(cls, directory: str | Path, progress: bool = True) -> DecoderModel:
         """Re-create a saved model: weights from its checkpoint, compiled graphs from the cache."""
         directory = Path(directory)
         meta_file = directory / "specdec.json"
@@ -655,7 +661,7 @@ class DecoderModel:
                                     meta.get("compactions", []))
 
     def _load_compiled(self, directory: Path, keys: list[GraphKey], progress: bool,
-                       compaction_slots: tuple[int, ...] | list[int] = ()) -> "DecoderModel":
+                       compaction_slots: tuple[int, ...] | list[int] = ()) -> DecoderModel:
         """Unpack the saved compile cache (if any) and warm ``keys`` from it (``neuron``: load the saved
         program with ``keys`` and the compaction graphs of ``compaction_slots``)."""
         if self.settings.backend == "neuron":

@@ -100,7 +100,8 @@ def dequantize(path: str | Path, entry: TensorEntry) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(entry.shape)      # a copy: the map is read-only
 
 
-def gguf_tensors(path: str | Path, config: dict, header: GGUFHeader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensors(path: str | Path, config: dict,
+                 header: GGUFHeader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, f32 tensor) for every tensor of the file the runtime reads, one at a time, in file
     order; q / k rows in Hugging Face order."""
     header = header or read_header(path)

@@ -121,7 +121,7 @@ class StaticCacheView(Cache):
     back by length on the next forward); ``reset()`` clears the records.
     """
 
-    def __init__(self, adapter: "HFAdapter"):
+    def __init__(self, adapter: HFAdapter):
         super().__init__(layers=[])
         self._adapter = adapter
         self.columns = 0

@@ -36,9 +36,9 @@ them with a recording stand-in only.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -141,14 +141,14 @@ class NeuronProgram:
 
     @classmethod
     def create(cls, tp_degree: int = 1, compiler_workdir: str | Path | None = None,
-               compiler_args: str = COMPILER_ARGS) -> "NeuronProgram":
+               compiler_args: str = COMPILER_ARGS) -> NeuronProgram:
         """An empty program for ``tp_degree`` NeuronCores."""
         check_tp_degree(tp_degree)
         nxd_model = import_sdk()[2]
         return cls(nxd_model(world_size=tp_degree), None, compiler_workdir, compiler_args, tp_degree)
 
     @classmethod
-    def load(cls, path: str | Path, keys: list[str], tp_degree: int = 1) -> "NeuronProgram":
+    def load(cls, path: str | Path, keys: list[str], tp_degree: int = 1) -> NeuronProgram:
         """A program ``save`` wrote (``keys``: its graph names); ``start`` it with the weights."""
         nxd_model = import_sdk()[2]
         return cls(nxd_model.load(str(path)), keys, tp_degree=tp_degree)

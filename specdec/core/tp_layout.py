@@ -71,7 +71,8 @@ def parse_gqa(strategy: str | GQA | None) -> GQA | None:
         return GQA(str(strategy).lower().replace("_", "-"))
     except ValueError:
         allowed = ", ".join(repr(g.value) for g in GQA)
-        raise ValueError(f"gqa_strategy={strategy!r} is not supported; use one of {allowed} or None (automatic)") from None
+        raise ValueError(f"gqa_strategy={strategy!r} is not supported; "
+                         f"use one of {allowed} or None (automatic)") from None
 
 
 def head_layout(num_heads: int, num_kv_heads: int, tp_degree: int, strategy: str | GQA | None = None) -> HeadLayout:
@@ -80,16 +81,19 @@ def head_layout(num_heads: int, num_kv_heads: int, tp_degree: int, strategy: str
     if not isinstance(tp_degree, int) or tp_degree < 1:
         raise ValueError(f"tp_degree must be an integer >= 1, got {tp_degree!r}")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(f"num_attention_heads={num_heads} must be a positive multiple of num_key_value_heads={num_kv_heads}")
+        raise ValueError(f"num_attention_heads={num_heads} must be a positive multiple of "
+                         f"num_key_value_heads={num_kv_heads}")
     group = num_heads // num_kv_heads
     replicable = num_kv_heads % tp_degree == 0 or tp_degree % num_kv_heads == 0
     chosen = parse_gqa(strategy) or (GQA.REPLICATE_TO_TP_DEGREE if replicable else GQA.CONVERT_TO_MHA)
     if chosen is GQA.REPLICATE_TO_TP_DEGREE:
         if not replicable:
+            degrees = sorted(d for d in range(1, 2 * num_kv_heads + 1)
+                             if num_kv_heads % d == 0 or d % num_kv_heads == 0)
             raise ValueError(
                 f"gqa_strategy='replicate-to-tp-degree' needs num_key_value_heads ({num_kv_heads}) and tp_degree "
                 f"({tp_degree}) to divide one another; use 'convert-to-mha' (pads heads) or a tp_degree among "
-                f"{sorted(d for d in range(1, 2 * num_kv_heads + 1) if num_kv_heads % d == 0 or d % num_kv_heads == 0)}")
+                f"{degrees}")
         if num_kv_heads % tp_degree == 0:      # split the KV heads, queries follow their groups
             q_index, kv_index = tuple(range(num_heads)), tuple(range(num_kv_heads))
         else:                                  # one KV head per rank, its query group split r ways

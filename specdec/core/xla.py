@@ -18,7 +18,7 @@ PyPI; the ``.ci/run`` script builds this environment as ``.venv-xla``).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

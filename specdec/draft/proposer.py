@@ -42,7 +42,7 @@ class DraftModel:
         self.drafts: torch.Tensor | None = None    # the last proposal, until ``accepted`` reads it
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None, target: DecoderModel, **overrides) -> "DraftModel":
+    def from_pretrained(cls, path: str | Path | None, target: DecoderModel, **overrides) -> DraftModel:
         """Load a draft checkpoint with the target's runtime settings (batch size, ``n_positions``,
         ``amp``, buckets, sampling config, backend, device, ``tp_degree``; the head layout is chosen for the
         draft's own heads) unless ``overrides`` (any

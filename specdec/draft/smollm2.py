@@ -23,7 +23,8 @@ def embedded_draft_path(ship_dir: str | Path | None = None) -> Path:
     ship_dir = Path(ship_dir) if ship_dir is not None else SHIPPED_DRAFT
     weights = ship_dir / SHIP_WEIGHTS
     if not weights.is_file():
-        raise FileNotFoundError(f"no draft weights at {weights}; train them with `specdec train-draft --ship {ship_dir}`")
+        raise FileNotFoundError(f"no draft weights at {weights}; "
+                                f"train them with `specdec train-draft --ship {ship_dir}`")
     digest = hashlib.sha256(weights.read_bytes() + (ship_dir / "config.json").read_bytes()).hexdigest()[:16]
     target = resolve_model_path(None)
     return assemble(ship_dir, target, cache_dir() / "drafts" / f"smollm2-135m-instruct-{digest}")

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
+from ..core.checkpoint import load_weights
 from ..core.config import ModelConfig
 from ..core.decoder import DecoderModel, StepOutput
 from ..core.graphs import GraphKey
-from ..core.checkpoint import load_weights
 from ..core.quant import parse_quantization, quantize_and_fuse
 from .checkpoint import aux_layer_ids, check_layout, eagle3_token_ids, eagle_key, is_eagle3, tensor_names
 from .model import Eagle3LM, EagleLM
@@ -30,7 +30,7 @@ class EagleModel(DecoderModel):
     @classmethod
     def from_pretrained(cls, path: str | Path, target: DecoderModel, *, eagle_input_norm: bool | None = None,
                         backend: str | None = None, quantization: str | None = "target",
-                        progress: bool = True) -> "EagleModel":
+                        progress: bool = True) -> EagleModel:
         """Load an EAGLE draft network for ``target`` (a ``DecoderModel``): the EAGLE-1, NxD or EAGLE-3
         layout (``specdec.eagle.checkpoint``). An EAGLE-3 draft sets the target's feature layers.
 
@@ -120,7 +120,7 @@ class EagleModel(DecoderModel):
         return context + one + [replace(k, n_tokens=n + 1) for n in spec_tokens for k in one if k.kv_len >= n + 1]
 
     @classmethod
-    def load(cls, directory: str | Path, target: DecoderModel, progress: bool = True) -> "EagleModel":
+    def load(cls, directory: str | Path, target: DecoderModel, progress: bool = True) -> EagleModel:
         """Re-create a draft written by ``save`` (the inherited ``DecoderModel.save``: checkpoint path,
         runtime settings, compiled graphs) for ``target``, whose runtime settings it shares."""
         directory = Path(directory)

@@ -35,8 +35,17 @@ import torch
 from torch import nn
 
 from ..core.config import ModelConfig
-from ..core.model import (MLP, Attention, DecoderLayer, RMSNorm, full_vocab_logits, new_token_slots,
-                          pick_positions, rope_inv_freq, rope_tables)
+from ..core.model import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    RMSNorm,
+    full_vocab_logits,
+    new_token_slots,
+    pick_positions,
+    rope_inv_freq,
+    rope_tables,
+)
 from ..core.parallel import TPGroup
 from ..core.tp_layout import head_layout
 

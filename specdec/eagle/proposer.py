@@ -52,7 +52,7 @@ class EagleDraft:
         self.read_to = torch.zeros(B, dtype=torch.long)     # host: draft cache slots holding true pairs
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target: DecoderModel, **kwargs) -> "EagleDraft":
+    def from_pretrained(cls, path: str | Path, target: DecoderModel, **kwargs) -> EagleDraft:
         """An EAGLE-1 / NxD / EAGLE-3-layout checkpoint for ``target`` (``EagleModel.from_pretrained``
         arguments: ``eagle_input_norm``, ``backend``, ``progress``)."""
         return cls(EagleModel.from_pretrained(path, target, **kwargs))

@@ -35,7 +35,8 @@ def embedded_eagle_path(ship_dir: str | Path | None = None) -> Path:
     ship_dir = Path(ship_dir) if ship_dir is not None else SHIPPED_EAGLE
     weights = ship_dir / "model.safetensors"
     if not weights.is_file():
-        raise FileNotFoundError(f"no EAGLE weights at {weights}; train them with `specdec train-eagle --ship {ship_dir}`")
+        raise FileNotFoundError(f"no EAGLE weights at {weights}; "
+                                f"train them with `specdec train-eagle --ship {ship_dir}`")
     names = tensor_names(ship_dir)
     if not is_packed(names) and "lm_head.weight" in names:
         return ship_dir   # loadable as it is

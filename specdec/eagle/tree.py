@@ -48,7 +48,8 @@ class DynamicTree:
     scored per expanded node, nodes expanded per depth) and ``num_nodes`` N (nodes verified, root
     excluded: the target verifies N + 1 tokens)."""
 
-    depth: int = 3          # defaults: the fastest shape measured on the 2-core CPU (README, EAGLE-2 trees)
+    # defaults: the fastest shape measured on the 2-core CPU (docs/strategies/eagle.md, "EAGLE-2 dynamic trees")
+    depth: int = 3
     top_k: int = 8
     num_nodes: int = 8
 
@@ -63,7 +64,7 @@ class DynamicTree:
                              f"depth {self.depth} and top_k {self.top_k} scores (K + (D-1)K^2)")
 
     @classmethod
-    def parse(cls, text: str) -> "DynamicTree":
+    def parse(cls, text: str) -> DynamicTree:
         """``"5x8x24"`` → ``DynamicTree(depth=5, top_k=8, num_nodes=24)`` (ValueError naming the format)."""
         try:
             depth, top_k, num_nodes = (int(x) for x in text.lower().split("x"))
@@ -92,7 +93,7 @@ class EagleTreeDraft(EagleDraft):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: DecoderModel, *, tree: DynamicTree = DynamicTree(),
-                        **kwargs) -> "EagleTreeDraft":
+                        **kwargs) -> EagleTreeDraft:
         """An EAGLE-1 / NxD / EAGLE-3-layout checkpoint for ``target`` (``EagleModel.from_pretrained``
         arguments) drafting ``tree``-shaped dynamic trees."""
         return cls(EagleModel.from_pretrained(path, target, **kwargs), tree)

@@ -12,8 +12,21 @@ matplotlib).
     summarize(df)                        # one row per configuration
     plots.tau_and_speed(df).savefig("tau.png")
 """
-from .sweep import (COLUMNS, STRATEGIES, Config, Prompt, Strategy, frame, grid, load_results, mt_bench_prompts,
-                    row_seed, stats_of, summarize, sweep)
+from .sweep import (
+                    COLUMNS,
+                    STRATEGIES,
+                    Config,
+                    Prompt,
+                    Strategy,
+                    frame,
+                    grid,
+                    load_results,
+                    mt_bench_prompts,
+                    row_seed,
+                    stats_of,
+                    summarize,
+                    sweep,
+)
 
 __all__ = ["COLUMNS", "STRATEGIES", "Config", "Prompt", "Strategy", "frame", "grid", "load_results",
            "mt_bench_prompts", "row_seed", "stats_of", "summarize", "sweep"]

@@ -78,7 +78,7 @@ class FusedSpeculator(Speculator):
                         sampled and needs_filter(params, target.settings.sampling.global_topk),
                         target.presence is not None and any_penalised(params), width)
 
-    def compile(self, max_length: int, penalty: bool = False, progress: bool = True) -> "FusedSpeculator":
+    def compile(self, max_length: int, penalty: bool = False, progress: bool = True) -> FusedSpeculator:
         """Build and warm the fused graphs of full-k steps for sequences up to ``max_length`` tokens
         (every KV bucket up to the one ``max_length + k`` needs; the target's sampling config decides
         greedy or sampling), as ``DecoderModel.compile`` does for its own graphs. Steps near

@@ -6,8 +6,15 @@ acceptance rules over trees (``specdec.acceptance``) are shared with other tree 
 """
 from .draft import MedusaDraft
 from .heads import MedusaConfig, MedusaHeads, load_heads, load_medusa_config, save_heads
-from .tree import (build_tree, builtin_trees, expected_accept_length, gather_tree_tokens, load_tree,
-                   measure_head_accuracy, save_tree)
+from .tree import (
+                   build_tree,
+                   builtin_trees,
+                   expected_accept_length,
+                   gather_tree_tokens,
+                   load_tree,
+                   measure_head_accuracy,
+                   save_tree,
+)
 
 __all__ = [
     "MedusaConfig",

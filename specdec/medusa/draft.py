@@ -52,7 +52,7 @@ class MedusaDraft:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: DecoderModel, *, tree: str | Path | TokenTree | None = None,
-                        acceptance: str = "lossless", **kwargs) -> "MedusaDraft":
+                        acceptance: str = "lossless", **kwargs) -> MedusaDraft:
         """Load heads in the FasterDecoding/Medusa layout. ``tree``: a built-in name (``builtin_trees()``),
         a JSON file, a ``TokenTree``, or ``None`` for the checkpoint's ``medusa_tree`` (else
         ``mc_sim_7b_63``). The heads are loaded in the target's dtype and quantized with the target's

@@ -379,8 +379,9 @@ def save_heads(heads: MedusaHeads, directory: str | os.PathLike, config: MedusaC
         config = MedusaConfig(heads.num_heads, heads.num_layers, tied_lm_head=heads.tied,
                               vocab_size=None if token_ids is None else token_ids.numel())
     if (config.num_heads, config.num_layers, config.tied_lm_head) != (heads.num_heads, heads.num_layers, heads.tied):
-        raise ValueError(f"config has {config.num_heads} heads x {config.num_layers} layers (tied={config.tied_lm_head}) "
-                         f"but the module has {heads.num_heads} x {heads.num_layers} (tied={heads.tied})")
+        raise ValueError(f"config has {config.num_heads} heads x {config.num_layers} layers "
+                         f"(tied={config.tied_lm_head}) but the module has {heads.num_heads} x {heads.num_layers} "
+                         f"(tied={heads.tied})")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in heads.heads.state_dict().items()

@@ -33,7 +33,6 @@ from ..core.chat import conversation_ids
 from .engine import AsyncEngine, EngineBusy, EngineStopped, RequestOutput, RequestStream
 from .params import RequestParams
 
-
 # ---------------------------------------------------------------------------------------------------
 # request bodies
 

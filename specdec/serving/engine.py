@@ -130,7 +130,8 @@ class AsyncEngine:
     ``max_waiting``: requests allowed to wait for a row; more raise ``EngineBusy``.
     ``metrics``: a ``ServingMetrics`` to record into (one is made if not given)."""
 
-    def __init__(self, engine: Engine | MirroredEngine, tokenizer=None, max_waiting: int = 64, metrics: ServingMetrics | None = None):
+    def __init__(self, engine: Engine | MirroredEngine, tokenizer=None, max_waiting: int = 64,
+                 metrics: ServingMetrics | None = None):
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
@@ -174,7 +175,8 @@ class AsyncEngine:
         return sum(row is not None for row in self.engine.rows)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt: str | list[int], params: RequestParams, request_id: str | None = None) -> RequestStream:
+    def add_request(self, prompt: str | list[int], params: RequestParams,
+                    request_id: str | None = None) -> RequestStream:
         """Validate and queue a request (call from the event loop) → its stream.
 
         ``prompt``: text (tokenised as is: apply a chat template before) or token ids. Raises

@@ -20,8 +20,17 @@ from contextlib import contextmanager
 
 import torch
 
-from ..cli import (DEFAULT_K, EMBEDDED_NAME, add_model_arguments, add_speculation_arguments,
-                   check_speculation_arguments, default_threads, make_proposer, positive_int, precompile)
+from ..cli import (
+    DEFAULT_K,
+    EMBEDDED_NAME,
+    add_model_arguments,
+    add_speculation_arguments,
+    check_speculation_arguments,
+    default_threads,
+    make_proposer,
+    positive_int,
+    precompile,
+)
 from ..core.decoder import DecoderModel
 from ..core.engine import Engine
 from ..generator import SpeculativeGenerator

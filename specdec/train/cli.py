@@ -3,10 +3,11 @@
     specdec train-draft --out DIR [--num-prompts 4096] [--steps 720] [--seed 0] [--threads 2] [--ship DIR]
 
 ``DIR/data`` (or ``--data``) holds the generated batches (their tokens kept in the token store ``--store``,
-default ``DIR/data/tokens``; ``--data STORE`` trains from a store's tokens, labelled by prefill, without generating), ``DIR/train`` the training checkpoint and log, and the
-exported draft goes to ``--ship`` (default ``DIR/ship``; the packaged draft lives in
-``specdec/draft/weights/smollm2-135m-instruct``). Re-running the same command after an interruption
-(Ctrl-C, a crash) continues where it stopped; finished steps are skipped.
+default ``DIR/data/tokens``; ``--data STORE`` trains from a store's tokens, labelled by prefill, without
+generating), ``DIR/train`` the training checkpoint and log, and the exported draft goes to ``--ship``
+(default ``DIR/ship``; the packaged draft lives in ``specdec/draft/weights/smollm2-135m-instruct``).
+Re-running the same command after an interruption (Ctrl-C, a crash) continues where it stopped; finished
+steps are skipped.
 """
 from __future__ import annotations
 

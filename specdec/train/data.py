@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -31,6 +31,7 @@ from ..core.chat import chat_ids
 from .distill import save_atomic
 from .prompts import build_requests, plan_rows, written_digest, written_requests
 from .store import Shard, read_shard, shard_name, write_shard
+
 
 @dataclass
 class DataConfig:
@@ -118,7 +119,8 @@ def labelled_batch(model, tokens: list[torch.Tensor], prompt_lens: list[int], sa
     greedy_agree = [float((lab[p - 1:-1] == r[p:]).float().mean()) for r, lab, p, s in
                     zip(tokens, labels, prompt_lens, sampled) if not s and len(r) > p]
     return {"tokens": tokens, "labels": labels, "topk_ids": top_ids, "topk_probs": top_probs,
-            "prompt_lens": torch.tensor(prompt_lens, dtype=torch.long), "sampled": torch.tensor(sampled, dtype=torch.bool),
+            "prompt_lens": torch.tensor(prompt_lens, dtype=torch.long),
+            "sampled": torch.tensor(sampled, dtype=torch.bool),
             "greedy_label_agreement": sum(greedy_agree) / max(len(greedy_agree), 1)}
 
 
@@ -135,7 +137,8 @@ class BatchPlan:
 
     def jobs(self, cfg: DataConfig) -> list[tuple[torch.Tensor, float, int]]:
         """``answer_stream`` jobs: (prompt, temperature, seed) per row."""
-        return [(p, cfg.answer_temperature if s else 0.0, seed) for p, s, seed in zip(self.prompts, self.sampled, self.seeds)]
+        return [(p, cfg.answer_temperature if s else 0.0, seed)
+                for p, s, seed in zip(self.prompts, self.sampled, self.seeds)]
 
     def shard(self, answers: list[list[int]]) -> Shard:
         """The batch as a token-store shard, given each row's answer (its ids up to and including EOS)."""
@@ -277,7 +280,8 @@ def generation_model(cfg: DataConfig, target_path=None, device: str = "cpu"):
                                         context_buckets=sorted({64, 128, 256, prompt_room}),
                                         # KV buckets every 64 slots: at batch 128 a decode step reads
                                         # 23 KB of K/V per row and slot (1.5 GB at 512), more than the
-                                        # weights, so a tight bucket matters (README, draft training data)
+                                        # weights, so a tight bucket matters (docs/training.md,
+                                        # "Draft training data")
                                         kv_buckets=sorted({*range(128, n_pos, 64), n_pos}),
                                         sampling=SamplingConfig(global_topk=cfg.global_topk))
 

@@ -284,8 +284,8 @@ def run_steps(step: int, cfg: OptimConfig, params: list[torch.nn.Parameter], opt
     """The optimisation loop every trainer shares, from ``step`` to ``cfg.steps`` (or ``stop_after``
     more steps): ``batch_loss(step)`` → (loss, tqdm postfix); warmup + cosine learning rate
     (``lr_at``), gradient clipping, an optimiser step. ``save(step)`` every ``save_every`` steps, at
-    the end and on Ctrl-C (then re-raised; ``ckpt_file`` is named in the message); ``on_eval(step, smoothed_loss, seconds)`` every
-    ``eval_every`` steps and at the last one."""
+    the end and on Ctrl-C (then re-raised; ``ckpt_file`` is named in the message);
+    ``on_eval(step, smoothed_loss, seconds)`` every ``eval_every`` steps and at the last one."""
     bar = tqdm(total=cfg.steps, initial=step, desc=desc, unit="step", disable=not progress)
     start, loss_avg = time.perf_counter(), None
     stop_at = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)

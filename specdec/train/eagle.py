@@ -21,7 +21,8 @@ the step-(s-1) output at i-1 — and attends to the true pairs at j <= i-s+1 and
 (step r's entry at i-(s-r), r = 2..s): exactly the draft's KV cache at inference when it drafts its
 s-th token. The output at i predicts f_{i+1}:
 
-    EAGLE-1: loss = sum_s decay^(s-1) * [ SmoothL1(f^_s, f_{i+1}) + cls_weight * CE(p_target(.|i+1), softmax(head(f^_s))) ]
+    EAGLE-1: loss = sum_s decay^(s-1) * [ SmoothL1(f^_s, f_{i+1})
+                                          + cls_weight * CE(p_target(.|i+1), softmax(head(f^_s))) ]
     EAGLE-3: loss = sum_s decay^(s-1) * CE(p_target(.|i+1), softmax(lm_head(norm(x_s))))   (no feature regression)
 
 on positions whose predicted token t_{i+2} is an answer token. p_target = softmax of the target's
@@ -40,13 +41,20 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ..core.ship import pack_int8
 from ..core.model import apply_rope, grouped_query_attention, rms_norm, rope_inv_freq, rope_tables, split_hidden
+from ..core.ship import pack_int8
 from ..eagle.checkpoint import EAGLE3_ARCHITECTURE, aux_layer_ids
-from .distill import (OptimConfig, load_target_state, lr_at, make_optimizer, run_steps, save_atomic, split_rows,
-                      target_vocab)
+from .distill import (
+    OptimConfig,
+    load_target_state,
+    lr_at,
+    make_optimizer,
+    run_steps,
+    save_atomic,
+    split_rows,
+    target_vocab,
+)
 from .features import check_resume_settings, jsonl_recorder, load_features, step_rows, training_rows
-
 
 ARCHS = ("eagle1", "eagle3")
 
@@ -89,6 +97,7 @@ class EagleTrainer(torch.nn.Module):
     def __init__(self, target_cfg: dict, trainable: dict, embed: torch.Tensor, head: torch.Tensor):
         super().__init__()
         from transformers import LlamaConfig
+
         from ..core.config import ModelConfig
         h = target_cfg["hidden_size"]
         self.n_heads = target_cfg["num_attention_heads"]
@@ -137,7 +146,8 @@ class EagleTrainer(torch.nn.Module):
             att = grouped_query_attention(q.transpose(1, 2), torch.cat(keys, 2), torch.cat(values, 2), mask)
             x = x + F.linear(att.transpose(1, 2).reshape(b, L, -1), self.p("layers.0.self_attn.o_proj.weight"))
             m = rms_norm(x, self.p("layers.0.post_attention_layernorm.weight"), self.eps)
-            mlp = F.silu(F.linear(m, self.p("layers.0.mlp.gate_proj.weight"))) * F.linear(m, self.p("layers.0.mlp.up_proj.weight"))
+            mlp = (F.silu(F.linear(m, self.p("layers.0.mlp.gate_proj.weight")))
+                   * F.linear(m, self.p("layers.0.mlp.up_proj.weight")))
             x = x + F.linear(mlp, self.p("layers.0.mlp.down_proj.weight"))
             outs.append(x)
         return outs
@@ -295,13 +305,14 @@ def read_ship(ship_dir: Path) -> dict:
         ids = tensors.pop("d2t") + torch.arange(config["draft_vocab_size"])
         tensors.pop("t2d", None)
         arch, aux = "eagle3", tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-        tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in tensors.items()}
+        tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
+                   for k, v in tensors.items()}
     else:
         ids, arch, aux = tensors.pop("output_token_ids"), "eagle1", ()
         tensors.pop("lm_head.weight", None)             # copied from the target (copy_lm_head); EAGLE-1 trains none
     model = {k: v.float() for k, v in tensors.items()}
-    target = {"hidden_size": config.get("target_hidden_size", config["hidden_size"]), "vocab_size": config["vocab_size"],
-              "num_hidden_layers": None}
+    target = {"hidden_size": config.get("target_hidden_size", config["hidden_size"]),
+              "vocab_size": config["vocab_size"], "num_hidden_layers": None}
     return {"model": model, "output_token_ids": ids.long(), "config": {"arch": arch}, "aux_layers": aux,
             "target_config": target}
 
@@ -356,7 +367,8 @@ def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
     probe = train_idx[:16]
 
     def scores() -> dict:
-        return {**evaluate(trainer, rows, feats, probe, cfg, "train_probe_"), **evaluate(trainer, rows, feats, held_idx, cfg)}
+        return {**evaluate(trainer, rows, feats, probe, cfg, "train_probe_"),
+                **evaluate(trainer, rows, feats, held_idx, cfg)}
 
     if ckpt is None:
         record({"step": 0, "train_rows": len(train_idx), "heldout_rows": len(held_idx), "vocab": len(token_ids),
@@ -370,7 +382,8 @@ def train_eagle(data_dir: str | Path, out_dir: str | Path, target_dir: str | Pat
     def on_eval(step: int, loss_avg: float, seconds: float) -> None:
         record({"step": step, "train_loss": loss_avg, "seconds": seconds, "lr": lr_at(step - 1, cfg), **scores()})
 
-    run_steps(step, cfg, params, opt, batch_loss, save, on_eval, ckpt_file, "training EAGLE draft", progress, stop_after, log)
+    run_steps(step, cfg, params, opt, batch_loss, save, on_eval, ckpt_file, "training EAGLE draft", progress,
+              stop_after, log)
     return out_dir
 
 
@@ -398,7 +411,8 @@ def export_eagle(ckpt_file: str | Path, ship_dir: str | Path, dtype: torch.dtype
         order = ids.argsort()                        # d2t >= 0, as the public checkpoints have it
         ids = ids[order]
         tensors["lm_head.weight"] = tensors["lm_head.weight"][order]
-        tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+        tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+                   for k, v in tensors.items()}
         tensors["d2t"] = ids - torch.arange(len(ids))
         tensors["t2d"] = torch.zeros(target_cfg["vocab_size"], dtype=torch.bool).index_fill(0, ids, True)
         cfg.update(architectures=[EAGLE3_ARCHITECTURE], target_hidden_size=target_cfg["hidden_size"],

@@ -11,8 +11,8 @@ holds the target features, the checkpoint and the log; the draft is exported to 
 layout, or with ``--arch eagle3`` in the public EAGLE-3 layout (``--aux-layers``: the target layers
 whose input hidden states the draft reads; default (2, L//2, L-3)).
 Re-running the same command after an interruption continues where it stopped; ``--init`` starts a new
-run from an earlier one's weights or a shipped draft (e.g. after the token store grew). Held-out rows are chosen by a hash of
-their tokens, so rows held out before stay held out when the data grows.
+run from an earlier one's weights or a shipped draft (e.g. after the token store grew). Held-out rows are
+chosen by a hash of their tokens, so rows held out before stay held out when the data grows.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ the target features cache, the per-step row selection and the run bookkeeping.
 - ``compute_features`` / ``load_features``: the target's final-norm hidden state at every position of
   every row (with ``feature_layers``, EAGLE-3: followed by the hidden states entering those layers, as
   the runtime graph's ``hidden`` output), from one teacher-forced forward of the runtime in the serving
-  dtype, cached once in ``features.pt`` (``load_features`` checks a cache against the rows, so one made from the same data,
-  e.g. another trainer's, can be linked);
+  dtype, cached once in ``features.pt`` (``load_features`` checks a cache against the rows, so one made
+  from the same data, e.g. another trainer's, can be linked);
 - ``step_rows``: the rows of an optimisation step (``batch_order`` of its epoch: a restart resumes with
   the same batch order);
 - ``check_resume_settings`` (a checkpoint resumes only with its own settings) and ``jsonl_recorder``

@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-nodes", type=int, default=31,
                    help="nodes of the shipped tree (built from the accuracy)")
     g.add_argument("--base-model", default=None,
-                   help="base_model_name_or_path written to the config (default: --model, or the embedded model's name)")
+                   help="base_model_name_or_path written to the config "
+                        "(default: --model, or the embedded model's name)")
 
 
 def read_log(train_dir: Path) -> list[dict]:
@@ -69,8 +70,15 @@ def heldout_scores(entry: dict) -> dict:
 def run(args: argparse.Namespace) -> int:
     from ..core.paths import EMBEDDED_MODEL
     from ..medusa.tree import build_tree
-    from .medusa import (MedusaTrainConfig, calibrate, export_medusa, link_features, load_data, train_medusa,
-                         tree_summary)
+    from .medusa import (
+        MedusaTrainConfig,
+        calibrate,
+        export_medusa,
+        link_features,
+        load_data,
+        train_medusa,
+        tree_summary,
+    )
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)

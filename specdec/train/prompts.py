@@ -43,7 +43,8 @@ TASKS: list[tuple[str, str, list[str]]] = [
         "an email asking a landlord to fix the heating", "a travel blog post about a mountain village",
         "a review of a fictional restaurant", "a thank-you note to a teacher", "a limerick about a cat",
         "a newsletter introduction for a gardening club", "a dialogue between two robots"]),
-    ("roleplay", "Write a request a user might send to an AI assistant asking it to pretend to be {t} and answer a question.", [
+    ("roleplay", "Write a request a user might send to an AI assistant asking it to pretend to be {t} "
+                 "and answer a question.", [
         "a pirate captain", "a medieval knight", "a famous detective", "a friendly tour guide in Rome",
         "a personal fitness coach", "a wise old wizard", "a startup founder pitching an idea",
         "a nutritionist", "a museum curator", "a sports commentator", "a time traveller from the future",
@@ -64,7 +65,8 @@ TASKS: list[tuple[str, str, list[str]]] = [
         "recursion and the Fibonacci sequence", "removing duplicates from a list", "writing a unit test",
         "regular expressions", "a linked list in C", "HTML forms", "counting words in a text file",
         "finding the largest number in an array"]),
-    ("extraction", "Write a request a user might send to an AI assistant asking it to extract or summarise information from {t}.", [
+    ("extraction", "Write a request a user might send to an AI assistant asking it to extract or summarise "
+                   "information from {t}.", [
         "a short news article", "a list of products with prices", "a meeting transcript",
         "a restaurant menu", "a job advertisement", "a paragraph about a historical event",
         "customer reviews of a phone", "a recipe", "a company's quarterly report", "an email thread"]),
@@ -107,15 +109,18 @@ NAMES = ["Maria Novak", "James Okafor", "Priya Raman", "Lukas Berger", "Sofia Ma
          "Claire Dubois", "Mateo Rossi", "Nadia Karim", "George Whitfield", "Leila Farah"]
 LANGUAGES = ["French", "Spanish", "German", "Italian", "Portuguese", "Dutch"]
 
-SUMMARIZE = ["Summarize the following text in {n} sentences.\n\n{doc}", "Write a one-paragraph summary of this:\n\n{doc}",
+SUMMARIZE = ["Summarize the following text in {n} sentences.\n\n{doc}",
+             "Write a one-paragraph summary of this:\n\n{doc}",
              "{doc}\n\nTL;DR:", "Give me the key points of the text below as a bulleted list.\n\n{doc}",
-             "Summarize this for a busy manager in {n} sentences:\n\n{doc}", "What is this text about? Be brief.\n\n{doc}"]
+             "Summarize this for a busy manager in {n} sentences:\n\n{doc}",
+             "What is this text about? Be brief.\n\n{doc}"]
 QUESTIONS = ["Who is mentioned in the text, and what did they do?", "Where and when did this happen?",
              "What is the main point of the text?", "What happened first, and what happened next?",
              "List three facts stated in the text.", "What numbers are mentioned, and what do they refer to?",
              "Why did this happen, according to the text?", "What will happen next, according to the text?"]
 CONTEXT_QA = ["Answer the question using only the context below.\n\nContext:\n{doc}\n\nQuestion: {q}",
-              "{doc}\n\nBased on the text above, {q_lower}", "Read the passage and answer the question.\n\nPassage: {doc}\n\n{q}"]
+              "{doc}\n\nBased on the text above, {q_lower}",
+              "Read the passage and answer the question.\n\nPassage: {doc}\n\n{q}"]
 RAG = ["Use the documents below to answer the question. Say which document you used.\n\n{docs}\n\nQuestion: {q}",
        "You are given search results.\n\n{docs}\n\nUsing only these results, answer: {q}",
        "{docs}\n\nAnswer the following question from the documents above: {q}"]
@@ -123,7 +128,8 @@ TRANSLATE = ["Translate the following text into {lang}:\n\n{doc}", "Translate in
              "How would you say this in {lang}? \"{doc}\"", "Please translate this into {lang}, keeping the names "
              "unchanged:\n\n{doc}"]
 REWRITE = ["Rewrite the following text so that a ten-year-old can understand it.\n\n{doc}",
-           "Make this text more formal:\n\n{doc}", "Correct any grammar mistakes in the text below and return it.\n\n{doc}",
+           "Make this text more formal:\n\n{doc}",
+           "Correct any grammar mistakes in the text below and return it.\n\n{doc}",
            "Extract every person, place and date from the text below as a JSON object.\n\n{doc}",
            "Turn the following text into a list of questions and answers.\n\n{doc}",
            "Write a headline and a one-sentence subtitle for this text.\n\n{doc}"]
@@ -209,7 +215,8 @@ def plan_rows(mix: str, rng: random.Random, n: int, first: int = 0, seed: int = 
         return [RowPlan(*topics[rng.randrange(len(topics))]) for _ in range(n)]
     if mix == "written":
         found = written_requests(requests)
-        return [RowPlan(found[j][0], "", "written", found[j][1]) for j in written_order(seed, requests)[first:first + n]]
+        return [RowPlan(found[j][0], "", "written", found[j][1])
+                for j in written_order(seed, requests)[first:first + n]]
     if mix != "tasks":
         raise ValueError(f"prompts={mix!r}: use one of {', '.join(map(repr, MIXES))}")
     kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
@@ -284,20 +291,23 @@ def math_problem(rng: random.Random) -> str:
     x = rng.randint(-9, 15)
     price = rng.randint(2, 40) / 4
     kinds = [
-        f"A shop sells {item} for ${price:.2f} each. {name} buys {a} of them and pays with a ${a * price // 10 * 10 + 10:.0f} "
-        f"note. How much change does {name} get?",
+        f"A shop sells {item} for ${price:.2f} each. {name} buys {a} of them and pays with a "
+        f"${a * price // 10 * 10 + 10:.0f} note. How much change does {name} get?",
         f"Solve for x: {a}x + {b} = {a * x + b}.",
         f"What is {rng.choice([5, 12, 15, 20, 25, 35, 40, 75])}% of {c * 8}?",
         f"A train travels {a * c} km in {a} hours. What is its average speed in km/h?",
         f"Compute {a * 7 + b} × {c + 11}.",
         f"A rectangle is {a} cm wide and {b} cm long. What are its area and its perimeter?",
-        f"{name} has {c} {item}, gives {min(a, c)} to a friend and then buys {b} more. How many {item} does {name} have now?",
+        f"{name} has {c} {item}, gives {min(a, c)} to a friend and then buys {b} more. "
+        f"How many {item} does {name} have now?",
         f"Find the mean of these numbers: {', '.join(str(rng.randint(1, 99)) for _ in range(rng.randint(4, 7)))}.",
         f"Simplify the fraction {a * 6}/{b * 6}.",
         f"A recipe needs {a} cups of flour for {b} people. How much flour is needed for {c} people?",
         f"{name} saves ${b * 5} every month. How many months does it take to save ${b * 5 * c}?",
-        f"The price of a jacket is ${c * 3}. It is reduced by {rng.choice([10, 20, 25, 30, 50])}%. What is the new price?",
-        f"If {a} workers build a wall in {b} days, how long would {a + rng.randint(1, 6)} workers take at the same rate?",
+        f"The price of a jacket is ${c * 3}. It is reduced by {rng.choice([10, 20, 25, 30, 50])}%. "
+        "What is the new price?",
+        f"If {a} workers build a wall in {b} days, how long would {a + rng.randint(1, 6)} workers take "
+        "at the same rate?",
         f"A bag holds {a} red and {b} blue marbles. What is the probability of drawing a red marble?",
     ]
     return rng.choice(kinds) + rng.choice(["", " Explain step by step.", " Show your work.", " Answer briefly."])
