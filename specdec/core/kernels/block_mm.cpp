@@ -170,7 +170,12 @@ AVX512 void chunk_avx512(const Args& p, int64_t n, const float* ab, __m512 (*acc
   const int64_t qstride = U4 ? p.K / 2 : p.K;
   const uint8_t* qs = p.qs + n * qstride;
   const float* x = p.x + r0 * p.K;
+  // The same columns of the next block (NBLOCK on), NT · qstride contiguous bytes, are prefetched while these
+  // are read, at the pace they are read: rows of a few hundred bytes are too short for the hardware prefetcher.
+  const char* next = reinterpret_cast<const char*>(qs + NBLOCK * qstride);
+  const bool prefetch = n + NBLOCK < p.N;
   for (int64_t s = s0; s < s1; ++s) {
+    if (prefetch) _mm_prefetch(next + s * NT * (U4 ? 16 : 32), _MM_HINT_T0);
     __m512 w[NT][2];
 #pragma GCC unroll 12
     for (int t = 0; t < NT; ++t) {
