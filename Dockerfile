@@ -2,6 +2,9 @@
 #   docker build -t specdec .
 #   docker run -p 8000:8000 specdec                                   # target only
 #   docker run -p 8000:8000 specdec --draft model --batch-size 8      # with speculation
+#   docker run -p 8000:8000 -e SPECDEC_API_KEY=secret specdec         # clients send "Authorization: Bearer secret"
+# The image listens on 0.0.0.0: pass an API key (SPECDEC_API_KEY, read by `specdec serve`; /health and /metrics
+# stay open). `docker stop` sends SIGTERM: the server drains (--drain-timeout, default 30 s) and exits 0.
 # Health: GET /health (200 once the graphs are compiled); metrics: GET /metrics.
 FROM python:3.12-slim
 
@@ -21,4 +24,5 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
 RUN python -c "from specdec.core.paths import resolve_model_path; resolve_model_path(None)"
 
 EXPOSE 8000
+STOPSIGNAL SIGTERM
 ENTRYPOINT ["specdec", "serve", "--host", "0.0.0.0", "--port", "8000"]

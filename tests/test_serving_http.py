@@ -233,7 +233,7 @@ BAD = [
     ({"prompt": "x" * 300}, "context length is 256"),
     ({"prompt": "hello", "max_tokens": 300}, "n_positions=256"),
     ({"prompt": []}, "prompt is empty"),
-    ({"prompt": [5, 9999]}, "token id 9999 outside the vocabulary"),
+    ({"prompt": [5, 9999]}, "token id 9999 (at position 1) is outside the vocabulary"),
     ({"prompt": ["a", "b"]}, "give one prompt per request"),
     ({"prompt": "x", "stop": [""]}, "stop="),
     ({}, "prompt: Field required"),
@@ -295,10 +295,12 @@ def test_health_is_503_until_the_model_is_ready(text_model):
         assert httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
-def serve_command(path, draft_path, *extra: str) -> tuple[list[dict], list[int], list[int]]:
+def serve_command(path, draft_path, *extra: str, stop: int = signal.SIGINT, api_key: str | None = None
+                  ) -> tuple[list[dict], list[int], list[int]]:
     """Run ``specdec serve`` with the draft model (k=2) on the tiny model, ask for one greedy completion,
-    stop it with Ctrl-C (SIGINT to its process group, as a terminal does) → (start-up events, the
-    completion's token ids, the prompt ids). Asserts a clean exit."""
+    stop it with ``stop`` (default Ctrl-C: SIGINT to its process group, as a terminal does) → (start-up
+    events, the completion's token ids, the prompt ids). Asserts a clean exit (status 0, no traceback).
+    ``api_key``: passed as $SPECDEC_API_KEY; the completion sends it, and a request without it gets 401."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -306,8 +308,10 @@ def serve_command(path, draft_path, *extra: str) -> tuple[list[dict], list[int],
     cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", str(path), "--backend", "eager", "--amp", "f32",
            "--n-positions", "256", "--batch-size", "2", "--draft", "model", "--draft-path", str(draft_path),
            "--k", "2", "--port", str(port), *extra]
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_API_KEY"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**env, "OMP_NUM_THREADS": "1", **({"SPECDEC_API_KEY": api_key} if api_key else {})})
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     ids = [40 + i for i in range(11)]
     try:
         deadline = time.monotonic() + 180
@@ -320,28 +324,33 @@ def serve_command(path, draft_path, *extra: str) -> tuple[list[dict], list[int],
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                       json={"model": path.stem, "prompt": ids, "max_tokens": 20, "temperature": 0}, timeout=60)
+        body = {"model": path.stem, "prompt": ids, "max_tokens": 20, "temperature": 0}
+        if api_key:
+            assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=auth, timeout=60)
         assert r.status_code == 200, r.text
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, stop)
         try:
             _, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise
-    assert proc.returncode == 0, err
+    assert proc.returncode == 0 and "Traceback" not in err, err
     logs = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     return [e for e in logs if "event" in e], r.json()["choices"][0]["token_ids"], ids
 
 
 def test_specdec_serve_command(text_model, checkpoint):
-    """The real command: JSON start-up logs, a completion with speculation, a clean exit on Ctrl-C."""
+    """The real command: JSON start-up logs, the API key from $SPECDEC_API_KEY, a completion with
+    speculation, a drain and a clean exit (status 0) on SIGTERM."""
     path, _ = text_model
-    events, tokens, ids = serve_command(path, checkpoint("llama-text-draft").path, "--threads", "1")
+    events, tokens, ids = serve_command(path, checkpoint("llama-text-draft").path, "--threads", "1",
+                                        "--drain-timeout", "2", stop=signal.SIGTERM, api_key="k-123")
     assert tokens == offline(path, ids, 20)
     assert [e["event"] for e in events][:3] == ["loading", "loaded", "ready"], events
     assert events[1]["proposer"] == "DraftModel" and events[1]["k"] == 2
+    assert [e["event"] for e in events][-2:] == ["draining", "stopped"] and events[-2]["signal"] == "SIGTERM"
 
 
 def test_specdec_serve_tensor_parallel(text_model, checkpoint):

@@ -10,7 +10,7 @@ from importlib import import_module
 
 _EXPORTS = {"create_app": "app", "AsyncEngine": "engine", "EngineBusy": "engine", "EngineStopped": "engine",
             "RequestOutput": "engine", "RequestStream": "engine", "ServingMetrics": "metrics",
-            "RequestParams": "params"}
+            "RequestParams": "params", "InvalidParam": "params"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -2,7 +2,9 @@
 
 The server listens at once; the model loads and compiles in a thread (``/health`` answers 503 until
 it is ready). Start-up logs are JSON lines on stderr (``{"event": ..., ...}``): what was loaded,
-which graphs were compiled, and how long each phase took.
+which graphs were compiled, and how long each phase took. SIGINT / SIGTERM drain the server
+(``DrainingServer``: new requests 503, running ones finish within ``--drain-timeout``, the rest end
+with an error) and it exits with status 0; a second signal stops it at once.
 """
 from __future__ import annotations
 
@@ -84,6 +86,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--tp-degree", type=positive_int, metavar="N", default=1,
                    help="tensor parallelism: shard the model over this many processes (rank 0 serves HTTP; "
                         "--backend neuron: over this many NeuronCores from this one process)")
+    s.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY") or None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (what OpenAI clients send as api_key) on every route "
+                        "but --public-paths; 401 without it (default: $SPECDEC_API_KEY; unset: no key)")
+    s.add_argument("--public-paths", type=_paths, default=("/health", "/metrics"), metavar="PATHS",
+                   help="comma-separated paths open without the API key (default: /health,/metrics; '' for none)")
+    s.add_argument("--allowed-hosts", type=_paths, default=None, metavar="HOSTS",
+                   help="comma-separated Host header values accepted, '*.example.com' patterns allowed; other "
+                        "hosts get 400 (default: any)")
+    s.add_argument("--docs", action="store_true", help="serve the interactive API docs at /docs and /openapi.json")
+    s.add_argument("--max-body-size", type=_size, default=4 * 2**20, metavar="BYTES",
+                   help="largest request body accepted (K/M suffixes); larger ones get 413 (default: 4M)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGINT / SIGTERM: new requests get 503 and the running ones have this long to finish "
+                        "before they end with an error (default: 30)")
+
+
+def _paths(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _size(text: str) -> int:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or with a K or M suffix)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"the size must be >= 1 byte, got {text!r}")
+    return n
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -151,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
     check_speculation_arguments(args)
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     args.threads = args.threads or default_threads()
     if args.tp_degree > 1 and args.backend != "neuron":   # neuron: one process drives every NeuronCore
         from ..core.parallel import launch
@@ -163,6 +197,7 @@ def serve_on_rank(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .draining import DrainingServer
     from .mirror import follow
 
     torch.set_num_threads(max(1, args.threads // (1 if args.backend == "neuron" else args.tp_degree)))
@@ -178,8 +213,12 @@ def serve_on_rank(args: argparse.Namespace) -> int:
         log_event("ready", model=name, url=f"http://{args.host}:{args.port}")
         return engine
 
-    app = create_app(loader=loader, model_name=name)
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, timeout_graceful_shutdown=30)
+    app = create_app(loader=loader, model_name=name, api_key=args.api_key, public_paths=args.public_paths,
+                     allowed_hosts=args.allowed_hosts, docs=args.docs, max_body_bytes=args.max_body_size)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+                                           timeout_graceful_shutdown=5), drain_timeout_s=args.drain_timeout)
+    server.run()
+    log_event("stopped")
     return 0
 
 
@@ -189,9 +228,11 @@ def running_server(app, host: str = "127.0.0.1", timeout_s: float = 60.0) -> Ite
     stopped (gracefully) when the block ends. For tests, benchmarks and notebooks."""
     import uvicorn
 
+    from .draining import DrainingServer
+
     sock = socket.socket()
     sock.bind((host, 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = DrainingServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), drain_timeout_s=5)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
@@ -202,6 +243,6 @@ def running_server(app, host: str = "127.0.0.1", timeout_s: float = 60.0) -> Ite
     try:
         yield f"http://{host}:{sock.getsockname()[1]}"
     finally:
-        server.should_exit = True
+        server.drain()
         thread.join(timeout_s)
         sock.close()
