@@ -343,3 +343,53 @@ def test_drain_finishes_short_requests_and_ends_the_rest_with_an_error(text_mode
     assert 1 < len(events) - 2 < 240
     assert queued.status_code == 503 and queued.json()["error"]["code"] == "shutting_down"
     assert engine.rows_in_use == 0 and not engine.running
+
+
+def doc_curl_commands() -> list[tuple[str, str]]:
+    """(file:line, command) of every ``curl`` command in the ```bash blocks of README.md and docs/: its lines up
+    to one that ends neither inside a single-quoted string nor with a backslash."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for doc in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        in_bash, command, start = False, None, 0
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            if line.strip().startswith("```"):
+                in_bash = line.strip() == "```bash"
+                continue
+            if in_bash and command is None and line.lstrip().startswith("curl "):
+                command, start = [], number
+            if command is None:
+                continue
+            command.append(line)
+            text = "\n".join(command)
+            if text.count("'") % 2 == 0 and not text.endswith("\\"):
+                found.append((f"{doc.relative_to(root)}:{start}", text))
+                command = None
+    return found
+
+
+CURLS = doc_curl_commands()
+
+
+def test_the_docs_curl_examples_run_as_written(text_model, monkeypatch):
+    """Every curl line of the docs, against a served model (its port for localhost:8000; `-f`: an HTTP error
+    fails), answers 200 with JSON."""
+    import shutil
+    import subprocess
+
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    assert len(CURLS) >= 3, CURLS
+    path, _ = text_model
+    monkeypatch.setenv("SPECDEC_API_KEY", "sekret")
+    app = create_app(make_engine(path, 1), MODEL, api_key="sekret")
+    with serving(app) as base:
+        for where, command in CURLS:
+            command = command.replace("localhost:8000", base.removeprefix("http://")).replace("curl ", "curl -f ", 1)
+            if "Authorization" not in command:
+                command = command.replace("curl ", "curl -H 'Authorization: Bearer sekret' ", 1)
+            run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+            assert run.returncode == 0, (where, command, run.stdout, run.stderr)
+            assert isinstance(json.loads(run.stdout), dict), where
