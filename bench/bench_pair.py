@@ -41,7 +41,7 @@ Command (the full run; progress lines go to stderr, the JSON to stdout and ``--o
         --strategies none,model,lookup,lookup+model --output bench/results/pair_code.json
 
 JSON keys: ``command`` (argv), ``commit`` (short hash, ``+dirty`` with uncommitted changes), ``machine``
-(``specdec.bench.runtime._machine_info``), ``config`` (settings, model and GGUF paths, prompt ids and
+(``specdec.bench.runtime.machine_info``), ``config`` (settings, model and GGUF paths, prompt ids and
 token counts, ``llamacpp_setup``: llama.cpp's build, GGUF files and env), ``systems`` (per system: medians
 over prompts of ``e2e_tok_s`` and ``decode_tok_s``, pooled ``tau`` and ``acceptance``, ``by_category``
 medians, the output checks), ``per_prompt`` (each prompt's raw numbers per system: seconds, rates, stats,
@@ -57,7 +57,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -85,7 +84,7 @@ from specdec.bench.llamacpp import (
     run_speculative,
 )
 from specdec.bench.prompts import int_list, load_records, resolve_prompts
-from specdec.bench.runtime import _machine_info
+from specdec.bench.runtime import git_commit, machine_info
 from specdec.core.chat import chat_ids
 from specdec.core.named_models import is_named_model, named_model_path
 
@@ -177,14 +176,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
 def log(message: str) -> None:
     """A progress line on stderr."""
     print(message, file=sys.stderr, flush=True)
-
-
-def git_commit() -> str:
-    """``git rev-parse --short HEAD`` of the repository, ``+dirty`` when ``git status --porcelain`` lists anything."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False).stdout.strip()
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain") else "")
 
 
 def gguf_file(name_or_path: str) -> Path:
@@ -497,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(cfg.threads)
     torch.set_grad_enabled(False)
     result: dict = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(),
-                    "machine": _machine_info()}
+                    "machine": machine_info()}
     records = load_records(cfg.prompts, cfg.num_prompts)
     log(f"loading the target {cfg.model} ({cfg.quantization}, {cfg.amp}, {cfg.backend}) ...")
     target = load_target(cfg)

@@ -560,7 +560,19 @@ def _raise_interrupt(signum, frame):
     raise _Interrupted(f"signal {signum}")
 
 
-def _machine_info() -> dict:
+def git_commit() -> str:
+    """``git rev-parse --short HEAD`` of the checkout specdec runs from, ``+dirty`` when ``git status --porcelain``
+    lists anything; "unknown" outside a repository."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+                              check=False).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain") else "")
+
+
+def machine_info() -> dict:
     import torch
     import transformers
 
@@ -662,7 +674,7 @@ def run(args: argparse.Namespace) -> dict:
         job_file.write_text(json.dumps(job))
 
         result: dict = {"config": {
-            **_machine_info(), "model": str(args.model or "smollm2-135m-instruct (embedded)"),
+            **machine_info(), "model": str(args.model or "smollm2-135m-instruct (embedded)"),
             "model_path": str(model_path), "prompts_file": str(prompts_path), "num_prompts": len(texts),
             "question_ids": [q for q, _ in questions],
             "prompt_tokens": lengths, "max_new_tokens": n_new, "n_positions": n_positions,

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from ..core.chat import chat_ids
 from . import runtime
 from .prompts import add_prompt_arguments, int_list, load_prompts, resolve_prompts
-from .runtime import _machine_info
+from .runtime import machine_info
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     strategies = [s for s in args.strategies.split(",") if s]
     texts = load_prompts(resolve_prompts(args.prompts), args.num_prompts)
-    result = {"benchmark": "serving", "machine": _machine_info(), "threads": torch.get_num_threads(),
+    result = {"benchmark": "serving", "machine": machine_info(), "threads": torch.get_num_threads(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func",)}, "runs": {}}
     for strategy in strategies:
         ns = argparse.Namespace(model=None, amp=args.amp, quantization=args.quantization, backend=args.backend,
