@@ -393,3 +393,28 @@ def test_the_docs_curl_examples_run_as_written(text_model, monkeypatch):
             run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
             assert run.returncode == 0, (where, command, run.stdout, run.stderr)
             assert isinstance(json.loads(run.stdout), dict), where
+
+
+def test_a_client_that_stalls_its_body_gets_408_and_others_are_served(text_model):
+    path, _ = text_model
+    app = create_app(make_engine(path, 1), MODEL, body_timeout_s=0.5)
+    with serving(app) as base:
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100\r\n\r\n{\"prompt\": ")       # 11 of the 100 bytes, then nothing
+            start = time.monotonic()
+            assert httpx.get(f"{base}/health").status_code == 200        # the server serves others meanwhile
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                chunk = slow.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+            waited = time.monotonic() - start
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and 0.4 < waited < 5, (head, waited)
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    with pytest.raises(ValueError, match="body_timeout_s must be > 0"):
+        create_app(make_engine(path, 1), MODEL, body_timeout_s=0)

@@ -42,6 +42,8 @@ from .params import InvalidParam, RequestParams
 
 log = logging.getLogger("specdec.serving")
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
 PUBLIC_PATHS = ("/health", "/metrics")
 
 # ---------------------------------------------------------------------------------------------------
@@ -218,16 +220,18 @@ ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST
 
 class _Guard:
     """ASGI middleware: the Host header (``allowed_hosts``), the API key (``Authorization: Bearer``;
-    ``public_paths`` are open), 503 while draining, and the body limit (413); reads the whole body
-    before the route runs (so an early error leaves the keep-alive connection usable), and counts the
-    requests in flight (a drain waits for them)."""
+    ``public_paths`` are open), 503 while draining, the body limit (413) and the body timeout (408: a
+    client that does not send its whole body within ``body_timeout_s`` of the request, e.g. a slow or
+    stalled one, is answered and disconnected); reads the whole body before the route runs (so an early
+    error leaves the keep-alive connection usable), and counts the requests in flight (a drain waits for
+    them)."""
 
     DISCARD_LIMIT = 64 * 2**20        # an oversized body is read and dropped up to this, then the connection closes
 
     def __init__(self, app, state: dict, api_key: str | None, public_paths: tuple[str, ...],
-                 allowed_hosts: tuple[str, ...] | None, max_body_bytes: int):
+                 allowed_hosts: tuple[str, ...] | None, max_body_bytes: int, body_timeout_s: float):
         self.app, self.state, self.api_key = app, state, api_key
-        self.public_paths, self.max_body_bytes = public_paths, max_body_bytes
+        self.public_paths, self.max_body_bytes, self.body_timeout_s = public_paths, max_body_bytes, body_timeout_s
         self.allowed_hosts = tuple(h.lower() for h in allowed_hosts) if allowed_hosts else None
 
     async def __call__(self, scope, receive, send):
@@ -239,7 +243,12 @@ class _Guard:
         if length is not None and int(length) > self.max_body_bytes:
             error, ended = self._too_large(int(length)), False
         elif length is not None and int(length) > 0 or "chunked" in headers.get("transfer-encoding", "").lower():
-            body, ended = await self._read(receive, self.max_body_bytes)
+            try:
+                body, ended = await asyncio.wait_for(self._read(receive, self.max_body_bytes), self.body_timeout_s)
+            except TimeoutError:
+                error = APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s "
+                                 "(--body-timeout)", code="request_timeout", headers={"Connection": "close"})
+                return await error.response()(scope, receive, send)
             if body is None:
                 error = self._too_large(None)
         error = self._check(scope, headers) or error
@@ -323,19 +332,23 @@ class _Guard:
 def create_app(engine: AsyncEngine | None = None, model_name: str = "specdec",
                loader: Callable[[], AsyncEngine] | None = None, *, api_key: str | None = None,
                public_paths: Iterable[str] = PUBLIC_PATHS, allowed_hosts: Iterable[str] | None = None,
-               docs: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               docs: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """The HTTP app for ``engine`` (started with the app, shut down with it), or for the engine
     ``loader()`` returns, built in a thread after start-up (``/health`` is 503 until it is ready).
 
     ``api_key``: every request but those to ``public_paths`` must send ``Authorization: Bearer
     <api_key>`` (else 401). ``allowed_hosts``: Host header values accepted (``"*.example.com"``
     patterns, ``"*"``; None: any). ``docs``: serve ``/docs`` and ``/openapi.json``.
-    ``max_body_bytes``: larger request bodies get 413. ``app.state.drain(grace_s)`` drains the server
+    ``max_body_bytes``: larger request bodies get 413; ``body_timeout_s``: a body not received within it
+    gets 408 (slow clients). ``app.state.drain(grace_s)`` drains the server
     (what ``specdec serve`` runs on SIGINT / SIGTERM)."""
     if (engine is None) == (loader is None):
         raise ValueError("give an engine or a loader (one of them)")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if not body_timeout_s > 0:
+        raise ValueError(f"body_timeout_s must be > 0 seconds, got {body_timeout_s}")
     state: dict = {"engine": engine, "created": int(time.time()), "load_error": None, "draining": False,
                    "inflight": 0}
     pool = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenizer")   # tokenising off the event loop
@@ -363,7 +376,8 @@ def create_app(engine: AsyncEngine | None = None, model_name: str = "specdec",
     app = FastAPI(title="specdec", lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.add_middleware(_Guard, state=state, api_key=api_key or None, public_paths=tuple(public_paths),
-                       allowed_hosts=tuple(allowed_hosts) if allowed_hosts else None, max_body_bytes=max_body_bytes)
+                       allowed_hosts=tuple(allowed_hosts) if allowed_hosts else None, max_body_bytes=max_body_bytes,
+                       body_timeout_s=body_timeout_s)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):

@@ -97,6 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--docs", action="store_true", help="serve the interactive API docs at /docs and /openapi.json")
     s.add_argument("--max-body-size", type=_size, default=4 * 2**20, metavar="BYTES",
                    help="largest request body accepted (K/M suffixes); larger ones get 413 (default: 4M)")
+    s.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request whose body has not arrived this long after its headers gets 408 and is "
+                        "disconnected (slow clients; default: 30)")
+    s.add_argument("--max-connections", type=int, default=256, metavar="N",
+                   help="open connections served at once; more get 503 (default: 256)")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGINT / SIGTERM: new requests get 503 and the running ones have this long to finish "
                         "before they end with an error (default: 30)")
@@ -183,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
     check_speculation_arguments(args)
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if not args.body_timeout > 0:
+        raise ValueError(f"--body-timeout must be > 0 seconds, got {args.body_timeout}")
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     args.threads = args.threads or default_threads()
@@ -214,8 +223,10 @@ def serve_on_rank(args: argparse.Namespace) -> int:
         return engine
 
     app = create_app(loader=loader, model_name=name, api_key=args.api_key, public_paths=args.public_paths,
-                     allowed_hosts=args.allowed_hosts, docs=args.docs, max_body_bytes=args.max_body_size)
+                     allowed_hosts=args.allowed_hosts, docs=args.docs, max_body_bytes=args.max_body_size,
+                     body_timeout_s=args.body_timeout)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+                                           limit_concurrency=args.max_connections, timeout_keep_alive=5,
                                            timeout_graceful_shutdown=5), drain_timeout_s=args.drain_timeout)
     server.run()
     log_event("stopped")
