@@ -295,10 +295,11 @@ def test_health_is_503_until_the_model_is_ready(text_model):
         assert httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
-def serve_command(path, draft_path, *extra: str, stop: int = signal.SIGINT, api_key: str | None = None
-                  ) -> tuple[list[dict], list[int], list[int]]:
+def serve_command(path, draft_path, *extra: str, stop: int = signal.SIGINT, api_key: str | None = None,
+                  group: bool = True) -> tuple[list[dict], list[int], list[int]]:
     """Run ``specdec serve`` with the draft model (k=2) on the tiny model, ask for one greedy completion,
-    stop it with ``stop`` (default Ctrl-C: SIGINT to its process group, as a terminal does) → (start-up
+    stop it with ``stop`` (default Ctrl-C: SIGINT to its process group, as a terminal does; ``group=False``:
+    to the command's own process only, as ``docker stop`` does) → (start-up
     events, the completion's token ids, the prompt ids). Asserts a clean exit (status 0, no traceback).
     ``api_key``: passed as $SPECDEC_API_KEY; the completion sends it, and a request without it gets 401."""
     sock = socket.socket()
@@ -330,7 +331,7 @@ def serve_command(path, draft_path, *extra: str, stop: int = signal.SIGINT, api_
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=auth, timeout=60)
         assert r.status_code == 200, r.text
     finally:
-        os.killpg(proc.pid, stop)
+        (os.killpg if group else os.kill)(proc.pid, stop)
         try:
             _, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
@@ -355,9 +356,11 @@ def test_specdec_serve_command(text_model, checkpoint):
 
 def test_specdec_serve_tensor_parallel(text_model, checkpoint):
     """--tp-degree 2: two processes, rank 0 serves and mirrors every engine call to rank 1; the output
-    equals the single-process offline output."""
+    equals the single-process offline output; a SIGTERM to the launching process alone drains rank 0 and
+    exits 0."""
     path, _ = text_model
     events, tokens, ids = serve_command(path, checkpoint("llama-text-draft").path, "--tp-degree", "2",
-                                        "--threads", "2")
+                                        "--threads", "2", stop=signal.SIGTERM, group=False)
     assert tokens == offline(path, ids, 20)
     assert events[0]["tp_degree"] == 2 and [e["event"] for e in events].count("loading") == 1
+    assert [e["event"] for e in events][-2:] == ["draining", "stopped"], events

@@ -35,8 +35,10 @@ column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel embedding and
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -234,13 +236,18 @@ def launch(fn: Callable[..., Any], tp_degree: int, /, *args, dist_backend: str =
     threads unless ``OMP_NUM_THREADS`` is set. ``dist_backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one
     GPU per rank). The first worker exception is re-raised here (same type when it can be pickled,
     chained to a ``WorkerError`` with the rank's traceback); the other workers are stopped. A run
-    longer than ``timeout_s`` is stopped with ``TimeoutError`` (also the collectives' timeout).
+    longer than ``timeout_s`` is stopped with ``TimeoutError`` (also the collectives' timeout). A SIGTERM
+    to this process while it waits (``docker stop``, a process manager) is passed on to rank 0, which
+    coordinates the others (``specdec serve`` drains), as Ctrl-C reaches every process of the group.
     """
     check_tp_degree(tp_degree)
     with tempfile.TemporaryDirectory(prefix="specdec-tp-") as tmp:
         ctx = mp.start_processes(_worker, args=(fn, args, kwargs, tp_degree, free_port(), dist_backend, timeout_s, tmp),
                                  nprocs=tp_degree, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
+        forwarding = threading.current_thread() is threading.main_thread()
+        if forwarding:
+            previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(ctx.processes[0].pid, signal.SIGTERM))
         try:
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > deadline:
@@ -256,6 +263,8 @@ def launch(fn: Callable[..., Any], tp_degree: int, /, *args, dist_backend: str =
             raise WorkerError(f"rank {e.error_index} died (exit code {e.exit_code}); "
                               "the other ranks were stopped") from None
         finally:
+            if forwarding:
+                signal.signal(signal.SIGTERM, previous)
             for p in ctx.processes:
                 if p.is_alive():
                     p.terminate()
