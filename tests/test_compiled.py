@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.compiler._cache import CacheArtifactManager
 
 from specdec.core.graphs import configure_compile_cache
 
@@ -31,11 +32,12 @@ def setup(checkpoint, tmp_path_factory):
         mp.setenv("SPECDEC_CACHE", str(cache))
         mp.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
         torch._dynamo.reset()
-        model = load(ckpt, backend="compiled", **SHAPES)
-        outs = [model.generate([p], max_new_tokens=N_NEW, eos_token_id=[]) for p in prompts]
-        inductor_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
-        saved = tmp_path_factory.mktemp("saved")
-        model.save(saved)
+        with CacheArtifactManager.with_fresh_cache():   # save() stores what this process compiled: these graphs only
+            model = load(ckpt, backend="compiled", **SHAPES)
+            outs = [model.generate([p], max_new_tokens=N_NEW, eos_token_id=[]) for p in prompts]
+            inductor_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            saved = tmp_path_factory.mktemp("saved")
+            model.save(saved)
         yield dict(ckpt=ckpt, model=model, prompts=prompts, refs=refs, outs=outs, saved=saved,
                    cache=cache, inductor_dir=inductor_dir)
 
