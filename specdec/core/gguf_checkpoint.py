@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .gguf_index import GGUFHeader, TensorEntry, read_header, tensor_bytes
-from .gguf_weights import FORMATS, LAYER_TENSORS, ROPE_PERMUTED, BlockWeights, rope_row_order
+from .gguf_weights import FORMATS, ROPE_PERMUTED, BlockWeights, hf_name, rope_row_order
 
 ARCHITECTURES = ("llama", "qwen2")
 # GGUF metadata key (after "<architecture>.") → Hugging Face config key
@@ -33,10 +33,6 @@ CONFIG_KEYS = {"context_length": "max_position_embeddings", "embedding_length": 
 LLAMA_KEYS = {"rope.dimension_count": "head_dim"}
 TOKEN_KEYS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
               "padding_token_id": "pad_token_id", "unknown_token_id": "unk_token_id"}
-# GGUF tensor name outside the layers → Hugging Face name
-GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                  "output.weight": "lm_head.weight"}
-LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
 
 
@@ -65,24 +61,6 @@ def gguf_config(path: str | Path, header: GGUFHeader | None = None) -> dict:
     if arch == "llama":                 # qwen2 always has q / k / v biases
         config["attention_bias"] = "blk.0.attn_q.bias" in names
     return config
-
-
-def hf_name(gguf_name: str) -> tuple[str | None, str | None]:
-    """(Hugging Face name, RoPE row permutation "heads" / "kv_heads" / None) of a GGUF tensor name; (None,
-    None) for a tensor the runtime does not read (e.g. llama 3's ``rope_freqs``)."""
-    if gguf_name in GLOBAL_TENSORS:
-        return GLOBAL_TENSORS[gguf_name], None
-    parts = gguf_name.split(".")
-    if parts[0] != "blk" or len(parts) != 4:
-        return None, None
-    _, layer, kind, param = parts
-    prefix = f"model.layers.{layer}"
-    if kind in LAYER_TENSORS:
-        module, permute = LAYER_TENSORS[kind]
-        return f"{prefix}.{module}.{param}", permute
-    if kind in LAYER_NORMS:
-        return f"{prefix}.{LAYER_NORMS[kind]}.{param}", None
-    return None, None
 
 
 def dequantize(path: str | Path, entry: TensorEntry) -> torch.Tensor:

@@ -60,6 +60,10 @@ LAYER_TENSORS = {"attn_q": ("self_attn.q_proj", "heads"), "attn_k": ("self_attn.
                  "attn_v": ("self_attn.v_proj", None), "attn_output": ("self_attn.o_proj", None),
                  "ffn_gate": ("mlp.gate_proj", None), "ffn_up": ("mlp.up_proj", None),
                  "ffn_down": ("mlp.down_proj", None)}
+# GGUF tensor name outside the layers → Hugging Face name; a layer's norms
+GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                  "output.weight": "lm_head.weight"}
+LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 ROPE_PERMUTED = ("llama", "mistral")     # model types whose GGUF q / k rows llama.cpp's converter permutes
 DECODE_WEIGHTS = 1 << 18                 # ``from_bytes`` decodes about this many weights at a time
 
@@ -202,6 +206,24 @@ class BlockWeights:
         return BlockLinear.from_blocks(self, dtype, bias)
 
 
+def hf_name(gguf_name: str) -> tuple[str | None, str | None]:
+    """(Hugging Face name, RoPE row permutation "heads" / "kv_heads" / None) of a GGUF tensor name; (None,
+    None) for a tensor the runtime does not read (e.g. llama 3's ``rope_freqs``)."""
+    if gguf_name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[gguf_name], None
+    parts = gguf_name.split(".")
+    if parts[0] != "blk" or len(parts) != 4:
+        return None, None
+    _, layer, kind, param = parts
+    prefix = f"model.layers.{layer}"
+    if kind in LAYER_TENSORS:
+        module, permute = LAYER_TENSORS[kind]
+        return f"{prefix}.{module}.{param}", permute
+    if kind in LAYER_NORMS:
+        return f"{prefix}.{LAYER_NORMS[kind]}.{param}", None
+    return None, None
+
+
 def rope_row_order(rows: int, heads: int) -> torch.Tensor:
     """Row i of the Hugging Face matrix is row ``order[i]`` of llama.cpp's (whose converter interleaves the
     two rotary halves of every head)."""
@@ -219,14 +241,12 @@ def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...],
     found = {}
     for tensor in tensor_index(path):
         qtype = tensor.qtype
-        parts = tensor.name.split(".")
-        if parts[0] == "blk" and parts[2] in LAYER_TENSORS and qtype in keep:
-            module, permute = LAYER_TENSORS[parts[2]]
-            name = f"model.layers.{parts[1]}.{module}.weight"
-        elif qtype in head_keep and (tensor.name == "output.weight" or
-                                     (tensor.name == "token_embd.weight" and config.tie_word_embeddings)):
+        name, permute = hf_name(tensor.name)
+        projection = name is not None and name.endswith("_proj.weight")
+        head = name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.tie_word_embeddings)
+        if head and qtype in head_keep:
             name, permute = "lm_head.weight", None
-        else:
+        elif not (projection and qtype in keep):
             continue
         weights = BlockWeights.from_bytes(tensor_bytes(path, tensor), qtype)
         if permute and config.model_type in ROPE_PERMUTED:
