@@ -1,33 +1,43 @@
-"""The ``block_mm`` CPU kernel (``specdec.core.kernels``): it equals the matmul with the dequantized weight,
-a row's output is bitwise the same whatever the number of rows in the call, and every instruction-set path
-gives the same bits."""
+"""The ``block_mm`` CPU kernel (``specdec.core.kernels``): it equals the matmul of the 8-bit-quantized
+activations with the dequantized weight, a row's output is bitwise the same whatever the number of rows in
+the call, every instruction-set path gives the same bits, and the packed layout round-trips."""
 import pytest
 import torch
 
-from specdec.core.kernels import block_mm_isa, dequantize, load_block_mm, set_block_mm_isa
+from specdec.core.block_linear import KINDS, BlockLinear
+from specdec.core.gguf_weights import BlockWeights
+from specdec.core.kernels import (
+    block_mm_isa,
+    dequantize,
+    load_block_mm,
+    quantize_activations,
+    set_block_mm_isa,
+)
+from specdec.core.kernels.layout import pack, unpack
 
 ISAS = {"avx512": ("avx512", "avx2", "portable"), "avx2": ("avx2", "portable"), "portable": ("portable",)}
-ROWS = (1, 2, 5, 9, 13, 16, 25)
+ROWS = (1, 2, 5, 9, 13, 16, 17, 25)
+# GGML type → (group, superblock, code range, with mins)
+TYPES = {"Q4_K": (32, 256, (0, 16), True), "Q4_0": (32, 32, (0, 16), True), "Q6_K": (16, 256, (-32, 32), False),
+         "Q5_0": (32, 32, (-16, 16), False), "Q8_0": (32, 32, (-128, 128), False)}
 
 
-def weights(n: int, k: int, u4: bool, group: int, superblock: int, seed: int = 0):
-    """Random blocks of one layout: f16-valued d / dmin as in a GGUF file, 6-bit scales and mins (u4),
-    signed int8 scales (s8)."""
+def blocks(qtype: str, n: int, k: int, seed: int = 0) -> BlockWeights:
+    """Random blocks of one GGML type: f16-valued d / dmin as in a GGUF file, the type's code range, 6-bit
+    scales and mins (Q4_K), signed int8 scales (Q6_K), unit scales elsewhere."""
+    group, superblock, (lo, hi), mins = TYPES[qtype]
     g = torch.Generator().manual_seed(seed)
-    if u4:
-        qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-        sc = torch.randint(0, 64, (n, k // group), dtype=torch.int8, generator=g)
-        mn = torch.randint(0, 64, (n, k // group), dtype=torch.int8, generator=g)
-    else:
-        qs = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
-        sc = torch.randint(-128, 128, (n, k // group), dtype=torch.int8, generator=g)
-        mn = torch.zeros(n, k // group, dtype=torch.int8)
+    codes = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int16)
     d = (torch.rand(n, k // superblock, generator=g) * 1e-2).half().float()
-    dmin = (torch.rand(n, k // superblock, generator=g) * 1e-2).half().float()
-    return qs, d, dmin, sc, mn, group, superblock
-
-
-LAYOUTS = {"q4_k": (True, 32, 256), "q4_0": (True, 32, 32), "q6_k": (False, 16, 256), "q8_0": (False, 32, 32)}
+    dmin = (torch.rand(n, k // superblock, generator=g) * 1e-2).half().float() if mins else torch.zeros_like(d)
+    if qtype == "Q6_K":
+        sc = torch.randint(-128, 128, (n, k // group), generator=g, dtype=torch.int16)
+    elif qtype == "Q4_K":
+        sc = torch.randint(0, 64, (n, k // group), generator=g, dtype=torch.int16)
+    else:
+        sc = torch.ones(n, k // group, dtype=torch.int16)
+    mn = torch.randint(0, 64, (n, k // group), generator=g, dtype=torch.int16) if mins else torch.zeros_like(sc)
+    return BlockWeights(qtype, codes, group, superblock, d, dmin, sc, mn)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,63 +57,90 @@ def test_the_kernel_is_built():
     assert block_mm_isa() in ("avx512", "avx2", "portable"), "the C++ extension did not build"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_equals_the_dequantized_matmul(layout):
-    u4, group, superblock = LAYOUTS[layout]
-    w = weights(70, 512, u4, group, superblock)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_packing_round_trips_and_keeps_the_weights(qtype):
+    w = blocks(qtype, 37, 512)
+    layer = BlockLinear.from_blocks(w, torch.float32)
+    assert torch.equal(unpack(layer.qs, 37, layer.layout), w.codes)
+    assert torch.equal(layer.dequantized(), w.dequantize())         # the file's values, exactly
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_equals_the_quantized_activations_matmul(qtype):
+    w = blocks(qtype, 70, 512)                  # 70 columns: a partial last tile
+    layer = BlockLinear.from_blocks(w, torch.float32)
     x = torch.randn(9, 512)
-    expected = x.double() @ dequantize(*w).double().t()
+    expected = quantize_activations(x, w.group).double() @ w.dequantize().double().t()
     for isa in isas():
         set_block_mm_isa(isa)
-        y = torch.ops.specdec.block_mm(x, *w)
-        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        y = layer(x)
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    # and close to the f32-activation product: 8-bit activations cost well under 1 % here
+    full = x.double() @ w.dequantize().double().t()
+    assert (y.double() - full).abs().max() < 0.02 * full.abs().max()
 
 
-def test_dequantize_is_the_ggml_formula():
-    qs, d, dmin, sc, mn, group, superblock = weights(3, 256, True, 32, 256)
-    w = dequantize(qs, d, dmin, sc, mn, group, superblock)
-    n, j, i = 2, 37, 37 % 32                 # weight 37: group 1, first half, low nibble of byte 5
-    q = int(qs[n, 16 + i] & 15) if i < 16 else int(qs[n, 16 + i - 16] >> 4)
-    a = torch.tensor(d[n, 0].item() * float(sc[n, 1]), dtype=torch.float32)
-    b = torch.tensor(dmin[n, 0].item() * float(mn[n, 1]), dtype=torch.float32)
-    assert w[n, j].item() == (a * q - b).item()
+def test_activations_are_quantized_per_group_to_nearest_even():
+    x = torch.tensor([[2.5, -1.5, 0.25, 127.0] + [0.0] * 12 + [0.0] * 16])     # group 0: scale 127 / 127 = 1
+    q = quantize_activations(x, 16)
+    assert q[0, :4].tolist() == [2.0, -2.0, 0.0, 127.0]
+    assert torch.equal(q[0, 16:], torch.zeros(16))                   # an all-zero group stays zero
+    layer = BlockLinear.from_blocks(blocks("Q6_K", 16, 256), torch.float32)
+    x = torch.randn(2, 256)
+    expected = quantize_activations(x, 16).double() @ layer.dequantized().double().t()
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_rows_output_does_not_depend_on_the_number_of_rows(layout):
-    u4, group, superblock = LAYOUTS[layout]
-    w = weights(45, 768, u4, group, superblock, seed=1)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_rows_output_does_not_depend_on_the_number_of_rows(qtype):
+    layer = BlockLinear.from_blocks(blocks(qtype, 45, 768, seed=1), torch.float32)
     x = torch.randn(max(ROWS), 768)
     for isa in isas():
         set_block_mm_isa(isa)
-        full = torch.ops.specdec.block_mm(x, *w)
+        full = layer(x)
         for m in ROWS:
             for start in (0, max(ROWS) - m):     # the rows at the front and at the back of a call
-                y = torch.ops.specdec.block_mm(x[start:start + m].contiguous(), *w)
-                assert torch.equal(y, full[start:start + m]), (isa, m, start)
+                assert torch.equal(layer(x[start:start + m]), full[start:start + m]), (isa, m, start)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_instruction_set_gives_the_same_bits(layout):
+@pytest.mark.parametrize("qtype", TYPES)
+def test_every_instruction_set_gives_the_same_bits(qtype):
     if len(isas()) < 2:
         pytest.skip(f"one code path on this CPU ({block_mm_isa()})")
-    u4, group, superblock = LAYOUTS[layout]
-    w = weights(33, 512, u4, group, superblock, seed=2)
+    layer = BlockLinear.from_blocks(blocks(qtype, 33, 512, seed=2), torch.float32)
     x = torch.randn(6, 512)
     results = {}
     for isa in isas():
         set_block_mm_isa(isa)
-        results[isa] = torch.ops.specdec.block_mm(x, *w)
+        results[isa] = layer(x)
     for isa, y in results.items():
         assert torch.equal(y, results["portable"]), isa
 
 
+@pytest.mark.parametrize("sizes", [(32, 16, 48), (20, 13, 7)])
+def test_concatenated_layers_equal_the_parts(sizes):
+    """``cat_rows`` (fused q/k/v, gate/up): whole tiles are concatenated, partial ones repacked."""
+    parts = [BlockLinear.from_blocks(blocks("Q4_K", n, 256, seed=n), torch.float32) for n in sizes]
+    fused = BlockLinear.cat_rows(parts)
+    x = torch.randn(3, 256)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
+
+
+def test_dequantize_is_the_ggml_formula():
+    w = blocks("Q4_K", 3, 256)
+    full = dequantize(w.codes, w.d, w.dmin, w.sc, w.mn, 32, 256)
+    n, j = 2, 37                                 # weight 37: group 1 of superblock 0
+    a = torch.tensor(w.d[n, 0].item() * float(w.sc[n, 1]), dtype=torch.float32)
+    b = torch.tensor(w.dmin[n, 0].item() * float(w.mn[n, 1]), dtype=torch.float32)
+    assert full[n, j].item() == (a * int(w.codes[n, j]) - b).item()
+
+
 def test_runs_inside_a_compiled_graph():
-    w = weights(40, 256, True, 32, 256)
+    layer = BlockLinear.from_blocks(blocks("Q4_K", 40, 256), torch.float32)
     x = torch.randn(3, 256)
 
     def f(x):
-        return torch.relu(torch.ops.specdec.block_mm(x * 2, *w)) + 1
+        return torch.relu(layer(x * 2)) + 1
 
     # a fresh artifact record: what this process compiles is what DecoderModel.save stores (test_compiled)
     from torch.compiler._cache import CacheArtifactManager
@@ -114,11 +151,22 @@ def test_runs_inside_a_compiled_graph():
 
 
 def test_bad_shapes_fail_clearly():
-    qs, d, dmin, sc, mn, group, superblock = weights(8, 256, True, 32, 256)
+    layer = BlockLinear.from_blocks(blocks("Q4_K", 8, 256), torch.float32)
+    args = (layer.qs, layer.d, layer.dmin, layer.sc, layer.mn, 8, 32, 256, KINDS["Q4_K"][0], 0, True)
     with pytest.raises(RuntimeError, match="K must be a multiple"):
-        torch.ops.specdec.block_mm(torch.randn(2, 250), qs, d, dmin, sc, mn, group, superblock)
-    with pytest.raises(RuntimeError, match="qs shape"):
-        torch.ops.specdec.block_mm(torch.randn(2, 512), qs, d, dmin, sc, mn, group, superblock)
+        torch.ops.specdec.block_mm(torch.randn(2, 250), *args)
+    with pytest.raises(RuntimeError, match="qs must be contiguous uint8"):
+        torch.ops.specdec.block_mm(torch.randn(2, 512), *args)
+    with pytest.raises(RuntimeError, match="u4: 32"):
+        torch.ops.specdec.block_mm(torch.randn(2, 256), *args[:6], 16, 256, 0, 0, True)
+
+
+def test_pack_rejects_nothing_it_cannot_hold():
+    """Q8_0's code -128 (a valid int8) survives packing."""
+    w = blocks("Q8_0", 16, 64)
+    w.codes[0, 0] = -128
+    layer = BlockLinear.from_blocks(w, torch.float32)
+    assert torch.equal(unpack(pack(w.codes, layer.layout), 16, layer.layout), w.codes)
 
 
 def test_python_fallback_defines_the_same_op(tmp_path):
@@ -132,14 +180,19 @@ def test_python_fallback_defines_the_same_op(tmp_path):
         "import torch\n"
         "from specdec.core import kernels\n"
         "kernels._define_reference()\n"
-        "g = torch.Generator().manual_seed(0)\n"
-        "qs = torch.randint(0, 256, (6, 128), dtype=torch.uint8, generator=g)\n"
-        "d, dmin = torch.rand(6, 1, generator=g), torch.rand(6, 1, generator=g)\n"
-        "sc = torch.randint(0, 64, (6, 8), dtype=torch.int8, generator=g)\n"
-        "x = torch.randn(3, 256, generator=g)\n"
-        "y = torch.ops.specdec.block_mm(x, qs, d, dmin, sc, sc, 32, 256)\n"
-        "ref = x.double() @ kernels.dequantize(qs, d, dmin, sc, sc, 32, 256).double().t()\n"
-        "torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)\n"
+        "kernels._state['isa'] = 'reference'\n"
+        "from tests.test_block_mm import blocks\n"
+        "from specdec.core.block_linear import BlockLinear\n"
+        "from specdec.core.kernels import quantize_activations\n"
+        "w = blocks('Q6_K', 20, 512)\n"
+        "layer = BlockLinear.from_blocks(w, torch.float32)\n"
+        "x = torch.randn(3, 512)\n"
+        "ref = quantize_activations(x, 16).double() @ w.dequantize().double().t()\n"
+        "torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)\n"
         "print('ok')\n")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

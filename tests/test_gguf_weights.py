@@ -4,6 +4,8 @@ kernel-backed layers compute with those values, tensor-parallel shards take whol
 files' q / k rows are permuted back, and a model loaded with ``quantization="gguf"`` equals
 transformers on the dequantized file, speculates exactly (greedy identity, chi-square losslessness)
 and shards (TP=2 = TP=1)."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ from specdec import DraftModel, PromptLookup, SpeculativeGenerator  # noqa: E402
 from specdec.core import gguf_weights
 from specdec.core.block_linear import BlockLinear  # noqa: E402
 from specdec.core.gguf_weights import FORMATS, BlockWeights, gguf_quantized_tensors, rope_row_order  # noqa: E402
+from specdec.core.kernels import quantize_activations  # noqa: E402
 from specdec.core.parallel import launch  # noqa: E402
 from specdec.core.quant import FUSED, Int4Linear, Int8Linear  # noqa: E402
 
@@ -94,7 +97,7 @@ def test_kernel_layer_computes_with_the_file_values(qtype):
     assert isinstance(layer, BlockLinear)
     assert_bitwise_equal(layer.dequantized(), expected, qtype)          # the file's weights, packed exactly
     x = torch.randn(5, expected.shape[1], generator=torch.Generator().manual_seed(0))
-    reference = x.double() @ expected.double().T
+    reference = quantize_activations(x, layer.layout.group).double() @ expected.double().T   # 8-bit activations
     torch.testing.assert_close(layer(x).double(), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
     # bf16: activations widened to f32, the output rounded to bf16
     y = BlockWeights.from_bytes(raw, qtype).to_module(torch.bfloat16)(x.bfloat16()).double()
@@ -207,7 +210,9 @@ def test_gguf_model_keeps_every_block_and_equals_transformers(tiny):
     for seed in range(3):
         prompt = prompt_ids(7 + seed, seed, VOCAB)
         logits = model.prefill([torch.tensor(prompt)], model.sampling_params()).logits[0, -1]
-        torch.testing.assert_close(logits, hf_logits(hf, prompt)[-1], atol=1e-4, rtol=1e-4)
+        expected = hf_logits(hf, prompt)[-1]   # f32 activations; ours are quantized to 8 bits per group, which
+        # moves this random tiny model's logits by 4-7 % (relative L2); the real models' cost: docs/real-pair.md
+        assert float((logits - expected).norm() / expected.norm()) < 0.12 and logits.argmax() == expected.argmax()
 
 
 @pytest.mark.parametrize("scheme,keeps,requantized", [("int4", ("Q4_0", "Q4_1"), Int4Linear),
@@ -245,14 +250,24 @@ def test_greedy_speculation_equals_the_gguf_target(tiny, tmp_path_factory):
         assert gen.last_stats.drafted > 0
 
 
-def test_sampling_with_gguf_target_and_draft_is_lossless(tiny):
-    from transformers import AutoModelForCausalLM
+class TargetOnly:
+    """A model's own next-token logits, read as ``exact_joint`` reads a transformers model's: ids [B, L] →
+    .logits [B, 1, V] of the last position (one prefill of every row)."""
 
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, ids: torch.Tensor) -> SimpleNamespace:
+        out = self.model.prefill(list(ids), self.model.sampling_params())
+        return SimpleNamespace(logits=out.logits[:len(ids)])
+
+
+def test_sampling_with_gguf_target_and_draft_is_lossless(tiny):
     target_path, draft_path = tiny
     kw = dict(batch_size=512, n_positions=32, context_buckets=[8], kv_buckets=[32], quantization="gguf")
     target = load(target_path, **kw)
     gen = SpeculativeGenerator(load(draft_path, **kw), target, 2)
-    reference = AutoModelForCausalLM.from_pretrained(target.path).eval()   # the file's dequantized values
+    reference = TargetOnly(load(target_path, **kw))     # the target's own distribution (8-bit activations)
     assert lossless_pvalue(reference, target, gen, dict(temperature=0.8), 2) > 1e-3    # 20,480 samples
     assert 0.02 < gen.stats.acceptance_rate < 0.98
 

@@ -1,14 +1,14 @@
 """Quality of a precision / quantization setting: perplexity on held-out text and greedy agreement.
 
 For each ``--settings`` entry (``f32``, ``bf16``, ``int8`` / ``int4`` = bf16 activations with
-quantized projections, ``gguf`` = bf16 activations with the GGUF file's own blocks) the embedded model
-(or ``--model``) scores ``--text`` (default: ``HELD_OUT``, prose written for this
-benchmark, none of it in the prompts or training data of the shipped drafts) in windows of
-``--window`` tokens: perplexity = exp(mean negative log-likelihood of every token after the first of
-each window). It also decodes ``--max-new-tokens`` greedy tokens for the first ``--num-prompts``
-MT-Bench questions and reports, against the first setting (the reference), the tokens each output
-shares with the reference's before the first difference and the share of outputs identical. JSON on
-stdout (``--output`` also writes it).
+quantized projections, ``gguf`` / ``gguf-f32`` = bf16 / f32 activations with the GGUF file's own blocks,
+quantized to 8 bits inside the kernel) the embedded model (or ``--model``) scores ``--text`` (default:
+``HELD_OUT``, prose written for this benchmark, none of it in the prompts or training data of the shipped
+drafts) in windows of ``--window`` tokens: perplexity = exp(mean negative log-likelihood of every token
+after the first of each window). It also decodes ``--max-new-tokens`` greedy tokens for the first
+``--num-prompts`` MT-Bench questions and reports, against the first setting (the reference), the tokens
+each output shares with the reference's before the first difference and the share of outputs identical.
+JSON on stdout (``--output`` also writes it).
 
     specdec bench-quality [--settings bf16,int8] [--window 256]
 """
@@ -51,7 +51,7 @@ the tangent of the measured angle instead of assuming it equals one.
 """
 
 SETTINGS = {"f32": ("f32", None), "bf16": ("bf16", None), "int8": ("bf16", "int8"), "int4": ("bf16", "int4"),
-            "gguf": ("bf16", "gguf")}
+            "gguf": ("bf16", "gguf"), "gguf-f32": ("f32", "gguf")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

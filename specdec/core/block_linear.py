@@ -3,19 +3,15 @@
 Every GGML type the loader keeps (``gguf_weights.BlockWeights``: Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0) is one
 formula over per-group integers and per-superblock floats,
 
-    w[n, k] = (d[n, k/SB] · sc[n, k/G]) · q[n, k] − dmin[n, k/SB] · mn[n, k/G]      (f32, in this order)
+    w[n, k] = (d[n, k/SB] · sc[n, k/G]) · q[n, k] − dmin[n, k/SB] · mn[n, k/G]
 
-which is GGML's own dequantization bit for bit. The layer packs the codes in one of two ways:
+which is GGML's own dequantization bit for bit. The kernel multiplies these weights with activations
+quantized to 8 bits per group of G (as llama.cpp does: ``kernels``), with exact integer dot products.
 
-- ``u4`` (Q4_0, Q4_1, Q4_K; G = 32): two codes per byte, ``qs`` uint8 [N, K/2]; byte b of group g holds
-  weight 32g + b (low nibble) and 32g + 16 + b (high nibble). Q4_K costs 4.75 bits a weight (the file: 4.5).
-- ``s8`` (Q5_0 as q − 16, Q6_K as q − 32, Q8_0; G = 16 or 32): one signed byte a weight, ``qs`` int8 [N, K]
-  (Q6_K: 8.6 bits against the file's 6.6; Q5_0: 9 against 5.5).
-
-``d`` / ``dmin`` are f32 [N, K/SB] and ``sc`` / ``mn`` int8 [N, K/G]. Activations are not quantized: the
-kernel computes in f32 whatever the model's dtype (bf16 inputs are widened, outputs rounded back), so a
-model's projections compute with exactly the file's weights. A row's output does not depend on how many
-rows the call has (``kernels``: row invariance), and a call of up to 12 rows reads the weights once.
+The layer packs the matrix in tiles of 16 output columns (``kernels.layout``): 4-bit codes two per byte
+(Q4_0, Q4_1, Q4_K: 4.75 bits a weight for Q4_K, the file's 4.5), Q6_K's codes in 6 bits (6.6 bits a weight,
+as the file), Q5_0 and Q8_0 one byte each (Q5_0: 9 bits against the file's 5.5). A row's output does not
+depend on how many rows the call has (row invariance), and a call of up to 16 rows reads the weights once.
 """
 from __future__ import annotations
 
@@ -23,37 +19,34 @@ import torch
 from torch import nn
 
 from .kernels import dequantize, load_block_mm
+from .kernels.layout import LANES, Layout, pack, tiled, unpack, untiled
 
 U4_TYPES = ("Q4_0", "Q4_1", "Q4_K")     # unsigned 4-bit codes in groups of 32: packed two to a byte
+# GGML type → (kind, offset added to the signed code to store it): kinds 0 = u4, 1 = u8, 2 = s8, 3 = u6
+KINDS = {"Q4_0": (0, 0), "Q4_1": (0, 0), "Q4_K": (0, 0), "Q5_0": (1, 16), "Q6_K": (3, 32), "Q8_0": (2, 0)}
 
 
 class BlockLinear(nn.Module):
     """x [..., K] → [..., N] with a block-quantized weight [N, K] (buffers ``qs``, ``d``, ``dmin``, ``sc``,
-    ``mn``; see the module docstring) and an optional ``bias`` in the compute dtype ``dtype``."""
+    ``mn`` in the tiled layout; see the module docstring) and an optional ``bias`` in the compute dtype."""
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
-                 group: int, superblock: int, bias: torch.Tensor | None, dtype: torch.dtype):
+                 out_features: int, layout: Layout, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         load_block_mm()
-        self.out_features = qs.shape[0]
-        self.in_features = qs.shape[1] * (2 if qs.dtype == torch.uint8 else 1)
-        self.group, self.superblock, self._dtype = group, superblock, dtype
+        self.out_features, self.in_features, self._layout, self._dtype = out_features, layout.in_features, layout, dtype
         for name, t in (("qs", qs), ("d", d), ("dmin", dmin), ("sc", sc), ("mn", mn)):
             self.register_buffer(name, t.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     @classmethod
     def from_blocks(cls, weights, dtype: torch.dtype, bias: torch.Tensor | None = None) -> BlockLinear:
-        """The layer computing with ``weights`` (a ``gguf_weights.BlockWeights``) exactly."""
-        codes = weights.codes
-        n, k = codes.shape
-        if weights.qtype in U4_TYPES:
-            halves = codes.to(torch.uint8).view(n, k // 32, 2, 16)
-            qs = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
-        else:
-            qs = codes.to(torch.int8)
-        return cls(qs, weights.d.float(), weights.dmin.float(), weights.sc.to(torch.int8),
-                   weights.mn.to(torch.int8), weights.group, weights.superblock, bias, dtype)
+        """The layer computing with ``weights`` (a ``gguf_weights.BlockWeights``)."""
+        kind, offset = KINDS[weights.qtype]
+        n, k = weights.codes.shape
+        layout = Layout(kind, offset, weights.group, weights.superblock, k, weights.qtype in U4_TYPES)
+        return cls(pack(weights.codes, layout), tiled(weights.d.float()), tiled(weights.dmin.float()),
+                   tiled(weights.sc.to(torch.int8)), tiled(weights.mn.to(torch.int8)), n, layout, bias, dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -61,9 +54,9 @@ class BlockLinear(nn.Module):
         return self._dtype
 
     @property
-    def layout(self) -> tuple[bool, int, int, int]:
-        """(u4, group, superblock, in features): layers of one layout concatenate (``cat_rows``)."""
-        return self.qs.dtype == torch.uint8, self.group, self.superblock, self.in_features
+    def layout(self) -> Layout:
+        """How the codes are packed: layers of one layout concatenate (``cat_rows``)."""
+        return self._layout
 
     @classmethod
     def cat_rows(cls, layers: list[BlockLinear]) -> BlockLinear:
@@ -74,16 +67,25 @@ class BlockLinear(nn.Module):
         from .quant import cat_biases
 
         first = layers[0]
-        return cls(*(torch.cat([getattr(layer, name) for layer in layers]) for name in ("qs", "d", "dmin", "sc", "mn")),
-                   first.group, first.superblock, cat_biases(layers), first.dtype)
+        if all(layer.out_features % LANES == 0 for layer in layers[:-1]):    # whole tiles: concatenate them
+            parts = [torch.cat([getattr(layer, name) for layer in layers]) for name in ("qs", "d", "dmin", "sc", "mn")]
+        else:
+            codes = torch.cat([unpack(layer.qs, layer.out_features, layer.layout) for layer in layers])
+            parts = [pack(codes, first.layout)] + [
+                tiled(torch.cat([untiled(getattr(layer, name), layer.out_features) for layer in layers]))
+                for name in ("d", "dmin", "sc", "mn")]
+        return cls(*parts, sum(layer.out_features for layer in layers), first.layout, cat_biases(layers), first.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] f32 the layer computes with."""
-        return dequantize(self.qs, self.d, self.dmin, self.sc, self.mn, self.group, self.superblock)
+        n, layout = self.out_features, self._layout
+        d, dmin, sc, mn = (untiled(t, n) for t in (self.d, self.dmin, self.sc, self.mn))
+        return dequantize(unpack(self.qs, n, layout), d, dmin, sc, mn, layout.group, layout.superblock)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()
-        y = torch.ops.specdec.block_mm(flat, self.qs, self.d, self.dmin, self.sc, self.mn, self.group,
-                                       self.superblock)
+        layout = self._layout
+        y = torch.ops.specdec.block_mm(flat, self.qs, self.d, self.dmin, self.sc, self.mn, self.out_features,
+                                       layout.group, layout.superblock, layout.kind, layout.offset, layout.mins)
         y = y.to(self._dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias

@@ -1,14 +1,18 @@
 """CPU kernels built as a PyTorch extension on first use, with a portable fallback.
 
-``block_mm`` (``block_mm.cpp``): ``torch.ops.specdec.block_mm(x, qs, d, dmin, sc, mn, group, superblock)``,
-y [M, N] f32 = x [M, K] f32 · Wᵀ for a GGML-block matrix W [N, K] (``core.block_linear`` packs it). Its
-cost is flat in M up to 8 rows (a verify reads and unpacks the weights once, as a decode step does) and
-a row's result does not depend on M (row invariance). The instruction set is chosen at run time
-(AVX-512, AVX2 + FMA, portable C++); ``block_mm_isa()`` names it.
+``block_mm`` (``block_mm.cpp``): ``torch.ops.specdec.block_mm(x, qs, d, dmin, sc, mn, n, group, superblock,
+kind, offset, mins)``, y [M, n] f32 = x [M, K] f32 · Wᵀ for a GGML-block matrix W [n, K] packed as
+``layout`` describes (``core.block_linear`` packs it). As llama.cpp does, every group of G activations is
+quantized to int8 with one f32 scale (max |x| / 127, round to nearest even); the weight · activation dot
+products are exact integers (``vpmaddubsw`` / ``vpmaddwd``) and the scales are applied once per group. Its
+cost is flat in M up to 16 rows (a verify reads and unpacks the weights once, as a decode step does) and a
+row's result does not depend on M (row invariance). The instruction set is chosen at run time (AVX-512,
+AVX2 + FMA, portable C++; all give the same bits); ``block_mm_isa()`` names it.
 
 The extension is compiled once per source, torch version and Python into ``$SPECDEC_CACHE/kernels``
 (about a minute; a message says so). Where it cannot be built (no compiler), the same op is defined in
-Python — dequantize, then matmul: the same values up to summation order, slower, and a warning says so.
+Python — quantize the activations, dequantize the weight, matmul: the same values up to summation order,
+slower, and a warning says so.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from .layout import Layout, unpack, untiled
 
 SOURCE = Path(__file__).with_name("block_mm.cpp")
 _state: dict[str, str] = {}
@@ -72,31 +78,39 @@ def _build() -> None:
 def _define_reference() -> None:
     lib = torch.library.Library("specdec", "DEF")
     _libraries.append(lib)
-    lib.define("block_mm(Tensor x, Tensor qs, Tensor d, Tensor dmin, Tensor sc, Tensor mn, int group, "
-               "int superblock) -> Tensor")
+    lib.define("block_mm(Tensor x, Tensor qs, Tensor d, Tensor dmin, Tensor sc, Tensor mn, int n, int group, "
+               "int superblock, int kind, int offset, bool mins) -> Tensor")
     lib.impl("block_mm", reference_block_mm, "CPU")
 
 
-def dequantize(qs: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
+def dequantize(codes: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
                group: int, superblock: int) -> torch.Tensor:
-    """The weight [N, K] f32 that ``block_mm`` computes with: (d · sc) · q − dmin · mn per weight."""
-    if qs.dtype == torch.uint8:
-        n = qs.shape[0]
-        halves = qs.view(n, -1, 16)
-        codes = torch.stack([halves & 15, halves >> 4], dim=2).view(n, -1).float()
-    else:
-        codes = qs.float()
-    k = codes.shape[1]
+    """The weight [N, K] f32 of signed ``codes`` [N, K] with d, dmin [N, K/SB] and sc, mn [N, K/G]:
+    (d · sc) · q − dmin · mn per weight."""
+    n, k = codes.shape
     a = d.repeat_interleave(superblock // group, dim=1) * sc.float()
     b = dmin.repeat_interleave(superblock // group, dim=1) * mn.float()
-    return (a.repeat_interleave(group, dim=1) * codes - b.repeat_interleave(group, dim=1)).view(-1, k)
+    return a.repeat_interleave(group, dim=1) * codes.float() - b.repeat_interleave(group, dim=1)
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] f32 as ``block_mm`` sees it: every group of ``group`` values quantized to int8 with the scale
+    max |x| / 127 (round to nearest even), returned dequantized [M, K] f32."""
+    m, k = x.shape
+    v = x.view(m, k // group, group)
+    scale = v.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(v * inverse).clamp(-127, 127) * scale).view(m, k)
 
 
 def reference_block_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor,
-                       mn: torch.Tensor, group: int, superblock: int) -> torch.Tensor:
+                       mn: torch.Tensor, n: int, group: int, superblock: int, kind: int, offset: int,
+                       mins: bool) -> torch.Tensor:
     """``block_mm`` in PyTorch ops (the fallback, and the tests' reference)."""
-    return x @ dequantize(qs, d, dmin, sc, mn, group, superblock).t()
+    layout = Layout(kind, offset, group, superblock, x.shape[1], mins)
+    params = (untiled(t, n) for t in (d, dmin, sc, mn))
+    return quantize_activations(x, group) @ dequantize(unpack(qs, n, layout), *params, group, superblock).t()
 
 
-def _fake(x, qs, d, dmin, sc, mn, group, superblock):
-    return x.new_empty(x.shape[0], qs.shape[0])
+def _fake(x, qs, d, dmin, sc, mn, n, group, superblock, kind, offset, mins):
+    return x.new_empty(x.shape[0], n)
