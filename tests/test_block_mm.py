@@ -157,7 +157,7 @@ def test_bad_shapes_fail_clearly():
         torch.ops.specdec.block_mm(torch.randn(2, 250), *args)
     with pytest.raises(RuntimeError, match="qs must be contiguous uint8"):
         torch.ops.specdec.block_mm(torch.randn(2, 512), *args)
-    with pytest.raises(RuntimeError, match="u4: 32"):
+    with pytest.raises(RuntimeError, match="group 16 or 32"):
         torch.ops.specdec.block_mm(torch.randn(2, 256), *args[:6], 16, 256, 0, 0, True)
 
 
@@ -193,6 +193,6 @@ def test_python_fallback_defines_the_same_op(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root,
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root,
                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

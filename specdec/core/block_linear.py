@@ -9,8 +9,8 @@ which is GGML's own dequantization bit for bit. The kernel multiplies these weig
 quantized to 8 bits per group of G (as llama.cpp does: ``kernels``), with exact integer dot products.
 
 The layer packs the matrix in tiles of 16 output columns (``kernels.layout``): 4-bit codes two per byte
-(Q4_0, Q4_1, Q4_K: 4.75 bits a weight for Q4_K, the file's 4.5), Q6_K's codes in 6 bits (6.6 bits a weight,
-as the file), Q5_0 and Q8_0 one byte each (Q5_0: 9 bits against the file's 5.5). A row's output does not
+(Q4_0, Q4_1, Q4_K: 4.75 bits a weight for Q4_K, the file's 4.5), Q6_K's and Q5_0's in 6 and 5 bits (6.6 and
+6.5 bits a weight; the files': 6.6 and 5.5), Q8_0's one byte each. A row's output does not
 depend on how many rows the call has (row invariance), and a call of up to 16 rows reads the weights once.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from .kernels import dequantize, load_block_mm
 from .kernels.layout import LANES, Layout, pack, tiled, unpack, untiled
 
 U4_TYPES = ("Q4_0", "Q4_1", "Q4_K")     # unsigned 4-bit codes in groups of 32: packed two to a byte
-# GGML type → (kind, offset added to the signed code to store it): kinds 0 = u4, 1 = u8, 2 = s8, 3 = u6
-KINDS = {"Q4_0": (0, 0), "Q4_1": (0, 0), "Q4_K": (0, 0), "Q5_0": (1, 16), "Q6_K": (3, 32), "Q8_0": (2, 0)}
+# GGML type → (kind, offset added to the signed code to store it): kinds 0 = u4, 1 = s8, 2 = u6, 3 = u5
+KINDS = {"Q4_0": (0, 0), "Q4_1": (0, 0), "Q4_K": (0, 0), "Q5_0": (3, 16), "Q6_K": (2, 32), "Q8_0": (1, 0)}
 
 
 class BlockLinear(nn.Module):

@@ -10,13 +10,12 @@
 //   qs, by kind (the bytes of one (tile, group) are contiguous, tiles after groups: [T][K/G][bytes]):
 //     u4 (Q4_0 / Q4_1 / Q4_K, G = 32, q in [0, 15]): 4 vectors of 64 bytes; in vector v, lane j's byte i holds
 //         q[32 g + 8 v + i] (low nibble) and q[32 g + 8 v + 4 + i] (high nibble);
-//     u8 (Q5_0: q + offset in [0, 63]): G/4 vectors; lane j's byte i of vector v = q[G g + 4 v + i] + offset;
-//     u6 (Q6_K, G = 16: c = q + offset in [0, 63], 6 bits): 3 vectors; lane j's byte i of vector w < 2 holds the
-//         low 4 bits of c[8 w + i] (low nibble) and of c[8 w + 4 + i] (high nibble), of vector 2 the high 2 bits
-//         of c[4 v + i] at bits 2v, 2v + 1 (v < 4);
+//     u6 (Q6_K, G = 16) and u5 (Q5_0, G = 32): c = q + offset in 6 / 5 bits: G/8 vectors of low 4 bits — lane j's
+//         byte i of vector w holds c[8 w + i] (low nibble) and c[8 w + 4 + i] (high nibble) — then one vector of
+//         the high bits: lane j's byte i holds c[4 v + i]'s high bits at bits b·v .. b·v + b − 1 (b = 2 / 1);
 //     s8 (Q8_0, q in [-128, 127]): G/2 vectors of 32 bytes; lane j's byte i of vector v = q[G g + 2 v + i].
 // Per lane (column) and group, in this order:
-//   dot = Σ q · xq (exact; u8 / u6: Σ (q + offset) · xq − offset · sx),  u = a · float(dot) with a = d · sc,
+//   dot = Σ q · xq (exact; u6 / u5: Σ (q + offset) · xq − offset · sx),  u = a · float(dot) with a = d · sc,
 //   u = fma(b, float(sx), u) with b = 0 − dmin · mn (only where the layer has mins),  acc = fma(u, dx, acc).
 //
 // Cost flat in M: a (tile, group)'s codes are loaded and unpacked once and applied to up to RMAX rows held in
@@ -47,7 +46,7 @@ namespace {
 constexpr int RMAX = 16;   // activation rows per register tile
 constexpr int LANES = 16;  // output columns per tile
 
-enum Kind : int64_t { U4 = 0, U8 = 1, S8 = 2, U6 = 3 };
+enum Kind : int64_t { U4 = 0, S8 = 1, U6 = 2, U5 = 3 };
 
 struct Args {
   const int8_t* xq; const float* dx; const int32_t* sx; float* y;
@@ -55,7 +54,8 @@ struct Args {
   int64_t M, N, K, G, SB, offset;
   Kind kind; bool mins;
   int64_t groups() const { return K / G; }
-  int64_t group_bytes() const { return kind == U4 ? LANES * G / 2 : kind == U6 ? LANES * G * 3 / 4 : LANES * G; }
+  int64_t group_bytes() const { return LANES * G * bits(kind) / 8; }
+  static int64_t bits(int64_t kind) { return kind == U4 ? 4 : kind == U6 ? 6 : kind == U5 ? 5 : 8; }
 };
 
 // ---------------------------------------------------------------------------------------- activations
@@ -89,11 +89,10 @@ inline int32_t code(const Args& p, const uint8_t* tile_group, int j, int64_t i) 
     const uint8_t byte = tile_group[64 * v + 4 * j + within % 4];
     return within < 4 ? (byte & 15) : (byte >> 4);
   }
-  if (p.kind == U8) return static_cast<int32_t>(tile_group[64 * (i / 4) + 4 * j + i % 4]) - static_cast<int32_t>(p.offset);
-  if (p.kind == U6) {
-    const int64_t v = i / 4, b = 4 * j + i % 4;
-    const uint8_t low = tile_group[64 * (v / 2) + b], high = tile_group[128 + b];
-    const int32_t c = ((v % 2 ? low >> 4 : low & 15) | (((high >> (2 * v)) & 3) << 4));
+  if (p.kind == U6 || p.kind == U5) {
+    const int64_t v = i / 4, b = 4 * j + i % 4, hb = p.kind == U6 ? 2 : 1;
+    const uint8_t low = tile_group[64 * (v / 2) + b], high = tile_group[64 * (p.G / 8) + b];
+    const int32_t c = ((v % 2 ? low >> 4 : low & 15) | (((high >> (hb * v)) & ((1 << hb) - 1)) << 4));
     return c - static_cast<int32_t>(p.offset);
   }
   return static_cast<int8_t>(tile_group[32 * (i / 2) + 2 * j + i % 2]);
@@ -185,31 +184,27 @@ AVX512 void tile_avx512(const Args& p, int64_t t, int64_t r0) {
         if (p.mins) u = _mm512_fmadd_ps(b, _mm512_set1_ps(static_cast<float>(sx[r * ng + g])), u);
         acc[r] = _mm512_fmadd_ps(u, _mm512_set1_ps(dx[r * ng + g]), acc[r]);
       }
-    } else if constexpr (KIND == U8 || KIND == U6) {
+    } else if constexpr (KIND == U6 || KIND == U5) {
       // codes + offset in [0, 63]: two products of a pair sum below 2^15, so two vpmaddubsw add in 16 bits
-      const int64_t nv = p.G / 4;     // 4 or 8 vectors (u6: 4)
-      __m512i q[8];
-      if constexpr (KIND == U6) {
-        const __m512i l0 = _mm512_loadu_si512(tg), l1 = _mm512_loadu_si512(tg + 64);
-        const __m512i h = _mm512_loadu_si512(tg + 128), high2 = _mm512_set1_epi8(0x30);
-        q[0] = _mm512_or_si512(_mm512_and_si512(l0, low4), _mm512_and_si512(_mm512_slli_epi16(h, 4), high2));
-        q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), low4),
-                               _mm512_and_si512(_mm512_slli_epi16(h, 2), high2));
-        q[2] = _mm512_or_si512(_mm512_and_si512(l1, low4), _mm512_and_si512(h, high2));
-        q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low4),
-                               _mm512_and_si512(_mm512_srli_epi16(h, 2), high2));
-      } else {
+      constexpr int NV = KIND == U6 ? 4 : 8;     // vectors of 4 codes per lane (G / 4)
+      // c[4v + i] = low nibble | high bits << 4: the high bits of vector v sit at bit HB·v of the last vector
+      constexpr int HB = KIND == U6 ? 2 : 1;
+      __m512i q[NV];
+      const __m512i h = _mm512_loadu_si512(tg + 64 * (NV / 2)), high = _mm512_set1_epi8(((1 << HB) - 1) << 4);
 #pragma GCC unroll 8
-        for (int v = 0; v < 8; ++v)
-          if (v < nv) q[v] = _mm512_loadu_si512(tg + 64 * v);
+      for (int v = 0; v < NV; ++v) {
+        const __m512i l = _mm512_loadu_si512(tg + 64 * (v / 2));
+        const __m512i lo = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(l, 4) : l, low4);
+        const int shift = 4 - HB * v;    // moves bit HB·v to bit 4
+        const __m512i hi = shift >= 0 ? _mm512_slli_epi16(h, shift) : _mm512_srli_epi16(h, -shift);
+        q[v] = _mm512_or_si512(lo, _mm512_and_si512(hi, high));
       }
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = x0 + r * p.K + p.G * g;
         __m512i dot = _mm512_setzero_si512();
 #pragma GCC unroll 4
-        for (int v = 0; v < 8; v += 2) {
-          if (v >= nv) break;
+        for (int v = 0; v < NV; v += 2) {
           const __m512i s = _mm512_add_epi16(_mm512_maddubs_epi16(q[v], bcast32(xr + 4 * v)),
                                              _mm512_maddubs_epi16(q[v + 1], bcast32(xr + 4 * v + 4)));
           dot = _mm512_add_epi32(dot, _mm512_madd_epi16(s, ones16));
@@ -252,8 +247,8 @@ AVX512 void tile_avx512(const Args& p, int64_t t, int64_t r0) {
 template <int R>
 AVX512 void tile_avx512_any(const Args& p, int64_t t, int64_t r0) {
   if (p.kind == U4) return tile_avx512<R, U4>(p, t, r0);
-  if (p.kind == U8) return tile_avx512<R, U8>(p, t, r0);
   if (p.kind == U6) return tile_avx512<R, U6>(p, t, r0);
+  if (p.kind == U5) return tile_avx512<R, U5>(p, t, r0);
   return tile_avx512<R, S8>(p, t, r0);
 }
 
@@ -305,13 +300,13 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
                      int64_t kind, int64_t offset, bool mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "block_mm: x must be a contiguous f32 [M, K]");
-  TORCH_CHECK(kind == U4 || kind == U8 || kind == S8 || kind == U6,
-              "block_mm: kind must be 0 (u4), 1 (u8), 2 (s8) or 3 (u6)");
+  TORCH_CHECK(kind >= U4 && kind <= U5, "block_mm: kind must be 0 (u4), 1 (s8), 2 (u6) or 3 (u5)");
   TORCH_CHECK((group == 16 || group == 32) && superblock % group == 0 && (kind != U4 || group == 32) &&
-              (kind != U6 || group == 16), "block_mm: group 16 or 32 (u4: 32, u6: 16), superblock a multiple of it");
+              (kind != U6 || group == 16) && (kind != U5 || group == 32),
+              "block_mm: group 16 or 32 (u4, u5: 32; u6: 16), superblock a multiple of it");
   const int64_t M = x.size(0), K = x.size(1), T = (n + LANES - 1) / LANES;
   TORCH_CHECK(K % superblock == 0, "block_mm: K must be a multiple of the superblock");
-  const int64_t gbytes = kind == U4 ? LANES * group / 2 : kind == U6 ? LANES * group * 3 / 4 : LANES * group;
+  const int64_t gbytes = LANES * group * Args::bits(kind) / 8;
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == T * (K / group) * gbytes,
               "block_mm: qs must be contiguous uint8 [T, K/group, group bytes]");
   TORCH_CHECK(d.scalar_type() == at::kFloat && dmin.scalar_type() == at::kFloat && d.is_contiguous() &&
@@ -328,7 +323,7 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
   quantize_rows(x.data_ptr<float>(), M, K, group, xq.data(), dx.data(), sx.data());
   Args p{xq.data(), dx.data(), sx.data(), y.data_ptr<float>(), qs.data_ptr<uint8_t>(), d.data_ptr<float>(),
          dmin.data_ptr<float>(), sc.data_ptr<int8_t>(), mn.data_ptr<int8_t>(), M, n, K, group, superblock,
-         kind == U8 || kind == U6 ? offset : 0, static_cast<Kind>(kind), mins};
+         kind == U6 || kind == U5 ? offset : 0, static_cast<Kind>(kind), mins};
   const Isa isa = forced();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)

@@ -16,8 +16,8 @@ LANES = 16                               # output columns per tile
 
 @dataclass(frozen=True)
 class Layout:
-    """How a ``BlockLinear``'s codes are packed: ``kind`` (0 u4, 1 u8, 2 s8, 3 u6), the ``offset`` stored
-    codes carry (u8, u6), the group G, the superblock SB, the input features K, and whether the layer has mins
+    """How a ``BlockLinear``'s codes are packed: ``kind`` (0 u4, 1 s8, 2 u6, 3 u5), the ``offset`` stored
+    codes carry (u6, u5), the group G, the superblock SB, the input features K, and whether the layer has mins
     (dmin · mn ≠ 0: Q4_0 / Q4_1 / Q4_K)."""
 
     kind: int
@@ -29,7 +29,7 @@ class Layout:
 
     def group_bytes(self) -> int:
         """Bytes of one (tile, group) of codes."""
-        return LANES * self.group * (4, 8, 8, 6)[self.kind] // 8
+        return LANES * self.group * (4, 8, 6, 5)[self.kind] // 8
 
 
 def pack(codes: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -40,14 +40,13 @@ def pack(codes: torch.Tensor, layout: Layout) -> torch.Tensor:
     if layout.kind == 0:    # vector v, lane j, byte i: codes 8v + i (low nibble) and 8v + 4 + i (high)
         c = c.to(torch.uint8).view(tiles, LANES, k // 32, 4, 2, 4)
         qs = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)
-    elif layout.kind == 1:  # vector v, lane j, byte i: code 4v + i, plus the offset
-        qs = (c + layout.offset).to(torch.uint8).view(tiles, LANES, k // g, g // 4, 4)
-    elif layout.kind == 3:  # G = 16 codes c + offset: 2 vectors of low nibbles, 1 of the high 2 bits
-        c = (c + layout.offset).to(torch.uint8).view(tiles, LANES, k // g, 4, 4)           # (v, i)
-        low = (c & 15).view(tiles, LANES, k // g, 2, 2, 4)                                  # (w, nibble, i)
+    elif layout.kind in (2, 3):  # codes c + offset: G/8 vectors of low nibbles, 1 of the high bits (6 / 5 bits)
+        v = g // 4
+        c = (c + layout.offset).to(torch.uint8).view(tiles, LANES, k // g, v, 4)           # (v, i)
+        low = (c & 15).view(tiles, LANES, k // g, v // 2, 2, 4)                             # (w, nibble, i)
         low = (low[:, :, :, :, 0] | (low[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)      # [T, g, w, j, i]
-        high = ((c >> 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)).sum(3, dtype=torch.uint8)
-        return torch.cat([low.reshape(tiles, k // g, 128), high.permute(0, 2, 1, 3).reshape(tiles, k // g, 64)],
+        high = ((c >> 4) << _high_shifts(layout)).sum(3, dtype=torch.uint8)                # [T, j, g, i]
+        return torch.cat([low.reshape(tiles, k // g, 32 * v), high.permute(0, 2, 1, 3).reshape(tiles, k // g, 64)],
                          dim=2).contiguous()
     else:                   # vector v of 32 bytes, lane j, byte i: code 2v + i
         qs = c.to(torch.int8).view(torch.uint8).view(tiles, LANES, k // g, g // 2, 2)
@@ -60,13 +59,12 @@ def unpack(qs: torch.Tensor, n: int, layout: Layout) -> torch.Tensor:
     if layout.kind == 0:
         q = qs.view(tiles, k // 32, 4, LANES, 4).permute(0, 3, 1, 2, 4)
         c = torch.stack([q & 15, q >> 4], dim=4).to(torch.int16)
-    elif layout.kind == 1:
-        c = qs.view(tiles, k // g, g // 4, LANES, 4).permute(0, 3, 1, 2, 4).to(torch.int16) - layout.offset
-    elif layout.kind == 3:
-        low = qs[:, :, :128].reshape(tiles, k // g, 2, LANES, 4).permute(0, 3, 1, 2, 4)     # [T, j, g, w, i]
-        low = torch.stack([low & 15, low >> 4], dim=4).reshape(tiles, LANES, k // g, 4, 4)  # (v, i)
-        high = qs[:, :, 128:].reshape(tiles, k // g, LANES, 1, 4).permute(0, 2, 1, 3, 4)
-        high = (high >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3       # (v, i)
+    elif layout.kind in (2, 3):
+        v = g // 4
+        low = qs[:, :, :32 * v].reshape(tiles, k // g, v // 2, LANES, 4).permute(0, 3, 1, 2, 4)   # [T, j, g, w, i]
+        low = torch.stack([low & 15, low >> 4], dim=4).reshape(tiles, LANES, k // g, v, 4)        # (v, i)
+        high = qs[:, :, 32 * v:].reshape(tiles, k // g, LANES, 1, 4).permute(0, 2, 1, 3, 4)
+        high = (high >> _high_shifts(layout)) & (3 if layout.kind == 2 else 1)                    # (v, i)
         c = (low | (high << 4)).to(torch.int16) - layout.offset
     else:
         c = qs.view(torch.int8).view(tiles, k // g, g // 2, LANES, 2).permute(0, 3, 1, 2, 4).to(torch.int16)
@@ -84,3 +82,9 @@ def tiled(t: torch.Tensor) -> torch.Tensor:
 def untiled(t: torch.Tensor, n: int) -> torch.Tensor:
     """``tiled``'s inverse: [T, P, 16] → [N, P]."""
     return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+
+def _high_shifts(layout: Layout) -> torch.Tensor:
+    """[G/4, 1] uint8: the bit at which vector v's high bits sit in the high-bit vector (u6: 2v, u5: v)."""
+    bits = 2 if layout.kind == 2 else 1
+    return (torch.arange(layout.group // 4, dtype=torch.uint8) * bits).view(-1, 1)
