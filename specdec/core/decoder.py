@@ -125,8 +125,8 @@ class DecoderModel:
         see ``quant``), ``"int4"`` group-wise int4 projections (the LM head int8), or ``"gguf"`` (a GGUF
         file only): every Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 tensor, LM head included, keeps the file's
         own blocks (``gguf_weights``) and runs on the ``block_mm`` CPU kernel (``block_linear``: exact
-        weights, 8-bit activations as llama.cpp, row-invariant). With int4 / int8 a GGUF file's 4-bit (int4) or Q8_0 (int8)
-        projections and ≤ 8-bit LM head keep theirs too instead of being rounded again.
+        weights, 8-bit activations as llama.cpp's, row-invariant). With int4 / int8 a GGUF file's 4-bit
+        (int4) or Q8_0 (int8) projections and ≤ 8-bit LM head keep theirs too instead of being rounded again.
         ``kv_cache_dtype``: None / "auto" (the KV cache in the compute dtype), ``"int8"`` or ``"fp8_e4m3"``
         (alias ``"fp8"``; vLLM's names, NxD Inference's ``kv_cache_quant``): 8-bit K/V with an f32 scale
         per (row, slot, KV head), dequantized when read (``kv_quant``). Drafts inherit both settings.
