@@ -68,14 +68,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from specdec import (
-    DecoderModel,
-    DraftModel,
-    LookupOrDraft,
-    PromptLookup,
-    SpecStats,
-    SpeculativeGenerator,
-)
+from specdec import DecoderModel, SpecStats, SpeculativeGenerator
 from specdec.bench import emit_json
 from specdec.bench.llamacpp import (
     LlamaCppRun,
@@ -87,10 +80,13 @@ from specdec.bench.prompts import int_list, load_records, resolve_prompts
 from specdec.bench.runtime import git_commit, machine_info
 from specdec.core.chat import chat_ids
 from specdec.core.named_models import is_named_model, named_model_path
+from specdec.registry import REGISTRY, name_list
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
-STRATEGIES = ("none", "model", "lookup", "lookup+model")
+STRATEGIES = tuple(name for name, s in REGISTRY.items() if s.kind != "tree" and s.part in (None, "model"))
+"""The registry's strategies the pair runs: target only, the draft model, prompt lookup, both (none, model,
+lookup, lookup+model): the 0.5B is the pair's one draft network."""
 SPECDEC_TARGET, LLAMACPP_TARGET = "specdec-target", "llamacpp-target"
 ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "GGML_", "LLAMA_")   # inherited variables that can change llama.cpp
 
@@ -119,15 +115,6 @@ class Config:
     output: str | None
 
 
-def _strategy_list(text: str) -> list[str]:
-    """argparse type: ``"none,lookup"`` -> ``["none", "lookup"]`` (each one of ``STRATEGIES``)."""
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in names if s not in STRATEGIES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"strategies must be among {', '.join(STRATEGIES)}, got {text!r}")
-    return list(dict.fromkeys(names))
-
-
 def _env_pair(text: str) -> tuple[str, str]:
     """argparse type: ``"KEY=VALUE"`` -> ``("KEY", "VALUE")``."""
     key, sep, value = text.partition("=")
@@ -146,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch threads and llama.cpp -t/-tb (default: the CPUs this process may use)")
     p.add_argument("--ks", type=int_list, default=[4], help="draft lengths, comma-separated")
-    p.add_argument("--strategies", type=_strategy_list, default=list(STRATEGIES),
+    p.add_argument("--strategies", type=name_list(STRATEGIES), default=list(STRATEGIES),
                    help=f"specdec strategies, comma-separated, of {', '.join(STRATEGIES)} "
                         "(none = no speculative system; specdec-target always runs)")
     p.add_argument("--model", default=TARGET, help="target: a named model, a .gguf file or a checkpoint directory")
@@ -219,25 +206,18 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
     (loaded only if a strategy needs it) serves every system that drafts with it."""
     systems = {SPECDEC_TARGET: OurSystem(SPECDEC_TARGET, "none", None, target.generate)}
     draft = None
-    if any(s in ("model", "lookup+model") for s in cfg.strategies):
+    if any(REGISTRY[s].part == "model" for s in cfg.strategies):
         log(f"loading the draft {cfg.draft_model} ...")
-        draft = DraftModel.from_pretrained(cfg.draft_model, target)
+        draft = REGISTRY["model"].build(target, cfg.draft_model)
     for strategy in cfg.strategies:
         if strategy == "none":
             continue
         for k in cfg.ks:
-            gen = SpeculativeGenerator(make_proposer(strategy, target, draft), target, k)
+            part = draft if REGISTRY[strategy].part == "model" else None
+            gen = SpeculativeGenerator(REGISTRY[strategy].build(target, part=part), target, k)
             name = f"specdec-{strategy}-k{k}"
             systems[name] = OurSystem(name, strategy, k, gen.generate, lambda gen=gen: gen.last_stats)
     return systems
-
-
-def make_proposer(strategy: str, target: DecoderModel, draft: DraftModel | None) -> object:
-    """The proposer of a strategy: the draft model, a ``PromptLookup``, or a ``LookupOrDraft`` of both."""
-    if strategy == "lookup":
-        return PromptLookup(target)
-    assert draft is not None
-    return draft if strategy == "model" else LookupOrDraft(PromptLookup(target), draft)
 
 
 def llama_systems(cfg: Config) -> dict[str, LlamaSystem]:

@@ -18,7 +18,7 @@ start = time.perf_counter()
 reference = target.generate(ids, max_new_tokens=48)                # target-only greedy
 target_s = time.perf_counter() - start
 
-draft = shipped("draft", target)           # your own: DraftModel.from_pretrained("my-draft/", target)
+draft = shipped("model", target)           # your own: DraftModel.from_pretrained("my-draft/", target)
 gen = SpeculativeGenerator(draft, target, k=4)
 start = time.perf_counter()
 out = gen.generate(ids, max_new_tokens=48)

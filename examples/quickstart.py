@@ -16,7 +16,7 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 
 # The shipped draft: 2 layers and a reduced output vocabulary, trained for this model
 # (shipped("eagle", model) and shipped("medusa", model) plug in the same way).
-draft = shipped("draft", model)
+draft = shipped("model", model)
 gen = SpeculativeGenerator(draft, model, k=4)
 spec = gen.generate(ids, max_new_tokens=64)
 assert torch.equal(spec, out), "greedy speculation must reproduce target-only output"

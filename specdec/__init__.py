@@ -18,10 +18,10 @@ from .lookup.branch import LookupBranch
 from .lookup.combined import LookupOrDraft
 from .lookup.proposer import PromptLookup
 from .medusa.draft import MedusaDraft
-from .proposer import Proposal, Proposer
+from .proposer import BaseProposer, Proposal, Proposer
 from .shipped import shipped
 
-__all__ = ["AdaptiveK", "CostGate", "DecoderModel", "DraftModel", "DynamicTree", "EagleDraft", "EagleTreeDraft",
-           "Engine", "LookupBranch", "LookupOrDraft", "MedusaDraft", "PromptLookup", "Proposal", "Proposer",
-           "SamplingConfig", "SpecStats", "SpeculativeGenerator", "shipped"]
+__all__ = ["AdaptiveK", "BaseProposer", "CostGate", "DecoderModel", "DraftModel", "DynamicTree", "EagleDraft",
+           "EagleTreeDraft", "Engine", "LookupBranch", "LookupOrDraft", "MedusaDraft", "PromptLookup", "Proposal",
+           "Proposer", "SamplingConfig", "SpecStats", "SpeculativeGenerator", "shipped"]
 __version__ = "0.1.0"

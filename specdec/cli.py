@@ -15,15 +15,8 @@ from pathlib import Path
 import torch
 
 from .core.graphs import BACKENDS
+from .registry import REGISTRY
 
-STRATEGIES = ("none", "model", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "medusa", "lookup", "lookup+model",
-              "lookup+eagle", "lookup+eagle-tree", "lookup+eagle3", "lookup+eagle3-tree")
-SHIPPED_KIND = {"model": "draft", "eagle": "eagle", "eagle-tree": "eagle-tree", "eagle3": "eagle3",
-                "eagle3-tree": "eagle3-tree", "medusa": "medusa"}   # --draft -> shipped()
-DEFAULT_K = {"model": 4, "eagle": 5, "eagle3": 5, "lookup": 4, "lookup+model": 4, "lookup+eagle": 5,
-             "lookup+eagle3": 5}   # trees: their depth
-LOOKUP_AND = "lookup+"     # --draft lookup+X: prompt lookup where an n-gram matches, X elsewhere (LookupOrDraft);
-                           # lookup+eagle-tree: the lookup continuation grafted onto each tree (LookupBranch)
 EMBEDDED_NAME = "smollm2-135m-instruct"
 # OpenMP wait policy for `generate` when the user sets none. libgomp's default lets idle threads spin at
 # every barrier; when another process holds one of the cores, every parallel region waits for the thread
@@ -210,7 +203,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "int8 CPU kernel) or int4 in groups of 32 (PyTorch's int4 CPU kernel), the LM head int8 "
                         "under both; gguf (a GGUF model: the embedded one, the Qwen2.5-Coder pair): the file's own "
                         "Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 blocks, LM head included, exactly, on specdec's "
-                        "block_mm CPU kernel (f32 activations)")
+                        "block_mm CPU kernel (8-bit activations, as llama.cpp)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3"],
                    help="8-bit KV cache with an f32 scale per (slot, KV head), dequantized when read "
                         "(default: the --amp dtype); drafts use it too")
@@ -223,7 +216,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--draft", default="none", choices=STRATEGIES,
+    s.add_argument("--draft", default="none", choices=list(REGISTRY),
                    help="none = target only (default); model = a draft model, eagle = an EAGLE head "
                         "(chains), eagle-tree = an EAGLE head drafting EAGLE-2 dynamic trees, eagle3 / eagle3-tree = "
                         "the same with the shipped EAGLE-3 head, medusa = Medusa "
@@ -319,46 +312,57 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
     check_speculation_arguments(args)
 
 
+def _or(names: list[str]) -> str:
+    """``["a", "b", "c"]`` → ``"a, b or c"``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _strategies(test) -> list[str]:
+    """The registry's names whose ``Strategy`` passes ``test``, in registry order."""
+    return [name for name, s in REGISTRY.items() if test(s)]
+
+
 def check_speculation_arguments(args: argparse.Namespace) -> None:
     """--draft / --draft-path / --draft-model / --k / --tree combinations, checked before any model loads
-    (``--draft-model X`` becomes ``--draft model --draft-path X``, or the model part of ``--draft lookup+model``)."""
-    from .shipped import TREE_KINDS
+    against the strategy registry (``specdec.registry``); ``--draft-model X`` becomes ``--draft model
+    --draft-path X``, or the model part of ``--draft lookup+model``."""
     if getattr(args, "draft_model", None) is not None:
         if args.draft_path is not None:
             raise CLIError("give --draft-model or --draft-path, not both")
-        if args.draft not in ("none", "model", "lookup+model"):
-            raise CLIError(f"--draft-model is a draft model: use it alone, or with --draft model or lookup+model "
+        takes = _strategies(lambda s: s.part == "model")
+        if args.draft not in ("none", *takes):
+            raise CLIError(f"--draft-model is a draft model: use it alone, or with --draft {_or(takes)} "
                            f"(not {args.draft})")
         args.draft = "model" if args.draft == "none" else args.draft
         args.draft_path = args.draft_model
-    d = args.draft
-    if d == "none" and args.k is not None:
-        raise CLIError("--k needs --draft (model, eagle, medusa, lookup, lookup+model or lookup+eagle)")
-    if getattr(args, "adaptive_k", False) and (d.removeprefix(LOOKUP_AND) in ("none", "medusa", *TREE_KINDS)
-                                                 or getattr(args, "fused", False)):
-        raise CLIError("--adaptive-k needs an unfused chain --draft (model, eagle, lookup, lookup+model, lookup+eagle)")
-    if getattr(args, "gate", False) and (d == "none" or getattr(args, "fused", False)):
+    s = REGISTRY[args.draft]
+    loaders = _strategies(lambda s: s.part == s.name)    # the strategies that load a draft network
+    if not s.speculative and args.k is not None:
+        raise CLIError(f"--k needs --draft ({_or(_strategies(lambda s: s.speculative))})")
+    if getattr(args, "adaptive_k", False) and (not s.adaptive or getattr(args, "fused", False)):
+        raise CLIError(f"--adaptive-k needs an unfused chain --draft ({', '.join(_strategies(lambda s: s.adaptive))})")
+    if getattr(args, "gate", False) and (not s.gate or getattr(args, "fused", False)):
         raise CLIError("--gate needs a --draft and runs unfused (not with --fused)")
-    d = d.removeprefix(LOOKUP_AND)         # the model part of lookup+X
-    if args.draft_path is not None and d not in SHIPPED_KIND:
-        raise CLIError("--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa "
-                       f"(or lookup+model, lookup+eagle; not {d})")
-    if args.draft_path is not None and d != "model" and _is_named(args.draft_path):
+    if args.draft_path is not None and s.part is None:
+        raise CLIError(f"--draft-path needs --draft {_or(loaders)} (or lookup+ them; not {args.draft})")
+    if args.draft_path is not None and s.part != "model" and _is_named(args.draft_path):
         raise CLIError(f"--draft-path {args.draft_path} (a named model) is a draft model: use it with --draft model "
                        "or lookup+model")
-    if args.draft_quantization is not None and d in ("none", "lookup", "medusa"):
-        raise CLIError("--draft-quantization is for --draft model, eagle, eagle-tree, eagle3 or eagle3-tree (and "
-                       "lookup+ them); Medusa heads follow --quantization")
-    if args.tree is not None and d not in ("medusa", *TREE_KINDS):
-        raise CLIError("--tree is for --draft medusa, eagle-tree or eagle3-tree")
-    if args.tree is not None and d in TREE_KINDS:
+    if args.draft_quantization is not None and not s.quantizable:
+        own = [name for name in loaders if REGISTRY[name].quantizable]
+        raise CLIError(f"--draft-quantization is for --draft {_or(own)} (and lookup+ them); Medusa heads follow "
+                       "--quantization")
+    if args.tree is not None and s.tree is None:
+        trees = sorted((name for name in loaders if REGISTRY[name].tree), key=lambda n: REGISTRY[n].tree != "static")
+        raise CLIError(f"--tree is for --draft {_or(trees)} (and lookup+ them)")
+    if args.tree is not None and s.tree == "dynamic":
         from .eagle.tree import DynamicTree
         try:
             DynamicTree.parse(args.tree)
         except ValueError as e:
             raise CLIError(f"--tree: {e}") from None
-    if d in SHIPPED_KIND and args.draft_path is None and not is_embedded(args.model):
-        raise CLIError(f"--draft {d} without --draft-path uses the shipped weights, trained for the embedded "
+    if s.part is not None and args.draft_path is None and not is_embedded(args.model):
+        raise CLIError(f"--draft {args.draft} without --draft-path uses the shipped weights, trained for the embedded "
                        f"model ({EMBEDDED_NAME}); for --model {args.model} give --draft-path DIR (a checkpoint "
                        "trained for it)")
 
@@ -377,39 +381,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def make_proposer(args: argparse.Namespace, target):
-    """The proposer --draft / --draft-path / --tree ask for (None for --draft none)."""
-    from . import (
-        DraftModel,
-        DynamicTree,
-        EagleDraft,
-        EagleTreeDraft,
-        LookupBranch,
-        LookupOrDraft,
-        MedusaDraft,
-        PromptLookup,
-        shipped,
-    )
-    from .shipped import TREE_KINDS
-    d = args.draft
-    if d == "none":
-        return None
-    if d == "lookup":
-        return PromptLookup(target)
-    if d.startswith(LOOKUP_AND):
-        model = make_proposer(argparse.Namespace(**{**vars(args), "draft": d.removeprefix(LOOKUP_AND)}), target)
-        if d.removeprefix(LOOKUP_AND) in TREE_KINDS:
-            return LookupBranch(PromptLookup(target), model, model.depth)
-        return LookupOrDraft(PromptLookup(target), model)
-    kw = {"tree": args.tree} if d == "medusa" else {}
-    if d in TREE_KINDS and args.tree is not None:
-        kw = {"tree": DynamicTree.parse(args.tree)}
+    """The proposer --draft / --draft-path / --tree / --draft-quantization ask for (None for --draft none),
+    built by the strategy registry."""
+    options = {} if args.tree is None else {"tree": args.tree}
     if args.draft_quantization is not None:
-        kw["quantization"] = args.draft_quantization
-    if args.draft_path is None:
-        return shipped(SHIPPED_KIND[d], target, **kw)
-    cls = {"model": DraftModel, "eagle": EagleDraft, "eagle-tree": EagleTreeDraft, "eagle3": EagleDraft,
-           "eagle3-tree": EagleTreeDraft, "medusa": MedusaDraft}[d]
-    return cls.from_pretrained(args.draft_path, target, **kw)
+        options["quantization"] = args.draft_quantization
+    return REGISTRY[args.draft].build(target, args.draft_path, **options)
+
+
+def default_k(args: argparse.Namespace) -> int | None:
+    """--k, else the strategy's default (None for a tree: its depth)."""
+    return REGISTRY[args.draft].default_k if args.k is None else args.k
 
 
 def prompt_ids_of(args: argparse.Namespace, target) -> list[int]:
@@ -427,15 +409,17 @@ def prompt_ids_of(args: argparse.Namespace, target) -> list[int]:
 def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, progress: bool = True,
                single_row: bool = False, penalty: bool = False) -> None:
     """Build the graphs a request needs before it runs (and is timed): the target's context, decode
-    and verify graphs and a draft network's. For the compiling backends (compiled: graphs cached on disk).
+    and verify graphs and a draft network's (``gen.proposer``'s, as declared; ``proposer`` is the one
+    ``gen`` was built with, None for target only). For the compiling backends (compiled: graphs cached on disk).
     ``single_row``: also the context graphs of requests joining a running batch (serving).
     ``penalty``: the target's graphs apply a repetition penalty (drafts never do). Adaptive k verifies
     2 .. k + 1 tokens; ``LookupOrDraft``'s draft model re-reads up to k + 1 tokens after lookup steps."""
-    from . import DecoderModel, EagleDraft, EagleTreeDraft, LookupBranch, LookupOrDraft
+    from . import DecoderModel, EagleDraft, EagleTreeDraft, LookupOrDraft
     from .fused import FusedSpeculator
+    proposer = None if gen is None else gen.proposer     # declared (specdec.proposer): its abilities are attributes
     width = 1
-    if gen is not None:    # tree proposers say how many tokens a step verifies; a chain verifies k + 1
-        width = getattr(proposer, "verify_size", None) or gen.k + 1
+    if proposer is not None:    # tree proposers say how many tokens a step verifies; a chain verifies k + 1
+        width = proposer.verify_size or gen.k + 1
     # the last verify step may write up to width - 1 positions past the budget
     max_length = min(target.n_positions, prompt_length + max_new_tokens + width - 1)
     sampled = target.settings.sampling.do_sample
@@ -452,12 +436,13 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
     verify = (width,) if gen is not None and not fused else ()
     if gen is not None and gen.speculator.adaptive is not None:
         verify = tuple(range(2, width + 1))
-    combined = isinstance(proposer, LookupOrDraft)
-    if isinstance(proposer, (LookupOrDraft, LookupBranch)):    # the model proposer's graphs
-        proposer = proposer.draft
+    tree = proposer is not None and proposer.depth is not None     # verify compacts up to depth accepted slots
     todo = [(target, [replace(k, penalty=penalty) for k in keys(target, verify, False)],
-             (proposer.depth,) if getattr(proposer, "verify_size", None) else ())]
-    draft = getattr(proposer, "model", None)
+             (proposer.depth,) if tree else ())]
+    combined = isinstance(proposer, LookupOrDraft)
+    if proposer is not None and proposer.draft is not None:    # a combination: its model proposer's graphs
+        proposer = proposer.draft
+    draft = None if proposer is None else proposer.model
     if isinstance(proposer, EagleTreeDraft):   # greedy re-read and tree expansion steps
         todo.append((draft, proposer.draft_graph_keys(prompt_length, max_length, single_row), ()))
     elif fused:   # the draft's context graphs; its steps run inside the fused graphs, built below
@@ -497,8 +482,8 @@ def generate_on_rank(args: argparse.Namespace) -> int:
     proposer = make_proposer(args, target)
     gen = None
     if proposer is not None:
-        k = DEFAULT_K.get(args.draft) if args.k is None else args.k
-        gen = SpeculativeGenerator(proposer, target, k, fused=args.fused, adaptive=args.adaptive_k, gate=args.gate)
+        gen = SpeculativeGenerator(proposer, target, default_k(args), fused=args.fused, adaptive=args.adaptive_k,
+                                   gate=args.gate)
     if args.backend != "eager":
         if rank0:
             print("compiling the graphs this request needs"

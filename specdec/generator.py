@@ -22,13 +22,18 @@ from .core.stats import SpecStats
 from .draft.proposer import DraftModel
 from .fused.speculator import FusedSpeculator
 from .gate import CostGate, GateMeter
-from .proposer import Proposer
+from .proposer import Proposer, declared
 from .speculative import Speculator
+
+SAME_OBJECT = ("the draft is the target object itself: a draft keeps its own KV cache, so load the draft checkpoint "
+               "as a separate DecoderModel (DraftModel.from_pretrained(path, target))")
 
 
 class SpeculativeGenerator:
     """Speculative decoding of ``target`` with ``draft`` proposing ``k`` tokens per step.
 
+    ``proposer`` is ``draft`` as a declared proposer (``specdec.proposer.declared``: itself, a ``DraftModel``
+    around a ``DecoderModel``, or a ``PlainProposer`` around an object that implements only the protocol).
     ``engine`` (``specdec.core.engine.Engine``) runs the requests: ``generate`` / ``sample`` for a
     batch, or ``engine.add`` / ``engine.step`` / ``engine.release`` for rows joining and leaving a
     running batch. ``stats`` accumulates over calls; ``last_stats`` holds the latest call's numbers.
@@ -49,11 +54,12 @@ class SpeculativeGenerator:
 
     def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int | None = None, *,
                  fused: bool = False, adaptive: bool | AdaptiveK = False, gate: bool | CostGate = False):
-        if draft is target or getattr(draft, "model", None) is target:
-            raise ValueError("the draft is the target object itself: a draft keeps its own KV cache, so load the "
-                             "draft checkpoint as a separate DecoderModel (DraftModel.from_pretrained(path, target))")
-        proposer = DraftModel(draft) if isinstance(draft, DecoderModel) else draft
-        depth = getattr(proposer, "depth", None)      # tree proposers: k is the tree's depth
+        if draft is target:
+            raise ValueError(SAME_OBJECT)
+        proposer = declared(DraftModel(draft) if isinstance(draft, DecoderModel) else draft)
+        if proposer.model is target:
+            raise ValueError(SAME_OBJECT)
+        depth = proposer.depth      # tree proposers: k is the tree's depth
         if depth is not None:
             if k is not None and k != depth:
                 name = type(proposer).__name__.removesuffix("Draft")
@@ -66,9 +72,7 @@ class SpeculativeGenerator:
         self.gate_meter = _gate_meter(gate, fused)
         self.speculator = FusedSpeculator(proposer, target, k) if fused else \
             Speculator(proposer, target, k, policy, self.gate_meter)
-        check = getattr(proposer, "check_target", None)
-        if check is not None:
-            check(target)
+        proposer.check_target(target)
         self.proposer, self.target, self.k = proposer, target, k
         self.engine = Engine(target, self.speculator)
 

@@ -16,13 +16,25 @@ order, the token sampled after each prompt and the hidden state of every prompt 
 the per-row ``RowGenerators`` every random draw must come from. ``verified`` (``Verified``) holds the
 accepted count, the emitted tokens and the target's verify outputs, which EAGLE / Medusa read.
 
-A proposal is a chain or a tree (``Proposal``). ``verifier`` (optional attribute) is the verifier the
-proposals are checked with: ``ChainVerifier()`` unless the proposer says otherwise.
+A proposal is a chain or a tree (``Proposal``).
+
+Optional abilities are DECLARED, never discovered: ``BaseProposer`` gives every one a default (a plain
+chain proposer that has none of them) and a proposer class lists the ones it has in ``abilities``
+(``ABILITIES`` says what each means). Speculation reads the attributes directly; a feature that needs an
+ability a proposer lacks raises ``MissingAbility``, which names it. ``declared`` checks a proposer once,
+when speculation is set up: an object that implements only the four methods (not a ``BaseProposer``) is
+wrapped as ``PlainProposer`` (no optional abilities); one that carries an ability's attribute without
+declaring it is refused by name, so nothing it has is silently ignored.
+Invariants (``tests/test_registry.py`` checks them for every proposer class): "depth" declared ⇔
+``depth`` is an int, and likewise ``verifier`` / ``verify_size`` / ``model`` / ``draft`` / ``fused_drafter``
+not None; "pending" is declared only with "depth" (a dynamic tree proposer), "fused_drafter" only with
+"model" (the fused graph sizes the draft's cache from it).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -69,6 +81,8 @@ class Verified:
 
 @runtime_checkable
 class Proposer(Protocol):
+    """The four methods (and two sizes) every proposer has; the optional abilities: ``BaseProposer``."""
+
     vocab_size: int
     batch_size: int
 
@@ -83,3 +97,102 @@ class Proposer(Protocol):
     def max_draft_tokens(self, length: int) -> int:
         """The largest k a step may ask for when the longest row has ``length`` tokens."""
         ...
+
+
+class Verifier(Protocol):
+    """Runs the target over a proposal and applies the shared acceptance rules (``specdec.verify``)."""
+
+    def verify(self, target, proposal: Proposal, tail: torch.Tensor, lengths: torch.Tensor, params: torch.Tensor,
+               rng: RowGenerators) -> Verified: ...
+
+
+REQUIRED = ("start", "propose", "accepted", "max_draft_tokens")
+ABILITIES = {
+    "depth": "a tree proposer: its tree's depth, which is the generator's k",
+    "verifier": "the verifier its proposals are checked with (a tree's TreeVerifier); default ChainVerifier()",
+    "verify_size": "tokens one verify step feeds the target (a tree's nodes + the root); default k + 1",
+    "check_target": "check_target(target) refuses a target it cannot propose for (device, tokenizer, sizes)",
+    "fused_drafter": "fused_drafter(key): its k draft steps as one module inside the fused step's graph, as "
+                     "DraftModel and EagleDraft have",
+    "reread_width": "reread_width(k): positions its first draft step re-reads (a fused graph's width); default 0",
+    "model": "the draft network whose graphs it runs (a DecoderModel / EagleModel)",
+    "draft": "a combination's model proposer (the one behind prompt lookup)",
+    "pending": "its step's per-row trees, which a wrapper may replace before accepted() (LookupBranch grafts)",
+}
+"""Every optional ability a proposer may declare, and what it means."""
+
+
+class BaseProposer:
+    """The base of every proposer class: each optional ability with its default (none of them), and the
+    ``abilities`` the class declares. Subclasses set ``vocab_size`` / ``batch_size`` and implement the
+    four methods of ``Proposer``; for each ability they have, they set the attribute (or define the
+    method) and list its name in ``abilities``."""
+
+    abilities: ClassVar[frozenset[str]] = frozenset()
+    vocab_size: int
+    batch_size: int
+    depth: int | None = None
+    verifier: Verifier | None = None
+    verify_size: int | None = None
+    fused_drafter: Callable[[Any], torch.nn.Module] | None = None
+    model: Any = None
+    draft: BaseProposer | None = None
+    pending: RowTrees | None = None
+
+    def check_target(self, target) -> None:
+        """Nothing to check (a proposer declaring "check_target" raises ValueError for a target it cannot serve)."""
+
+    def reread_width(self, k: int) -> int:
+        """No re-read (a proposer declaring "reread_width" says how many positions its first step re-reads)."""
+        return 0
+
+    def require(self, ability: str, feature: str, hint: str = "") -> None:
+        """MissingAbility (naming ``ability``) unless this proposer declares it; ``feature``: what needs it."""
+        if ability not in self.abilities:
+            raise MissingAbility(feature, ability, self, hint)
+
+
+class MissingAbility(ValueError):
+    """A feature needs an optional proposer ability that the proposer does not declare; names it."""
+
+    def __init__(self, feature: str, ability: str, proposer: object, hint: str = ""):
+        name = type(proposer.inner if isinstance(proposer, PlainProposer) else proposer).__name__
+        super().__init__(f"{feature} (the proposer ability {ability!r}: {ABILITIES[ability]}); {name} does not "
+                         f"declare it{hint}")
+        self.ability = ability
+
+
+class PlainProposer(BaseProposer):
+    """A proposer object that is not a ``BaseProposer`` (it implements ``Proposer``'s methods only), seen
+    as a plain chain proposer with no optional ability; ``inner`` is the object."""
+
+    def __init__(self, inner: Proposer):
+        self.inner = inner
+        self.start, self.propose, self.accepted = inner.start, inner.propose, inner.accepted
+        self.max_draft_tokens = inner.max_draft_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def batch_size(self) -> int:
+        return self.inner.batch_size
+
+
+def declared(proposer: object) -> BaseProposer:
+    """``proposer`` with its abilities declared, checked once when speculation is set up: itself if it is
+    a ``BaseProposer``, else wrapped as ``PlainProposer``. TypeError naming a missing method of
+    ``Proposer``, or an optional ability an object that is not a ``BaseProposer`` carries undeclared."""
+    for name in REQUIRED:
+        if not callable(getattr(proposer, name, None)):
+            raise TypeError(f"draft must be a DecoderModel or a proposer (specdec.proposer.Proposer: "
+                            f"{', '.join(REQUIRED)}); {type(proposer).__name__} has no {name}() "
+                            "(wrap a DecoderModel as DraftModel(model))")
+    if isinstance(proposer, BaseProposer):
+        return proposer
+    undeclared = [name for name in ABILITIES if hasattr(proposer, name)]
+    if undeclared:
+        raise TypeError(f"{type(proposer).__name__} has {', '.join(undeclared)}: optional proposer abilities "
+                        "must be declared; subclass specdec.BaseProposer and list them in its abilities")
+    return PlainProposer(proposer)

@@ -31,12 +31,15 @@ from .core.engine import StepResult
 from .core.sampling import RowGenerators
 from .core.stats import SpecStats
 from .gate import GateMeter
-from .proposer import Proposer, Verified
+from .proposer import Proposer, Verified, declared
 from .verify import ChainVerifier
 
 
 class Speculator:
     """A proposer, the verifier of its proposals and k, bound to ``target`` (``Engine``'s speculator).
+
+    ``proposer``: any ``Proposer``, checked once here (``specdec.proposer.declared``); ``self.proposer`` is
+    the declared one (a ``BaseProposer``), whose optional abilities the step reads as plain attributes.
 
     ``adaptive``: an ``AdaptiveK`` policy (chain proposers): per-row k within its bounds, ``row_k`` [B].
     ``gate``: a ``GateMeter`` choosing between speculative and plain steps (``specdec.gate``)."""
@@ -48,10 +51,7 @@ class Speculator:
         if k + 1 > target.kv_buckets[-1] or k + 1 > target.n_positions - 1:
             raise ValueError(f"k={k} is too large: a verify step needs k+1={k + 1} slots but the target's "
                              f"largest KV bucket is {target.kv_buckets[-1]} (n_positions={target.n_positions})")
-        for name in ("start", "propose", "accepted", "max_draft_tokens"):
-            if not callable(getattr(proposer, name, None)):
-                raise TypeError(f"draft must be a DecoderModel or a proposer (specdec.proposer.Proposer: start, "
-                                f"propose, accepted, max_draft_tokens); {type(proposer).__name__} has no {name}()")
+        proposer = declared(proposer)
         if proposer.batch_size != target.batch_size:
             raise ValueError(f"draft batch_size={proposer.batch_size} != target batch_size={target.batch_size}: "
                              "compile both for the same batch size")
@@ -59,7 +59,7 @@ class Speculator:
             raise ValueError(f"draft vocab_size={proposer.vocab_size} != target vocab_size={target.vocab_size}: "
                              "draft and target must share the tokenizer")
         self.proposer, self.target, self.k = proposer, target, k
-        self.verifier = getattr(proposer, "verifier", None) or ChainVerifier()
+        self.verifier = proposer.verifier or ChainVerifier()
         self.adaptive, self.gate = adaptive, gate
         if adaptive is not None:
             self.row_k = torch.full((target.batch_size,), adaptive.bounds(k)[1], dtype=torch.long)

@@ -190,10 +190,10 @@ def test_bench_spec_builds_adaptive_and_lookup_plus_model_systems(checkpoint, mo
                                                                    "--ks", "2,3"]), target)
     assert list(systems) == ["specdec-lookup-adaptive-k2", "specdec-lookup-adaptive-k3"] and module is None
     assert systems["specdec-lookup-adaptive-k3"].make().speculator.adaptive == AdaptiveK()
-    systems, module = bench.speculative_systems(parser.parse_args(["--strategy", "lookup+draft", "--ks", "4"]), target)
-    gen = systems["specdec-lookup+draft-k4"].make()
+    systems, module = bench.speculative_systems(parser.parse_args(["--strategy", "lookup+model", "--ks", "4"]), target)
+    gen = systems["specdec-lookup+model-k4"].make()
     assert isinstance(gen.proposer, LookupOrDraft) and gen.proposer.draft is draft and gen.speculator.adaptive is None
     assert module is draft.module
-    for argv in (["--strategy", "medusa", "--adaptive"], ["--strategy", "draft", "--adaptive", "--fused", "on"]):
+    for argv in (["--strategy", "medusa", "--adaptive"], ["--strategy", "model", "--adaptive", "--fused", "on"]):
         with pytest.raises(ValueError, match="--adaptive applies to chain strategies"):
             bench.speculative_systems(parser.parse_args(argv), target)

@@ -188,10 +188,10 @@ def test_precompile_builds_every_graph_the_request_uses(checkpoint, eagle_models
     target = DecoderModel.from_pretrained(args.model, n_positions=256, amp="f32", backend="eager", progress=False,
                                           sampling=SamplingConfig(do_sample=temperature > 0, temperature=temperature))
     proposer = cli.make_proposer(args, target)
-    gen = None if proposer is None else SpeculativeGenerator(proposer, target, cli.DEFAULT_K.get(draft))
+    gen = None if proposer is None else SpeculativeGenerator(proposer, target, cli.default_k(args))
     cli.precompile(target, proposer, gen, len(SMALL), 117, progress=False)
     inner = proposer.draft if isinstance(proposer, LookupBranch) else proposer
-    models = [m for m in (target, getattr(inner, "model", None)) if isinstance(m, DecoderModel)]
+    models = [m for m in (target, inner and inner.model) if isinstance(m, DecoderModel)]
     built = [set(m._graphs) for m in models]
     (gen or target).generate([SMALL], max_new_tokens=117, eos_token_id=[], seed=0)
     for m, before in zip(models, built):

@@ -32,8 +32,8 @@ from specdec.experiments import (  # noqa: E402
 from conftest import load, prompt_ids  # noqa: E402
 
 COUNT_FIELDS = ["steps", "drafted", "accepted", "emitted", "accepted_per_position", "accepted_histogram"]
-CONFIGS = [Config("target", 0, 0.0), Config("draft", 2, 0.0), Config("lookup", 3, 0.0),
-           Config("target", 0, 0.8), Config("draft", 3, 0.8), Config("lookup", 2, 0.8)]
+CONFIGS = [Config("none", 0, 0.0), Config("model", 2, 0.0), Config("lookup", 3, 0.0),
+           Config("none", 0, 0.8), Config("model", 3, 0.8), Config("lookup", 2, 0.8)]
 PROMPTS = [Prompt(f"p{i}", "abc"[i % 2], ids=prompt_ids(6 + 3 * i, seed=40 + i)) for i in range(3)]
 NEW = 12
 
@@ -47,7 +47,7 @@ def models(checkpoint):
     def get(batch_size: int):
         if batch_size not in cache:
             target = load(checkpoint("llama"), batch_size=batch_size, amp="f32")
-            cache[batch_size] = target, {"draft": lambda t, k: DraftModel.from_pretrained(draft_path, t)}
+            cache[batch_size] = target, {"model": lambda t, k: DraftModel.from_pretrained(draft_path, t)}
         return cache[batch_size]
     return get
 
@@ -98,14 +98,14 @@ def test_frame_equals_the_runs_specstats(models, recorded, single_thread):
         assert row["new_tokens"] == NEW == len(row["output_ids"])
         assert row["emitted"] == NEW - 1            # the first token comes from the context encoding
         assert row["batch_size"] == 1
-    target_rows = df[df["strategy"] == "target"]
+    target_rows = df[df["strategy"] == "none"]
     assert (target_rows["drafted"] == 0).all() and (target_rows["tau"] == 1.0).all()
-    assert (df[df["strategy"] != "target"]["drafted"] > 0).all()
+    assert (df[df["strategy"] != "none"]["drafted"] > 0).all()
     # greedy: every strategy emits the target's tokens; sampled rows use their prompt's seed
     greedy = df[df["temperature"] == 0].groupby("prompt_id")["output_ids"].apply(lambda s: {tuple(x) for x in s})
     assert (greedy.map(len) == 1).all()
     target, _ = models(1)
-    row = df[(df["config"] == Config("target", 0, 0.8).key) & (df["prompt_id"] == "p1")].iloc[0]
+    row = df[(df["config"] == Config("none", 0, 0.8).key) & (df["prompt_id"] == "p1")].iloc[0]
     out = target.generate([list(PROMPTS[1].ids)], max_new_tokens=NEW, eos_token_id=[], do_sample=True,
                           temperature=0.8, top_k=0, top_p=1.0, seed=[row_seed(7, "p1")])
     assert out[0, len(PROMPTS[1].ids):].tolist() == row["output_ids"]
@@ -140,7 +140,7 @@ def test_batched_rows_add_up_and_match_single_rows(models, recorded, single_thre
         assert r["steps"] == g["steps"].sum() and r["accepted"] == g["accepted"].sum()
         assert r["tau"] == pytest.approx(1 + g["accepted"].sum() / g["steps"].sum())
         assert r["total_s"] == pytest.approx(g.drop_duplicates("batch_id")["total_s"].sum())
-    assert (s[s["strategy"] == "target"]["speedup"] == 1.0).all()
+    assert (s[s["strategy"] == "none"]["speedup"] == 1.0).all()
 
 
 def test_resume_skips_finished_work(models, tmp_path, single_thread):
@@ -173,7 +173,7 @@ def test_an_interrupted_sweep_resumes(models, tmp_path, single_thread):
         run(models, batch_size=2, output=out, on_batch=interrupt)
     assert len(load_results(out)) == 2                    # the first batch (2 prompts) is in the file
     with open(out, "a") as f:
-        f.write('{"strategy": "draft", "k": 2, "tempera')   # and a torn line, as if killed mid-write
+        f.write('{"strategy": "model", "k": 2, "tempera')   # and a torn line, as if killed mid-write
     ran = []
     resumed = run(models, batch_size=2, output=out, on_batch=ran.append)
     assert sum(len(b) for b in ran) == len(CONFIGS) * len(PROMPTS) - 2
@@ -214,7 +214,7 @@ def test_plots_write_png_files(models, tmp_path, single_thread):
         assert isinstance(fig, Figure) and fig.axes
     for k in ("best", "all", 2):
         assert plots.tau_by_category(df, k=k).axes
-    only_target = df[df["strategy"] == "target"]       # nothing drafted: still figures, no errors
+    only_target = df[df["strategy"] == "none"]       # nothing drafted: still figures, no errors
     for path in plots.save_all(only_target, tmp_path / "target").values():
         assert path.stat().st_size > 0
 
@@ -237,15 +237,18 @@ def test_to_frame(monkeypatch):
 
 
 def test_configs_grid_and_prompts():
-    configs = grid(["target", "draft", "medusa"], ks=[2, 4], temperatures=[0, 0.7])
-    assert [c.key for c in configs] == ["target|0|0.0", "draft|2|0.0", "draft|4|0.0", "medusa|2|0.0",
-                                        "target|0|0.7", "draft|2|0.7", "draft|4|0.7", "medusa|2|0.7"]
-    assert Config("target").k == 0 and Config("eagle", 3, 1).temperature == 1.0
-    for bad in (dict(strategy="target", k=2), dict(strategy="eagle", k=0), dict(strategy="eagle", k=2, temperature=-1)):
+    configs = grid(["none", "model", "medusa"], ks=[2, 4], temperatures=[0, 0.7])
+    assert [c.key for c in configs] == ["none|0|0.0", "model|2|0.0", "model|4|0.0", "medusa|2|0.0",
+                                        "none|0|0.7", "model|2|0.7", "model|4|0.7", "medusa|2|0.7"]
+    assert Config("none").k == 0 and Config("eagle", 3, 1).temperature == 1.0
+    for bad in (dict(strategy="none", k=2), dict(strategy="eagle", k=0), dict(strategy="eagle", k=2, temperature=-1)):
         with pytest.raises(ValueError):
             Config(**bad)
     with pytest.raises(ValueError, match="unknown strategy"):
         grid(["nope"], [1])
+    for old, new in (("target", "none"), ("draft", "model")):     # the earlier sweep names: refused by the new one
+        with pytest.raises(ValueError, match=f"strategy '{old}' is called '{new}' now"):
+            grid([old], [1])
     mt = mt_bench_prompts(8)
     assert len({p.category for p in mt}) == 8 and all(p.text for p in mt)
     assert [p.category for p in mt_bench_prompts(3, categories=["math"])] == ["math"] * 3
@@ -259,4 +262,4 @@ def test_sweep_rejects_bad_input(models):
     with pytest.raises(ValueError, match="unique"):
         sweep(target, CONFIGS[:1], [("a", None, [5, 6]), ("a", None, [7, 8])], progress=False)
     with pytest.raises(ValueError, match="k .*required"):
-        sweep(target, [Config("draft")], PROMPTS, strategies=strategies, progress=False)
+        sweep(target, [Config("model")], PROMPTS, strategies=strategies, progress=False)

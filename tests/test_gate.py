@@ -176,16 +176,16 @@ def test_bench_spec_and_cli_gate(checkpoint, monkeypatch):
     target = load(checkpoint("llama"), batch_size=1)
     draft = DraftModel(load(checkpoint("llama-draft"), batch_size=1))
     monkeypatch.setattr(specdec, "shipped", lambda kind, target: draft)
-    systems, _ = bench.speculative_systems(parser.parse_args(["--strategy", "lookup,draft", "--gate", "on",
+    systems, _ = bench.speculative_systems(parser.parse_args(["--strategy", "lookup,model", "--gate", "on",
                                                               "--ks", "3"]), target)
-    assert list(systems) == ["specdec-lookup-k3-gate", "specdec-draft-k3-gate"]
+    assert list(systems) == ["specdec-lookup-k3-gate", "specdec-model-k3-gate"]
     assert all(s.make().gate_meter.gate == CostGate() for s in systems.values())
     systems, _ = bench.speculative_systems(parser.parse_args(["--strategy", "lookup", "--gate", "both", "--ks", "3"]),
                                            target)
     assert list(systems) == ["specdec-lookup-k3", "specdec-lookup-k3-gate"]
     assert systems["specdec-lookup-k3"].make().gate_meter is None
     with pytest.raises(ValueError, match="--gate runs unfused"):
-        bench.speculative_systems(parser.parse_args(["--strategy", "draft", "--gate", "on", "--fused", "on"]), target)
+        bench.speculative_systems(parser.parse_args(["--strategy", "model", "--gate", "on", "--fused", "on"]), target)
     for argv in (dict(draft="none"), dict(draft="model", fused=True)):
         args = argparse.Namespace(k=None, adaptive_k=False, tree=None, draft_path=None, draft_quantization=None,
                                   gate=True, **{"fused": False, **argv})

@@ -11,11 +11,11 @@ ROOT = Path(specdec.__file__).parent
 LAYERS = [  # lowest first: module-name prefixes (relative to the package)
     ("runtime", ["core"]),
     ("speculation", ["acceptance", "adaptive", "gate", "tree", "proposer", "verify", "speculative", "fused"]),
-    ("strategies", ["draft", "eagle", "medusa", "lookup"]),
-    ("api", ["generator", "shipped", "__init__"]),
+    ("strategies", ["draft", "eagle", "medusa", "lookup", "suffix"]),
+    ("api", ["generator", "registry", "shipped", "__init__"]),
     ("tools", ["train", "plan", "bench", "cli", "experiments", "serving"]),
 ]
-STRATEGIES = {"draft", "eagle", "medusa", "lookup"}
+STRATEGIES = {"draft", "eagle", "medusa", "lookup", "suffix"}
 
 
 def layer_of(module: str) -> int:

@@ -155,7 +155,7 @@ def test_shipped_smollm2_draft_is_exact():
     # decode graph and the (k+1)-token verify graph, which is rounding, not a speculation bug
     kw = dict(n_positions=256, amp="f32", backend="eager", progress=False)
     target = DecoderModel.from_pretrained(None, **kw)
-    draft = shipped("draft", target).model
+    draft = shipped("model", target).model
     assert draft.config.output_vocab_size and draft.config.num_layers < target.config.num_layers
     assert (draft.config.bytes_read_per_token(torch.bfloat16)
             <= 0.15 * target.config.bytes_read_per_token(torch.bfloat16))

@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
+from ..registry import REGISTRY, name_list
 from . import runtime
 from .prompts import add_prompt_arguments, int_list, load_prompts, resolve_prompts
 from .runtime import machine_info
@@ -33,8 +34,9 @@ from .runtime import machine_info
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prompt_arguments(parser, num_prompts=16)
-    parser.add_argument("--strategies", default="none,model",
-                        help="comma list: none (target only), model, eagle, medusa, lookup (shipped proposers)")
+    parser.add_argument("--strategies", default=["none", "model"], type=name_list(),
+                        help="comma list of strategy names (specdec.registry): none (target only), model, eagle, "
+                             "medusa, lookup, ... (the shipped proposers)")
     parser.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16], help="concurrent clients")
     parser.add_argument("--batch-size", type=int, default=4, help="rows of the static batch")
     parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per request (EOS ignored)")
@@ -102,21 +104,20 @@ async def run_load(base: str, prompts: list[list[int]], concurrency: int, args: 
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ..cli import DEFAULT_K
     from ..serving.app import create_app
     from ..serving.server import load_engine, running_server, serving_engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    strategies = [s for s in args.strategies.split(",") if s]
+    strategies = args.strategies
     texts = load_prompts(resolve_prompts(args.prompts), args.num_prompts)
     result = {"benchmark": "serving", "machine": machine_info(), "threads": torch.get_num_threads(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func",)}, "runs": {}}
     for strategy in strategies:
         ns = argparse.Namespace(model=None, amp=args.amp, quantization=args.quantization, backend=args.backend,
                                 batch_size=args.batch_size, n_positions=args.n_positions, draft=strategy,
-                                draft_path=None, k=DEFAULT_K.get(strategy), tree=None, tp_degree=1,
-                                max_waiting=max(args.concurrency) + 1)
+                                draft_path=None, draft_quantization=None, k=REGISTRY[strategy].default_k,
+                                tree=None, tp_degree=1, max_waiting=max(args.concurrency) + 1)
         start = time.perf_counter()
         engine = serving_engine(load_engine(ns, progress=True), ns)
         build_s = time.perf_counter() - start

@@ -3,8 +3,9 @@
 In one process run, for each temperature (greedy and 0.7) and each k:
   specdec-target      ``DecoderModel.generate`` (target only)
   specdec-{s}-k{k}    ``SpeculativeGenerator(shipped(s, target), target, k).generate`` with the shipped
-                      ``--strategy`` s: ``draft`` (the vanilla draft model) or ``eagle`` (the EAGLE head);
-                      ``--strategy`` takes a comma list, every strategy's systems run in the same process
+                      ``--strategy`` s (a name of ``specdec.registry``): ``model`` (the vanilla draft model) or
+                      ``eagle`` (the EAGLE head); ``--strategy`` takes a comma list, every strategy's systems
+                      run in the same process
   specdec-{s}-fused-k{k}  the same with ``fused=True`` (one graph per step; ``--fused on`` or ``both``)
   specdec-eagle3[-tree]-...    ``--strategy eagle3`` / ``eagle3-tree`` (and ``lookup+`` them): the same with the
                       shipped EAGLE-3 head (``--eagle DIR``: another EAGLE head for the eagle strategies)
@@ -14,7 +15,7 @@ In one process run, for each temperature (greedy and 0.7) and each k:
                       schedule; unfused, chain strategies)
   specdec-...-gate    ``--gate on|both``: the speculative systems with ``gate=True`` (a step speculates only
                       while speculative steps emit tokens faster than plain ones; unfused)
-  specdec-lookup+{m}-k{k}  ``--strategy lookup+draft`` / ``lookup+eagle``: ``LookupOrDraft`` (prompt lookup
+  specdec-lookup+{m}-k{k}  ``--strategy lookup+model`` / ``lookup+eagle``: ``LookupOrDraft`` (prompt lookup
                       where an n-gram of 2 tokens matches, the shipped draft model / EAGLE head elsewhere)
   specdec-lookup+eagle-tree-{DxKxN}  the same trees with the prompt-lookup continuation (as long as the
                       depth) grafted on (``LookupBranch``)
@@ -32,7 +33,7 @@ JSON (stdout) and a markdown table (stderr), and per system the time per step sp
 and outside them (host work: bucket choice, random draws, input preparation, acceptance bookkeeping,
 emission), summed over all calls; the target-only run's graph time per step is one decode step.
 
-    python bench/bench_speculative.py [--strategy draft|eagle] [--num-prompts 10] [--ks 2,4,6] [--batch-size 1]
+    python bench/bench_speculative.py [--strategy model|eagle] [--num-prompts 10] [--ks 2,4,6] [--batch-size 1]
     python bench/bench_speculative.py --strategy medusa [--trees chain_4,mc_sim_7b_63,shipped]
     python bench/bench_speculative.py --strategy eagle-tree [--dynamic-trees 3x8x8,4x8x16]
 
@@ -55,29 +56,23 @@ from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
 from ..core.config import module_bytes
-from ..shipped import TREE_KINDS
+from ..eagle.proposer import EagleDraft
+from ..eagle.smollm2 import embedded_eagle_path
+from ..eagle.tree import DynamicTree
+from ..medusa.draft import MedusaDraft
+from ..registry import REGISTRY, name_list
 from . import runtime
 from .prompts import add_prompt_arguments, int_list, load_records, resolve_prompts
 
-STRATEGIES = ("draft", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "medusa", "lookup", "lookup+draft",
-              "lookup+eagle", "lookup+eagle-tree", "lookup+eagle3", "lookup+eagle3-tree")
-
-
-def strategy_list(text: str) -> list[str]:
-    """argparse type: ``"eagle,eagle-tree"`` → ``["eagle", "eagle-tree"]`` (each one of ``STRATEGIES``)."""
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in names if t not in STRATEGIES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(bad) or text!r}; "
-                                         f"choose from {', '.join(STRATEGIES)}")
-    return names
+SPECULATIVE = tuple(name for name, s in REGISTRY.items() if s.speculative)
+"""The registry's strategies a ``--strategy`` may name (target-only runs in every benchmark)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prompt_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--strategy", default="draft", type=strategy_list,
-                        help=f"comma list of {', '.join(STRATEGIES)}: the shipped vanilla draft model, EAGLE head "
+    parser.add_argument("--strategy", default=["model"], type=name_list(SPECULATIVE),
+                        help=f"comma list of {', '.join(SPECULATIVE)}: the shipped vanilla draft model, EAGLE head "
                              "(chains, or EAGLE-2 dynamic trees) or Medusa heads, prompt lookup (no weights), prompt "
                              "lookup where an n-gram matches and the draft model / EAGLE head elsewhere, or "
                              "EAGLE-2 trees with the prompt-lookup continuation grafted on (lookup+eagle-tree)")
@@ -277,10 +272,9 @@ def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, Sys
     """``{name: System}`` for every ``--strategy`` and the first one's drafting module (for its
     weight-read cost). The shipped proposers take the target's runtime settings (batch size, buckets,
     amp, backend)."""
-    if args.adaptive and ({s.removeprefix("lookup+") for s in args.strategy} & {"medusa", *TREE_KINDS}
-                          or args.fused != "off"):
-        raise ValueError("--adaptive applies to chain strategies (draft, eagle, lookup, lookup+draft, lookup+eagle) "
-                         "with --fused off")
+    if args.adaptive and (not all(REGISTRY[s].adaptive for s in args.strategy) or args.fused != "off"):
+        raise ValueError(f"--adaptive applies to chain strategies "
+                         f"({', '.join(n for n, s in REGISTRY.items() if s.adaptive)}) with --fused off")
     if args.gate != "off" and args.fused != "off":
         raise ValueError("--gate runs unfused (a fused step's graph always drafts): use --fused off")
     systems, modules = {}, []
@@ -292,71 +286,55 @@ def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, Sys
     return systems, next((m for m in modules if m is not None), None)
 
 
-def strategy_model(kind: str, args: argparse.Namespace, target, **kwargs):
-    """The shipped ``kind`` model (``specdec.shipped.SHIPPED``), or for EAGLE kinds the ``--eagle`` one."""
-    from .. import EagleDraft, EagleTreeDraft, shipped
-    from ..eagle.smollm2 import embedded_eagle_path
+def strategy_model(name: str, args: argparse.Namespace, target, **options):
+    """The draft network's proposer of strategy ``name`` (a model-backed one): the shipped weights
+    (``specdec.shipped``), or ``--eagle DIR`` for the EAGLE strategies, ``--heads DIR`` for Medusa;
+    ``--draft-quantization``; ``options``: ``tree=`` for trees."""
+    from .. import shipped
+    cls, path = REGISTRY[name].proposer, None
+    if args.eagle is not None and issubclass(cls, EagleDraft):
+        path = embedded_eagle_path(args.eagle)
+    elif args.heads and issubclass(cls, MedusaDraft):
+        path = args.heads
     if args.draft_quantization is not None:
-        kwargs["quantization"] = args.draft_quantization
-    if args.eagle is None or kind == "draft":
-        return shipped(kind, target, **kwargs)
-    cls = EagleTreeDraft if kind in TREE_KINDS else EagleDraft
-    return cls.from_pretrained(embedded_eagle_path(args.eagle), target, **kwargs)
-
-
-def strategy_systems(strategy: str, args: argparse.Namespace, target,
-                     gate: bool = False) -> tuple[dict[str, System], torch.nn.Module]:
-    """One strategy's systems (named ``specdec-{strategy}-...``; ``gate``: gated generators) and its drafting
-    module."""
-    from .. import DynamicTree, LookupBranch, LookupOrDraft, MedusaDraft, PromptLookup, SpeculativeGenerator, shipped
-    generator = partial(SpeculativeGenerator, gate=gate)
-    spec = f"specdec-{strategy}"
-    adaptive = "-adaptive" if args.adaptive else ""
-    if strategy == "medusa":
-        if args.draft_quantization is not None:
+        if not REGISTRY[name].quantizable:
             raise ValueError("--draft-quantization applies to the draft model and EAGLE heads; Medusa heads follow "
                              "the target's --quantization")
+        options["quantization"] = args.draft_quantization
+    return shipped(name, target, **options) if path is None else REGISTRY[name].build(target, path, **options)
 
-        def medusa(t):
-            tree = None if t == "shipped" else t
-            if args.heads:
-                return MedusaDraft.from_pretrained(args.heads, target, tree=tree)
-            return shipped("medusa", target, tree=tree)
-        drafts = {t: medusa(t) for t in args.trees.split(",")}
-        systems = {f"{spec}-{Path(t).stem}": System(d.depth, d.tree.verify_size,
-                                                    lambda d=d: generator(d, target, None))
-                   for t, d in drafts.items()}
-        return systems, next(iter(drafts.values())).module
-    if strategy.removeprefix("lookup+") in TREE_KINDS:     # the lookup branch: as deep as the tree
-        drafts = {shape: strategy_model(strategy.removeprefix("lookup+"), args, target, tree=DynamicTree.parse(shape))
-                  for shape in args.dynamic_trees.split(",")}
-        branch = strategy.startswith("lookup+")
 
-        def make(d):
-            return generator(LookupBranch(PromptLookup(target), d, d.depth) if branch else d, target)
-        return {f"{spec}-{shape}": System(d.depth, d.tree.num_nodes + 1 + (d.depth if branch else 0),
-                                          lambda d=d: make(d))
-                for shape, d in drafts.items()}, next(iter(drafts.values())).module
-    if strategy == "lookup":   # prompt lookup: no drafting module, nothing to read
-        return {f"{spec}{adaptive}-k{k}": System(k, k + 1, lambda k=k: generator(
-            PromptLookup(target), target, k, adaptive=args.adaptive)) for k in args.ks}, None
-    if strategy.startswith("lookup+"):   # fresh lookup state per generator, one shipped model
-        model = strategy_model(strategy.removeprefix("lookup+"), args, target)
-        return {f"{spec}{adaptive}-k{k}": System(k, k + 1, lambda k=k: generator(
-            LookupOrDraft(PromptLookup(target), model), target, k, adaptive=args.adaptive))
-            for k in args.ks}, model.module
-    draft = strategy_model(strategy, args, target)   # "draft", "eagle" or "eagle3"
-    modes = SIDES[args.fused]
+def strategy_systems(name: str, args: argparse.Namespace, target,
+                     gate: bool = False) -> tuple[dict[str, System], torch.nn.Module | None]:
+    """One strategy's systems (named ``specdec-{name}-...``; ``gate``: gated generators) and its drafting
+    module. Trees: one system per tree (``--trees`` for static trees, ``--dynamic-trees`` for EAGLE-2 shapes;
+    k = the depth); chains: one per k of ``--ks`` (and ``--fused`` where the strategy fuses). One draft
+    network serves all of a strategy's systems; each generator gets a fresh combination around it."""
+    from .. import SpeculativeGenerator
+    s = REGISTRY[name]
+    generator = partial(SpeculativeGenerator, gate=gate)
+    spec = f"specdec-{name}"
+    if s.kind == "tree":
+        shapes = args.trees.split(",") if s.tree == "static" else args.dynamic_trees.split(",")
+        parts = {shape: strategy_model(s.part, args, target, tree=None if shape == "shipped" else
+                                       DynamicTree.parse(shape) if s.tree == "dynamic" else shape)
+                 for shape in shapes}
+        return {f"{spec}-{Path(shape).stem}": System(d.depth, s.build(target, part=d).verify_size,
+                                                     lambda d=d: generator(s.build(target, part=d), target, None))
+                for shape, d in parts.items()}, next(iter(parts.values())).module
+    part = None if s.part is None else strategy_model(s.part, args, target)
+    adaptive = "-adaptive" if args.adaptive else ""
+    modes = SIDES[args.fused] if s.fused else [False]
     return {f"{spec}{'-fused' if fused else ''}{adaptive}-k{k}":
-            System(k, k + 1, lambda k=k, fused=fused: generator(draft, target, k, fused=fused,
-                                                                           adaptive=args.adaptive))
-            for k in args.ks for fused in modes}, draft.module
+            System(k, k + 1, lambda k=k, fused=fused: generator(s.build(target, part=part), target, k, fused=fused,
+                                                                adaptive=args.adaptive))
+            for k in args.ks for fused in modes}, None if part is None else part.module
 
 
 def drafting_model(proposer):
-    """The draft network whose graphs ``proposer`` runs (through a prompt-lookup combination:
-    ``LookupBranch`` / ``LookupOrDraft`` hold it in ``draft``); None for prompt lookup alone."""
-    return getattr(getattr(proposer, "draft", proposer), "model", None)
+    """The draft network whose graphs ``proposer`` (a declared proposer: ``gen.proposer``) runs, through a
+    prompt-lookup combination (its ``draft``); None for prompt lookup alone."""
+    return (proposer.draft or proposer).model
 
 
 class GraphClock:

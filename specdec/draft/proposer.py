@@ -25,12 +25,15 @@ from ..core.decoder import DecoderModel
 from ..core.paths import gguf_source
 from ..core.sampling import any_sampled
 from ..fused.step import FusedKey
-from ..proposer import Proposal
+from ..proposer import BaseProposer, Proposal
 from .fused import DraftLoop
 
 
-class DraftModel:
-    """A small ``DecoderModel`` proposing for a target with the same tokenizer (a ``Proposer``)."""
+class DraftModel(BaseProposer):
+    """A small ``DecoderModel`` proposing for a target with the same tokenizer (a ``Proposer``): a chain
+    proposer running the graphs of ``model``, which fuses (``fused_drafter``)."""
+
+    abilities = frozenset({"check_target", "fused_drafter", "model"})
 
     def __init__(self, model: DecoderModel):
         if getattr(model.lm, "feature_size", None):
@@ -45,11 +48,11 @@ class DraftModel:
     def from_pretrained(cls, path: str | Path | None, target: DecoderModel, **overrides) -> DraftModel:
         """Load a draft checkpoint with the target's runtime settings (batch size, ``n_positions``,
         ``amp``, buckets, sampling config, backend, device, ``tp_degree``; the head layout is chosen for the
-        draft's own heads) unless ``overrides`` (any
+        draft's own heads, and it returns no EAGLE-3 feature layers) unless ``overrides`` (any
         ``DecoderModel.from_pretrained`` argument) say otherwise. A target's ``quantization="gguf"``
         applies to a GGUF draft; a checkpoint-directory draft then stays in ``amp``."""
         settings = {**asdict(target.settings), "sampling": target.settings.sampling, "gqa_strategy": None,
-                    **overrides}
+                    "feature_layers": (), **overrides}     # (an EAGLE-3 head's target layers: not the draft's)
         if settings["backend"] != "compiled" and "autotune" not in overrides:
             settings["autotune"] = False         # tunes the compiled backend only
         if settings["quantization"] == "gguf" and gguf_source(path) is None:

@@ -3,7 +3,7 @@
 The package ships only the draft's own tensors (``specdec/draft/weights/smollm2-135m-instruct/``:
 decoder layers + final norm in bf16, the reduced vocabulary's ``output_token_ids``, config.json);
 the input embedding and the LM head rows come from the target. ``embedded_draft_path()`` assembles a
-full checkpoint directory once, in ``$SPECDEC_CACHE/drafts/``, and ``specdec.shipped("draft", target)`` loads it.
+full checkpoint directory once, in ``$SPECDEC_CACHE/drafts/``, and ``specdec.shipped("model", target)`` loads it.
 
 Reproduce the shipped weights with ``specdec train-draft`` (see ``specdec.train.cli``).
 """

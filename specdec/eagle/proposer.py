@@ -32,13 +32,16 @@ import torch
 from ..core.decoder import DecoderModel, StepOutput
 from ..core.sampling import RowGenerators, any_sampled
 from ..fused.step import FusedKey
-from ..proposer import Proposal
+from ..proposer import BaseProposer, Proposal
 from .draft import EagleModel
 from .fused import EagleLoop
 
 
-class EagleDraft:
-    """EAGLE chain drafting (a ``specdec.proposer.Proposer``) with the draft network ``model``."""
+class EagleDraft(BaseProposer):
+    """EAGLE chain drafting (a ``specdec.proposer.Proposer``) with the draft network ``model``; it fuses
+    (``fused_drafter``, re-reading ``reread_width(k)`` positions first)."""
+
+    abilities = frozenset({"check_target", "fused_drafter", "reread_width", "model"})
 
     def __init__(self, model: EagleModel):
         self.model = model

@@ -79,7 +79,10 @@ class DynamicTree:
 
 
 class EagleTreeDraft(EagleDraft):
-    """EAGLE drafting with dynamic trees (a tree ``specdec.proposer.Proposer``; k = ``tree.depth``)."""
+    """EAGLE drafting with dynamic trees (a tree ``specdec.proposer.Proposer``; k = ``tree.depth``); its
+    step's trees wait in ``pending`` for ``accepted`` (``LookupBranch`` replaces them); not fused."""
+
+    abilities = frozenset({"depth", "verifier", "verify_size", "check_target", "reread_width", "model", "pending"})
 
     def __init__(self, model: EagleModel, tree: DynamicTree = DynamicTree()):
         super().__init__(model)

@@ -7,7 +7,7 @@ matplotlib).
     from specdec.experiments import plots
 
     target = DecoderModel.from_pretrained(None, n_positions=512, backend="eager")
-    df = sweep(target, grid(["target", "eagle", "lookup"], ks=[2, 4], temperatures=[0, 0.7]),
+    df = sweep(target, grid(["none", "eagle", "lookup"], ks=[2, 4], temperatures=[0, 0.7]),
                mt_bench_prompts(8), max_new_tokens=64, output="sweep.jsonl")   # resumable
     summarize(df)                        # one row per configuration
     plots.tau_and_speed(df).savefig("tau.png")

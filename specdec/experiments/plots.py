@@ -39,7 +39,7 @@ def _colors(strategies) -> dict[str, str]:
 
 
 def _drafting(summary):
-    return summary[summary["strategy"] != "target"]
+    return summary[summary["strategy"] != "none"]
 
 
 def _empty(ax, text: str = "no speculative configurations") -> None:
@@ -85,7 +85,7 @@ def tau_and_speed(df):
     styles = {t: LINESTYLES[j % len(LINESTYLES)] for j, t in enumerate(temps)}
     has_target = False
     for t in temps:
-        base = s[(s["strategy"] == "target") & (s["temperature"] == t)]
+        base = s[(s["strategy"] == "none") & (s["temperature"] == t)]
         if not base.empty:
             has_target = True
             ax_speed.axhline(base["tokens_per_s"].iloc[0], color="grey", linestyle=styles[t])
@@ -140,7 +140,7 @@ def accepted_histogram(df):
 def tau_by_category(df, k: int | str = "best"):
     """τ per prompt category, one panel per temperature, bars per strategy. ``k``: "best" (each
     strategy at the k with the highest overall τ at that temperature), "all" (every k), or an int."""
-    pd_df = df[df["strategy"] != "target"]
+    pd_df = df[df["strategy"] != "none"]
     temps = sorted(pd_df["temperature"].unique()) or [0.0]
     fig, axes = _figure(1, len(temps), 6.0, 3.6)
     if pd_df.empty:

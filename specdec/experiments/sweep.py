@@ -4,7 +4,7 @@
     from specdec.experiments import grid, mt_bench_prompts, sweep
 
     target = DecoderModel.from_pretrained(None, n_positions=512, backend="eager")
-    configs = grid(["target", "draft", "eagle", "medusa", "lookup"], ks=[2, 4], temperatures=[0.0, 0.7])
+    configs = grid(["none", "model", "eagle", "medusa", "lookup"], ks=[2, 4], temperatures=[0.0, 0.7])
     df = sweep(target, configs, mt_bench_prompts(8), max_new_tokens=64, output="sweep.jsonl")
 
 Runs: each configuration (``Config(strategy, k, temperature)``) runs its prompts in batches of the
@@ -45,6 +45,7 @@ from ..core.chat import chat_ids
 from ..core.decoder import DecoderModel
 from ..core.engine import Engine
 from ..core.stats import SpecStats, _as_long
+from ..registry import REGISTRY, RENAMED
 
 __all__ = ["Config", "Prompt", "Strategy", "STRATEGIES", "grid", "mt_bench_prompts", "sweep", "summarize",
            "frame", "load_results", "row_seed"]
@@ -71,10 +72,12 @@ def _pandas():
 class Config:
     """One configuration of a sweep.
 
-    strategy: a name of ``STRATEGIES`` ("target", "draft", "eagle", "medusa", "lookup") or of the
-      ``strategies`` passed to ``sweep``;
-    k: draft tokens per step (chains); Medusa: the depth the shipped tree is cut to (None: the whole
-      tree); "target": always 0 (target-only decoding);
+    strategy: a name of the strategy registry (``specdec.registry``: "none", "model", "eagle", "medusa",
+      "lookup", ...) or of the ``strategies`` passed to ``sweep`` (``grid`` / ``sweep`` refuse a name of
+      neither, naming the new name of a renamed one: "target" → "none", "draft" → "model");
+    k: draft tokens per step (chains); trees: their depth (Medusa: the shipped tree cut to it; EAGLE-2:
+      the default dynamic tree at that depth; None: the whole default tree); "none": always 0
+      (target-only decoding);
     temperature: 0 = greedy, else sampling at that temperature (top-k off, ``sweep``'s top_p).
     """
 
@@ -86,9 +89,9 @@ class Config:
         if not isinstance(self.strategy, str) or not self.strategy:
             raise ValueError(f"strategy must be a name, got {self.strategy!r}")
         k = self.k
-        if self.strategy == "target":
+        if self.strategy == "none":
             if k not in (None, 0):
-                raise ValueError(f"strategy 'target' drafts nothing: k must be None or 0, got {k!r}")
+                raise ValueError(f"strategy 'none' drafts nothing: k must be None or 0, got {k!r}")
             k = 0
         elif k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"k must be a positive int (draft tokens per step), got {k!r}")
@@ -105,7 +108,7 @@ class Config:
 
     @property
     def label(self) -> str:
-        k = "" if self.strategy == "target" else f" k={self.k}"
+        k = "" if self.strategy == "none" else f" k={self.k}"
         return f"{self.strategy}{k} T={self.temperature:g}"
 
 
@@ -126,46 +129,20 @@ class Strategy:
         return self.max_k() if callable(self.max_k) else self.max_k
 
 
-def _shipped(kind: str) -> Callable[[DecoderModel, int | None], Any]:
-    def build(target: DecoderModel, k: int | None):
-        from ..shipped import shipped
-        return shipped(kind, target)
-    return build
+def _from_registry(name: str) -> Strategy:
+    """A registry strategy as a sweep builds it: the shipped weights; a tree per k (its depth)."""
+    found = REGISTRY[name]
+    if not found.speculative:
+        return Strategy(None)
+    if found.kind == "tree":
+        return Strategy(lambda target, k: found.build(target, depth=k), per_k=True, max_k=found.max_depth)
+    return Strategy(lambda target, k: found.build(target))
 
 
-def _shipped_medusa_depth() -> int:
-    from ..medusa.heads import load_medusa_config
-    from ..medusa.smollm2 import SHIPPED_MEDUSA
-    tree = load_medusa_config(SHIPPED_MEDUSA).tree
-    return tree.depth if tree is not None else 1
-
-
-def _medusa(target: DecoderModel, k: int | None):
-    """The shipped Medusa heads with the shipped tree cut to depth k (None: the whole tree)."""
-    from ..medusa.draft import MedusaDraft
-    from ..shipped import shipped
-    full = shipped("medusa", target)
-    if k is None or k == full.depth:
-        return full
-    if k > full.depth:
-        raise ValueError(f"k={k}: the shipped Medusa tree has depth {full.depth} (k is the depth it is cut to)")
-    return MedusaDraft(full.heads, full.tree.truncated(k), target)
-
-
-def _lookup(target: DecoderModel, k: int | None):
-    from ..lookup.proposer import PromptLookup
-    return PromptLookup(target)
-
-
-STRATEGIES: dict[str, Strategy] = {
-    "target": Strategy(None),
-    "draft": Strategy(_shipped("draft")),
-    "eagle": Strategy(_shipped("eagle")),
-    "medusa": Strategy(_medusa, per_k=True, max_k=_shipped_medusa_depth),
-    "lookup": Strategy(_lookup),
-}
-"""The built-in strategies: target-only, and the shipped strategies of the embedded model (shipped draft
-model, EAGLE head, Medusa heads) plus prompt lookup (any target)."""
+STRATEGIES: dict[str, Strategy] = {name: _from_registry(name) for name in REGISTRY}
+"""Every strategy of the registry (``specdec.registry``) by its name: "none" (target-only), the shipped
+strategies of the embedded model (draft model, EAGLE heads, Medusa heads, as chains or trees), prompt lookup
+(any target) and their combinations."""
 
 
 def _registry(strategies: Mapping[str, Strategy | Callable] | None) -> dict[str, Strategy]:
@@ -175,9 +152,15 @@ def _registry(strategies: Mapping[str, Strategy | Callable] | None) -> dict[str,
     return reg
 
 
+def _unknown(name: str, reg: Mapping[str, Strategy]) -> str:
+    if name in RENAMED:
+        return f"strategy {name!r} is called {RENAMED[name]!r} now"
+    return f"unknown strategy {name!r}; choose one of {', '.join(reg)}"
+
+
 def grid(strategies: Iterable[str], ks: Iterable[int], temperatures: Iterable[float] = (0.0,), *,
          registry: Mapping[str, Strategy | Callable] | None = None) -> list[Config]:
-    """Every strategy × k × temperature, temperature outermost. "target" gets one configuration per
+    """Every strategy × k × temperature, temperature outermost. "none" gets one configuration per
     temperature (k = 0); a strategy with a ``max_k`` (Medusa: the shipped tree's depth) skips larger k."""
     reg = _registry(registry)
     ks = list(ks)
@@ -185,9 +168,9 @@ def grid(strategies: Iterable[str], ks: Iterable[int], temperatures: Iterable[fl
     for t in temperatures:
         for name in strategies:
             if name not in reg:
-                raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(reg)}")
-            if name == "target":
-                configs.append(Config("target", 0, t))
+                raise ValueError(_unknown(name, reg))
+            if name == "none":
+                configs.append(Config("none", 0, t))
                 continue
             limit = reg[name].k_limit()
             configs += [Config(name, k, t) for k in ks if limit is None or k <= limit]
@@ -406,7 +389,7 @@ def summarize(df):
         out.append(row)
     s = pd.DataFrame(out)
     if len(s):
-        base = s[s["strategy"] == "target"].set_index("temperature")["tokens_per_s"]
+        base = s[s["strategy"] == "none"].set_index("temperature")["tokens_per_s"]
         base = base[~base.index.duplicated()]
         s["speedup"] = [r.tokens_per_s / base[r.temperature] if r.temperature in base.index and base[r.temperature]
                         else math.nan for r in s.itertuples()]
@@ -465,7 +448,7 @@ def sweep(target: DecoderModel, configs: Iterable[Config], prompts: Iterable, *,
     reg = _registry(strategies)
     for c in configs:
         if c.strategy not in reg:
-            raise ValueError(f"unknown strategy {c.strategy!r}; choose one of {', '.join(reg)}")
+            raise ValueError(_unknown(c.strategy, reg))
         if reg[c.strategy].build is not None and c.k is None and not reg[c.strategy].per_k:
             raise ValueError(f"{c.label}: k (draft tokens per step) is required for a chain strategy")
     ids = [list(p.ids) if p.ids is not None else chat_ids(target.tokenizer, p.text) for p in prompts]

@@ -19,9 +19,10 @@ Graphs are built per ``FusedKey`` (k, KV buckets, greedy / sampling, top filter,
 width) on the target's backend (``eager``; ``compiled``: ``torch.compile`` fullgraph, static shapes;
 ``xla``: one ``torch_xla.compile`` full-graph program; not ``neuron`` yet)
 and kept as long as the proposer lives (``_GRAPHS``), so every speculator over the same proposer and
-target reuses them, as a ``DecoderModel`` keeps its own graphs. Chain proposers qualify by providing
-``fused_drafter(key)`` (``DraftModel``, ``EagleDraft``); tree proposers (Medusa) and prompt lookup run
-unfused.
+target reuses them, as a ``DecoderModel`` keeps its own graphs. Chain proposers qualify by declaring
+the ability ``fused_drafter(key)`` (``DraftModel``, ``EagleDraft``; ``specdec.proposer``), with ``model``
+(the draft network: its KV buckets) and ``reread_width(k)``; tree proposers (Medusa) and prompt lookup run
+unfused (``MissingAbility`` names "fused_drafter").
 """
 from __future__ import annotations
 
@@ -52,15 +53,15 @@ class FusedSpeculator(Speculator):
 
     def __init__(self, proposer: Proposer, target: DecoderModel, k: int):
         super().__init__(proposer, target, k)
-        if not callable(getattr(proposer, "fused_drafter", None)):
-            raise ValueError(f"fused speculation needs a chain proposer whose draft loop runs inside the graph "
-                             f"(DraftModel, EagleDraft); {type(proposer).__name__} has none: use fused=False")
+        self.proposer.require("fused_drafter", "fused speculation needs a chain proposer whose draft loop runs "
+                              "inside the graph", ": use fused=False")
+        self.proposer.require("model", "fused speculation sizes the draft's KV buckets from its network")
         if target.tp.size > 1:
             raise ValueError(f"fused speculation runs at tp_degree=1 (got {target.tp.size}): use fused=False")
         if target.settings.backend == "neuron":
             raise ValueError("fused speculation is not wired into the neuron backend's program yet (the fused graph "
                              "would hold its own copy of the weights and KV caches): use fused=False on neuron")
-        self.graphs: dict[FusedKey, tuple[FusedStep, object]] = _GRAPHS.setdefault(proposer, {})
+        self.graphs: dict[FusedKey, tuple[FusedStep, object]] = _GRAPHS.setdefault(self.proposer, {})
         self.compile_seconds: dict[str, float] = {}
         self._chain: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -72,7 +73,7 @@ class FusedSpeculator(Speculator):
         """The graph for k drafts when the longest active row has ``longest`` tokens."""
         target, draft = self.target, self.proposer.model
         sampled = any_sampled(params)
-        width = self.proposer.reread_width(k) if hasattr(self.proposer, "reread_width") else 0
+        width = self.proposer.reread_width(k)
         return FusedKey(k, pick_bucket(target.kv_buckets, longest + k, "KV length"),
                         pick_bucket(draft.kv_buckets, longest + k, "draft KV length"), sampled,
                         sampled and needs_filter(params, target.settings.sampling.global_topk),

@@ -20,20 +20,21 @@ from __future__ import annotations
 
 import torch
 
-from ..proposer import Proposal, Proposer, Verified
+from ..proposer import BaseProposer, Proposal, Proposer, Verified, declared
 from ..tree import row_trees
 from .proposer import PromptLookup
 
 
-class LookupBranch:
-    """``draft`` (a tree proposer keeping its step's trees in ``pending``, as ``EagleTreeDraft``) with a
-    ``length``-token prompt-lookup branch (``lookup``: a ``PromptLookup`` for the same target); the
-    arguments in ``LookupOrDraft``'s order."""
+class LookupBranch(BaseProposer):
+    """``draft`` (a tree proposer declaring "pending": it keeps its step's trees there, as ``EagleTreeDraft``)
+    with a ``length``-token prompt-lookup branch (``lookup``: a ``PromptLookup`` for the same target); the
+    arguments in ``LookupOrDraft``'s order. Itself a tree proposer of ``draft``'s depth and verifier."""
+
+    abilities = frozenset({"depth", "verifier", "verify_size", "check_target", "draft"})
 
     def __init__(self, lookup: PromptLookup, draft: Proposer, length: int = 4):
-        if getattr(draft, "depth", None) is None or not hasattr(draft, "pending"):
-            raise ValueError(f"LookupBranch grafts onto a dynamic tree proposer (EagleTreeDraft); "
-                             f"{type(draft).__name__} proposes no per-step tree")
+        draft = declared(draft)
+        draft.require("pending", "LookupBranch grafts onto a dynamic tree proposer (EagleTreeDraft)")  # (and depth)
         if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= draft.depth:
             raise ValueError(f"length must be an int in [1, {draft.depth}] (the tree's depth), got {length!r}")
         if lookup.batch_size != draft.batch_size:
@@ -45,7 +46,7 @@ class LookupBranch:
     @property
     def num_nodes(self) -> int:
         """Nodes verified per step (root excluded): the tree's and the lookup branch's."""
-        return self.draft.tree.num_nodes + self.length
+        return self.draft.verify_size - 1 + self.length
 
     @property
     def verify_size(self) -> int:

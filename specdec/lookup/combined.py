@@ -22,23 +22,23 @@ from __future__ import annotations
 
 import torch
 
-from ..proposer import Proposal, Proposer, Verified
+from ..proposer import BaseProposer, Proposal, Proposer, Verified, declared
 from .proposer import PromptLookup
 
 
-class LookupOrDraft:
+class LookupOrDraft(BaseProposer):
     """Per row, ``lookup``'s proposal when it continues an n-gram of at least ``min_match`` tokens, else
-    ``draft``'s (a chain ``specdec.proposer.Proposer``); itself a ``Proposer``. ``from_lookup`` [B] bool:
-    which rows the last proposal took from the lookup."""
+    ``draft``'s (a chain ``specdec.proposer.Proposer``, declared: ``specdec.proposer.declared``); itself a
+    chain ``Proposer``. ``from_lookup`` [B] bool: which rows the last proposal took from the lookup."""
+
+    abilities = frozenset({"check_target", "draft"})
 
     def __init__(self, lookup: PromptLookup, draft: Proposer, min_match: int = 2):
-        if not all(callable(getattr(draft, m, None)) for m in ("start", "propose", "accepted", "max_draft_tokens")):
-            raise TypeError(f"draft must be a proposer (DraftModel, EagleDraft, ...), got {type(draft).__name__}: "
-                            "wrap a DecoderModel as DraftModel(model)")
+        draft = declared(draft)
         if not lookup.min_ngram <= min_match <= lookup.max_ngram:
             raise ValueError(f"min_match={min_match} must lie in the lookup's n-gram range "
                              f"[min_ngram={lookup.min_ngram}, max_ngram={lookup.max_ngram}]")
-        if getattr(draft, "depth", None) is not None or getattr(draft, "verifier", None) is not None:
+        if draft.depth is not None or draft.verifier is not None:
             raise ValueError(f"LookupOrDraft combines chain proposals; {type(draft).__name__} proposes trees")
         if (draft.batch_size, draft.vocab_size) != (lookup.batch_size, lookup.vocab_size):
             raise ValueError(f"draft (batch {draft.batch_size}, vocab {draft.vocab_size}) and lookup (batch "
@@ -48,10 +48,8 @@ class LookupOrDraft:
         self.from_lookup = torch.zeros(self.batch_size, dtype=torch.bool)
 
     def check_target(self, target) -> None:
-        """The model proposer's own check (``SpeculativeGenerator`` calls it), if it has one."""
-        check = getattr(self.draft, "check_target", None)
-        if check is not None:
-            check(target)
+        """The model proposer's own check (``SpeculativeGenerator`` calls it)."""
+        self.draft.check_target(target)
 
     def start(self, rows, prompts, params, rng, target_out) -> None:
         self.lookup.start(rows, prompts, params, rng, target_out)

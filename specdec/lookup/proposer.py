@@ -19,11 +19,14 @@ import numpy as np
 import torch
 
 from ..core.decoder import DecoderModel
-from ..proposer import Proposal
+from ..proposer import BaseProposer, Proposal
 
 
-class PromptLookup:
-    """Prompt-lookup drafting for ``target`` (a ``specdec.proposer.Proposer``)."""
+class PromptLookup(BaseProposer):
+    """Prompt-lookup drafting for ``target`` (a ``specdec.proposer.Proposer``): a chain proposer with no
+    optional ability (no network, nothing to check, unfused)."""
+
+    abilities = frozenset()
 
     def __init__(self, target: DecoderModel, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:

@@ -23,21 +23,24 @@ import torch
 
 from ..core.decoder import DecoderModel
 from ..core.quant import computed_weight
-from ..proposer import Proposal
+from ..proposer import BaseProposer, Proposal
 from ..tree import TokenTree, tree_buffers
 from ..verify import TREE_ACCEPTANCE, TreeVerifier
 from .heads import MedusaHeads, load_heads, load_medusa_config
 from .tree import gather_tree_tokens, load_tree
 
 
-class MedusaDraft:
+class MedusaDraft(BaseProposer):
     """Medusa heads and a tree for ``target`` (a ``DecoderModel`` at tp_degree 1).
 
     ``acceptance``: 'lossless' (greedy rows: the longest path matching the target argmax; sampled rows:
     recursive rejection over siblings, the target's distribution exactly) or 'typical' (Medusa's typical
     acceptance: NOT lossless, changes the output distribution of sampled rows; ``typical_epsilon`` /
     ``typical_delta`` are Medusa's posterior_threshold / posterior_alpha).
+    A tree proposer with no draft network: the heads read the target's own verify outputs.
     """
+
+    abilities = frozenset({"depth", "verifier", "verify_size", "check_target"})
 
     def __init__(self, heads: MedusaHeads, tree: TokenTree, target: DecoderModel, acceptance: str = "lossless",
                  typical_epsilon: float = 0.09, typical_delta: float = 0.3):

@@ -23,11 +23,11 @@ from contextlib import contextmanager
 import torch
 
 from ..cli import (
-    DEFAULT_K,
     EMBEDDED_NAME,
     add_model_arguments,
     add_speculation_arguments,
     check_speculation_arguments,
+    default_k,
     default_threads,
     make_proposer,
     positive_int,
@@ -152,16 +152,16 @@ def load_engine(args: argparse.Namespace, progress: bool = False) -> Engine:
     proposer = make_proposer(args, target)
     gen = None
     if proposer is not None:
-        gen = SpeculativeGenerator(proposer, target, DEFAULT_K.get(args.draft) if args.k is None else args.k,
-                                   fused=getattr(args, "fused", False), adaptive=getattr(args, "adaptive_k", False),
-                                   gate=getattr(args, "gate", False))
+        gen = SpeculativeGenerator(proposer, target, default_k(args), fused=getattr(args, "fused", False),
+                                   adaptive=getattr(args, "adaptive_k", False), gate=getattr(args, "gate", False))
     say("loaded", seconds=round(time.perf_counter() - start, 2), layers=target.config.num_layers,
         vocab_size=target.vocab_size, proposer=type(proposer).__name__ if proposer else None, k=gen.k if gen else None)
     if args.backend == "compiled":
         start = time.perf_counter()
         precompile(target, proposer, gen, target.n_positions - 1, target.n_positions, progress=progress and log_here,
                    single_row=True)
-        models = [target] + ([proposer.model] if isinstance(getattr(proposer, "model", None), DecoderModel) else [])
+        network = None if gen is None else (gen.proposer.draft or gen.proposer).model   # declared abilities
+        models = [target] + ([network] if isinstance(network, DecoderModel) else [])
         graphs = [f"{'target' if m is target else 'draft'}: {key}" for m in models for key in m.compile_seconds]
         say("compiled", seconds=round(time.perf_counter() - start, 2), graphs=graphs,
             note="greedy graphs; sampling graphs compile on first use")
