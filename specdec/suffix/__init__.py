@@ -1,0 +1,10 @@
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975): training-free token trees from the longest suffix
+match of each row's context in its own prompt + output (``SuffixIndex``) and in a global, bounded,
+thread-safe cache of earlier requests (``SuffixCache``); ``SuffixDraft`` proposes trees,
+``SuffixChain`` chains."""
+from .cache import SuffixCache
+from .index import SuffixIndex
+from .proposer import SuffixChain, SuffixDraft, SuffixProposer
+from .speculate import Draft, speculate
+
+__all__ = ["Draft", "SuffixCache", "SuffixChain", "SuffixDraft", "SuffixIndex", "SuffixProposer", "speculate"]
