@@ -133,6 +133,13 @@ AVX512 inline __m512i bcast32(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// acc + dx · (a · dot + b · sx) for one row and group, per lane in the order of the header (b only with mins).
+AVX512 inline __m512 apply_scales(const Args& p, __m512 a, __m512 b, __m512i dot, int32_t sx, float dx, __m512 acc) {
+  __m512 u = _mm512_mul_ps(a, _mm512_cvtepi32_ps(dot));
+  if (p.mins) u = _mm512_fmadd_ps(b, _mm512_set1_ps(static_cast<float>(sx)), u);
+  return _mm512_fmadd_ps(u, _mm512_set1_ps(dx), acc);
+}
+
 // Tile t, rows r0 .. r0 + R: every group's codes unpacked once, applied to the R rows.
 template <int R, Kind KIND>
 AVX512 void tile_avx512(const Args& p, int64_t t, int64_t r0) {
@@ -180,9 +187,7 @@ AVX512 void tile_avx512(const Args& p, int64_t t, int64_t r0) {
           s = _mm512_add_epi16(s, _mm512_maddubs_epi16(hi[v], bcast32(xr + 8 * v + 4)));
         }
         const __m512i dot = _mm512_madd_epi16(s, ones16);
-        __m512 u = _mm512_mul_ps(a, _mm512_cvtepi32_ps(dot));
-        if (p.mins) u = _mm512_fmadd_ps(b, _mm512_set1_ps(static_cast<float>(sx[r * ng + g])), u);
-        acc[r] = _mm512_fmadd_ps(u, _mm512_set1_ps(dx[r * ng + g]), acc[r]);
+        acc[r] = apply_scales(p, a, b, dot, sx[r * ng + g], dx[r * ng + g], acc[r]);
       }
     } else if constexpr (KIND == U6 || KIND == U5) {
       // codes + offset in [0, 63]: two products of a pair sum below 2^15, so two vpmaddubsw add in 16 bits
@@ -210,9 +215,7 @@ AVX512 void tile_avx512(const Args& p, int64_t t, int64_t r0) {
           dot = _mm512_add_epi32(dot, _mm512_madd_epi16(s, ones16));
         }
         dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(static_cast<int32_t>(p.offset) * sx[r * ng + g]));
-        __m512 u = _mm512_mul_ps(a, _mm512_cvtepi32_ps(dot));
-        if (p.mins) u = _mm512_fmadd_ps(b, _mm512_set1_ps(static_cast<float>(sx[r * ng + g])), u);
-        acc[r] = _mm512_fmadd_ps(u, _mm512_set1_ps(dx[r * ng + g]), acc[r]);
+        acc[r] = apply_scales(p, a, b, dot, sx[r * ng + g], dx[r * ng + g], acc[r]);
       }
     } else {
       // signed codes: widened to 16 bits, vpmaddwd with the activations' pairs
@@ -232,9 +235,7 @@ AVX512 void tile_avx512(const Args& p, int64_t t, int64_t r0) {
                                (static_cast<int32_t>(static_cast<uint16_t>(static_cast<int16_t>(xr[2 * v + 1]))) << 16);
           dot = _mm512_add_epi32(dot, _mm512_madd_epi16(q[v], _mm512_set1_epi32(pair)));
         }
-        __m512 u = _mm512_mul_ps(a, _mm512_cvtepi32_ps(dot));
-        if (p.mins) u = _mm512_fmadd_ps(b, _mm512_set1_ps(static_cast<float>(sx[r * ng + g])), u);
-        acc[r] = _mm512_fmadd_ps(u, _mm512_set1_ps(dx[r * ng + g]), acc[r]);
+        acc[r] = apply_scales(p, a, b, dot, sx[r * ng + g], dx[r * ng + g], acc[r]);
       }
     }
   }
@@ -325,12 +326,12 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
          dmin.data_ptr<float>(), sc.data_ptr<int8_t>(), mn.data_ptr<int8_t>(), M, n, K, group, superblock,
          kind == U6 || kind == U5 ? offset : 0, static_cast<Kind>(kind), mins};
   const Isa isa = forced();
+  // the tile function of a full row chunk (RMAX rows) and of the last, shorter one: picked once per call
+  const TileFn full = tile_fn(RMAX, isa, std::make_integer_sequence<int, RMAX>{});
+  const TileFn last = M % RMAX ? tile_fn(static_cast<int>(M % RMAX), isa, std::make_integer_sequence<int, RMAX>{}) : full;
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t r0 = 0; r0 < M; r0 += RMAX) {
-        const int R = static_cast<int>(std::min<int64_t>(RMAX, M - r0));
-        tile_fn(R, isa, std::make_integer_sequence<int, RMAX>{})(p, t, r0);
-      }
+      for (int64_t r0 = 0; r0 < M; r0 += RMAX) (r0 + RMAX <= M ? full : last)(p, t, r0);
   });
   return y;
 }
