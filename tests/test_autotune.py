@@ -1,8 +1,9 @@
 """``autotune=True`` (the compiled backend on the CPU): graphs compiled with the weights frozen in and
 each matmul's kernel chosen by timing (``graphs.AUTOTUNE_OPTIONS``) compute the model's function —
 f32 greedy tokens equal transformers', logits equal eager's to float tolerance, int8 / int4 (bf16)
-logits equal the untuned graphs' to bf16 tolerance — and speculation on an autotuned target is exact
-with respect to it; the setting travels to drafts and through save / load; clear errors."""
+logits equal the untuned graphs' to bf16 tolerance (their prefill graph only: every compiled graph is
+tuned anew, minutes on two cores) — and speculation on an autotuned target is exact with respect to it;
+the setting travels to drafts and through save / load; clear errors."""
 from __future__ import annotations
 
 import pytest
@@ -76,7 +77,3 @@ def test_autotuned_quantized_graphs_tune_their_kernels(checkpoint, cold_cache, s
     torch.testing.assert_close(target.prefill(prompt, params).logits, eager.prefill(prompt, params).logits,
                                atol=0.1, rtol=0.02)
     assert counters["inductor"]["select_algorithm_autotune"] > tuned_before   # kernels were chosen by timing
-    reference = target.generate([PROMPTS[1]], max_new_tokens=N_NEW, eos_token_id=[])
-    gen = SpeculativeGenerator(PromptLookup(target), target, 3)
-    assert torch.equal(gen.generate([PROMPTS[1]], max_new_tokens=N_NEW, eos_token_id=[]), reference)
-    assert gen.last_stats.accepted > 0

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="rows of the static batch")
     parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per request (EOS ignored)")
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--backend", default="compiled", choices=["eager", "compiled"])
+    parser.add_argument("--backend", default="compiled", choices=["eager", "compiled", "regional"])
     parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"], help="weight-only projections")
     parser.add_argument("--n-positions", type=int, default=512)

@@ -25,7 +25,16 @@ from .buckets import check_buckets, pick_bucket
 from .checkpoint import load_weights
 from .config import ModelConfig, amp_dtype
 from .gguf_weights import load_gguf_blocks
-from .graphs import BACKENDS, CacheCompaction, GraphKey, StepGraph, backend_device, build_graph, configure_compile_cache
+from .graphs import (
+    BACKENDS,
+    COMPILING,
+    CacheCompaction,
+    GraphKey,
+    StepGraph,
+    backend_device,
+    build_graph,
+    configure_compile_cache,
+)
 from .kv_quant import parse_kv_cache_dtype
 from .model import DecoderLM, check_feature_layers, split_hidden
 from .parallel import TPGroup, barrier, shard_plan, spmd_group, tp_group
@@ -344,7 +353,7 @@ class DecoderModel:
                 self.graph(key)(*StepGraph(self.lm, key, None).example_inputs(self.batch_size))
             self.compile_seconds[key.describe()] = time.perf_counter() - start
             self._ran.add(key)
-            if self.settings.backend == "compiled":
+            if self.settings.backend in COMPILING:
                 cached += _cache_hits() > hits
                 bar.set_postfix_str(f"{cached} from cache")
         for m in compaction_slots:
@@ -519,7 +528,7 @@ class DecoderModel:
         # keep their parent's stride there), since a compiled graph is specialised on its inputs' strides
         inputs = [t.to(dev).clone(memory_format=torch.contiguous_format)
                   for t in (input_ids, position_ids, cache_lengths, token_mask, logit_index, params, uniform, *extra)]
-        if key in self._ran or self.settings.backend != "compiled":
+        if key in self._ran or self.settings.backend not in COMPILING:
             with torch.no_grad():
                 out = self.graph(key)(*inputs)
         else:
@@ -636,7 +645,7 @@ class DecoderModel:
             (directory / "specdec.json").write_text(json.dumps(meta, indent=2))
             if self._neuron is not None:
                 self._neuron.save(directory / NEURON_FILE)
-        if self.settings.backend == "compiled":
+        if self.settings.backend in COMPILING:
             artifacts = torch.compiler.save_cache_artifacts()
             if artifacts is not None:
                 self._compile_cache_file(directory).write_bytes(artifacts[0])

@@ -24,7 +24,9 @@ penalised (``sampling.penalised``) before sampling / argmax, and the penalised l
 so greedy and sampled verification see exactly the distribution target-only decoding samples from.
 
 Backends (``build_graph``): ``eager`` runs the module; ``compiled`` wraps it in
-``torch.compile(fullgraph=True, dynamic=False)`` with Inductor's on-disk cache; ``xla`` compiles it
+``torch.compile(fullgraph=True, dynamic=False)`` with Inductor's on-disk cache; ``regional`` compiles
+only its decoder layers, once for all the layers of one structure (``compile_layers``: seconds instead of
+minutes), and runs the rest eagerly; ``xla`` compiles it
 as one PyTorch/XLA graph (``xla``); ``neuron`` traces it for AWS Neuron (``neuron``). Every backend
 takes any graph module of the same contract as ``StepGraph``: a forward over fixed-shape tensors that
 may update its buffers (the KV caches) in place, and ``example_inputs(batch_size)`` for the backends
@@ -32,9 +34,11 @@ that trace ahead of time.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -169,7 +173,9 @@ def seen_tokens(presence: torch.Tensor, input_ids: torch.Tensor, token_mask: tor
     return presence.unsqueeze(1) | (counts > 0)
 
 
-BACKENDS = ("eager", "compiled", "xla", "neuron")
+BACKENDS = ("eager", "compiled", "regional", "xla", "neuron")
+COMPILING = ("compiled", "regional")
+"""The backends that compile through ``torch.compile`` on first use (Inductor's on-disk cache)."""
 
 
 def backend_device(backend: str, device: str | None) -> str:
@@ -257,6 +263,63 @@ def autotuned(compiled):
     return run
 
 
+COMPILE_OPTIONS = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "size_asserts": False}
+"""``torch.compile`` options of the ``compiled`` backend. No guards on module attributes (``own_frame``);
+no size asserts: the generated code would check the size and stride of every input (each weight, ~1,000
+checks, ~0.5 ms a decode step), and the runtime passes fixed shapes by construction."""
+
+
+def _plain(value) -> object:
+    """A hashable stand-in for a module attribute in ``layer_signature``: the value itself for plain
+    values, shape / dtype / stride for a tensor, the class for a module (its own attributes are listed
+    separately), and the object's identity for anything else (so an unknown object is never shared
+    by mistake: two layers holding different ones get code of their own)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.stride())
+    if isinstance(value, nn.Module):
+        return ("module", type(value).__qualname__)
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted(((str(k), _plain(v)) for k, v in value.items()), key=repr))
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(map(repr, value)))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__qualname__, repr(value))
+    return (type(value).__qualname__, id(value))
+
+
+def layer_signature(layer: nn.Module) -> tuple:
+    """Everything a decoder layer's compiled code depends on besides its tensors' values: every
+    submodule's class and attributes (the weight format of a ``BlockLinear`` among them), every
+    parameter's and buffer's shape, dtype and stride. Layers with equal signatures run the same code."""
+    return tuple((name, type(m).__qualname__, _plain(vars(m))) for name, m in layer.named_modules())
+
+
+def compile_layers(lm: DecoderLM) -> None:
+    """Regional compilation (the ``regional`` backend): each decoder layer runs
+    through ``torch.compile``d code, compiled once per graph shape for all the layers of one
+    ``layer_signature`` (28 identical layers: one compilation instead of 28 inlined copies), while the
+    embedding, the LM head and sampling run eagerly. Since the guards on module attributes are skipped,
+    layers share code only when their signatures are equal (a GGUF mixing Q4_K and Q6_K layers gets one
+    code per mix). Sets ``lm.layer_runners`` once per model."""
+    if lm.layer_runners is not None:
+        return
+    configure_compile_cache()
+
+    def runner() -> Callable:
+        def run(layer, *inputs):
+            return layer(*inputs)
+        run.__code__ = run.__code__.replace()      # a code object (compiled-code cache) per signature
+        return torch.compile(run, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+
+    signatures = [layer_signature(layer) for layer in lm.model.layers]
+    runners = {signature: runner() for signature in dict.fromkeys(signatures)}
+    lm.layer_runners = [runners[signature] for signature in signatures]
+
+
 def build_graph(graph: nn.Module, backend: str, batch_size: int, name: str | None = None, autotune: bool = False):
     """A callable running the graph module ``graph`` on ``backend`` (``batch_size``: the rows of a
     model compiled for that batch, for backends that trace ``graph.example_inputs(batch_size)``;
@@ -265,14 +328,15 @@ def build_graph(graph: nn.Module, backend: str, batch_size: int, name: str | Non
     if backend == "eager":
         return graph
     name = name or type(graph).__name__
+    if backend == "regional":
+        for module in graph.modules():
+            if isinstance(module, DecoderLM):
+                compile_layers(module)
+        return graph
     if backend == "compiled":
         configure_compile_cache()
         mode = "reduce-overhead" if graph_device(graph).type == "cuda" else None
-        # size_asserts off: the generated code would check the size and stride of every input (each
-        # weight, ~1,000 checks, ~0.5 ms a decode step); the runtime passes fixed shapes by construction
-        compiled = torch.compile(own_frame(graph), fullgraph=True, dynamic=False, mode=mode,
-                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                                          "size_asserts": False})
+        compiled = torch.compile(own_frame(graph), fullgraph=True, dynamic=False, mode=mode, options=COMPILE_OPTIONS)
         return autotuned(compiled) if autotune else compiled
     if backend == "xla":
         from .xla import build_xla_graph

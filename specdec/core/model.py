@@ -39,6 +39,8 @@ collectives are ``tp.collectives``' (``parallel``).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -292,6 +294,8 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config, self.tp = config, tp
         self.feature_layers = check_feature_layers(feature_layers, config.num_layers)
+        # per layer, a callable run(layer, *inputs) replacing layer(*inputs) (``graphs.compile_layers``)
+        self.layer_runners: list[Callable] | None = None
         self.layout = layout or head_layout(config.num_heads, config.num_kv_heads, tp.size)
         self.model = Backbone(config, batch_size, n_positions, dtype, self.layout, tp, kv_cache_dtype)
         self.out_vocab = config.output_vocab_size or config.vocab_size
@@ -342,7 +346,10 @@ class DecoderLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if i in self.feature_layers:
                 aux.append(x)
-            x = layer(x, cos, sin, slots, mask, kv_len, seq_ids)
+            if self.layer_runners is None:
+                x = layer(x, cos, sin, slots, mask, kv_len, seq_ids)
+            else:
+                x = self.layer_runners[i](layer, x, cos, sin, slots, mask, kv_len, seq_ids)
         if len(self.model.layers) in self.feature_layers:
             aux.append(x)
         hidden = self.model.norm(x)
