@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .core.graphs import BACKENDS
+from .core.graphs import BACKENDS, COMPILING
 from .registry import REGISTRY
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
@@ -74,6 +74,9 @@ temperature_value = _number(float, "temperature", lambda v: v >= 0, ">= 0 (0 = g
 top_p_value = _number(float, "top_p", lambda v: 0 < v <= 1, "in (0, 1]")
 repetition_penalty_value = _number(float, "repetition_penalty", lambda v: v > 0, "> 0 (1 = off)")
 n_positions_value = _number(int, "n_positions", lambda v: v >= 2, ">= 2")
+cache_tokens_value = _number(int, "cache_tokens", lambda v: v >= 2, ">= 2")
+alpha_value = _number(float, "alpha", lambda v: v > 0, "> 0")
+probability_value = _number(float, "probability", lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 def token_ids(text: str) -> list[int]:
@@ -193,8 +196,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         f"model, {EMBEDDED_NAME})")
     p.add_argument("--amp", default="bf16", choices=["f32", "bf16", "f16"], help="weights/KV dtype")
     p.add_argument("--backend", default="compiled", choices=list(BACKENDS),
-                   help="compiled = torch.compile graphs (cached on disk after the first run); xla = PyTorch/XLA "
-                        "graphs (needs torch-xla: pip install 'specdec[xla]'); neuron = AWS Neuron (needs the "
+                   help="compiled = torch.compile graphs (cached on disk after the first run); regional = "
+                        "each decoder layer compiled once for all layers alike, the rest eager (compiles in "
+                        "seconds); xla = PyTorch/XLA graphs (needs torch-xla: pip install 'specdec[xla]'); "
+                        "neuron = AWS Neuron (needs the "
                         "Neuron SDK; compiles every graph the request needs first)")
     p.add_argument("--n-positions", type=n_positions_value, metavar="N", default=1024,
                    help="KV-cache length: prompt + new tokens (default: 1024)")
@@ -224,17 +229,20 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         "lookup = prompt lookup (n-grams of the prompt, no weights); lookup+model / lookup+eagle "
                         "= prompt lookup where the sequence repeats a 2-gram, the model / EAGLE draft elsewhere "
                         "(per row and step); lookup+eagle-tree = EAGLE-2 trees with the prompt-lookup "
-                        "continuation grafted on (one verify for both)")
+                        "continuation grafted on (one verify for both); suffix = suffix decoding (the prompt, the "
+                        "output and a cache of earlier requests' outputs, no weights; --suffix-* options); "
+                        "suffix+model / suffix+eagle / suffix+eagle3 = suffix decoding where the text matches, "
+                        "the model / EAGLE draft elsewhere (per row and step)")
     s.add_argument("--draft-path", type=draft_path, default=None, metavar="DIR",
                    help="checkpoint directory of the draft model / EAGLE head / Medusa heads trained for --model; "
                         "--draft model also takes a named model (qwen2.5-coder-0.5b-instruct drafts for "
                         "qwen2.5-coder-1.5b-instruct)")
     s.add_argument("--draft-model", type=draft_path, default=None, metavar="MODEL",
                    help="a draft model (a named model such as qwen2.5-coder-0.5b-instruct, a .gguf file or a "
-                        "checkpoint directory): --draft model --draft-path MODEL (with --draft lookup+model, its "
-                        "model part)")
+                        "checkpoint directory): --draft model --draft-path MODEL (with --draft lookup+model / "
+                        "suffix+model, its model part)")
     s.add_argument("--k", type=positive_int, default=None,
-                   help="draft tokens per step (default: model 4, eagle 5, lookup 4; medusa and eagle-tree: "
+                   help="draft tokens per step (default: model 4, eagle 5, lookup and suffix 4; medusa and eagle-tree: "
                         "the tree's depth, and a given --k must equal it)")
     s.add_argument("--fused", action="store_true",
                    help="model / eagle: one graph per speculation step (draft loop, verification and "
@@ -254,6 +262,26 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--tree", default=None,
                    help="medusa: a built-in tree name (e.g. mc_sim_7b_63) or a JSON file of paths "
                         "(default: the heads' own tree); eagle-tree: DEPTHxTOPKxNODES (default 3x8x8)")
+    add_suffix_arguments(p)
+
+
+def add_suffix_arguments(p: argparse.ArgumentParser) -> None:
+    """The "suffix decoding" group: --suffix-cache-tokens / --suffix-alpha / --suffix-min-prob /
+    --suffix-min-match (``suffix_settings`` turns them into ``Strategy.build``'s ``suffix``)."""
+    g = p.add_argument_group("suffix decoding")
+    g.add_argument("--suffix-cache-tokens", type=cache_tokens_value, default=None, metavar="N",
+                   help="suffix strategies: the token budget of the cache of finished requests' outputs, shared by "
+                        "every row and request; the least recently used outputs are evicted (default: 262144, "
+                        "about 60 MB)")
+    g.add_argument("--suffix-alpha", type=alpha_value, default=None, metavar="A",
+                   help="suffix strategies: a match of m tokens drafts at most A * m tokens (SuffixDecoding's "
+                        "max_spec_factor; default: 1)")
+    g.add_argument("--suffix-min-prob", type=probability_value, default=None, metavar="P",
+                   help="suffix strategies: the least share of the matches' continuations a drafted token needs "
+                        "(default: 0.1)")
+    g.add_argument("--suffix-min-match", type=positive_int, default=None, metavar="M",
+                   help="suffix+model / suffix+eagle / suffix+eagle3: a row takes the suffix chain when its match "
+                        "is at least M tokens, the model's draft otherwise (default: 4; at most 16)")
 
 
 def add_generate_arguments(g: argparse.ArgumentParser) -> None:
@@ -325,7 +353,8 @@ def _strategies(test) -> list[str]:
 def check_speculation_arguments(args: argparse.Namespace) -> None:
     """--draft / --draft-path / --draft-model / --k / --tree combinations, checked before any model loads
     against the strategy registry (``specdec.registry``); ``--draft-model X`` becomes ``--draft model
-    --draft-path X``, or the model part of ``--draft lookup+model``."""
+    --draft-path X``, or the model part of ``--draft lookup+model`` / ``suffix+model``; --suffix-* need a suffix
+    strategy."""
     if getattr(args, "draft_model", None) is not None:
         if args.draft_path is not None:
             raise CLIError("give --draft-model or --draft-path, not both")
@@ -344,14 +373,21 @@ def check_speculation_arguments(args: argparse.Namespace) -> None:
     if getattr(args, "gate", False) and (not s.gate or getattr(args, "fused", False)):
         raise CLIError("--gate needs a --draft and runs unfused (not with --fused)")
     if args.draft_path is not None and s.part is None:
-        raise CLIError(f"--draft-path needs --draft {_or(loaders)} (or lookup+ them; not {args.draft})")
+        raise CLIError(f"--draft-path needs --draft {_or(loaders)} (or lookup+ / suffix+ them; not {args.draft})")
     if args.draft_path is not None and s.part != "model" and _is_named(args.draft_path):
-        raise CLIError(f"--draft-path {args.draft_path} (a named model) is a draft model: use it with --draft model "
-                       "or lookup+model")
+        raise CLIError(f"--draft-path {args.draft_path} (a named model) is a draft model: use it with --draft "
+                       f"{_or(_strategies(lambda s: s.part == 'model'))}")
+    flags = _suffix_flags(args)
+    if flags and s.suffix is None:
+        raise CLIError(f"--{next(iter(flags)).replace('_', '-')} is for --draft "
+                       f"{_or(_strategies(lambda s: s.suffix is not None))}")
+    if "suffix_min_match" in flags and s.suffix != "switch":
+        raise CLIError(f"--suffix-min-match chooses between the suffix chain and a model draft: it is for --draft "
+                       f"{_or(_strategies(lambda s: s.suffix == 'switch'))}")
     if args.draft_quantization is not None and not s.quantizable:
         own = [name for name in loaders if REGISTRY[name].quantizable]
-        raise CLIError(f"--draft-quantization is for --draft {_or(own)} (and lookup+ them); Medusa heads follow "
-                       "--quantization")
+        raise CLIError(f"--draft-quantization is for --draft {_or(own)} (and lookup+ / suffix+ them); Medusa heads "
+                       "follow --quantization")
     if args.tree is not None and s.tree is None:
         trees = sorted((name for name in loaders if REGISTRY[name].tree), key=lambda n: REGISTRY[n].tree != "static")
         raise CLIError(f"--tree is for --draft {_or(trees)} (and lookup+ them)")
@@ -380,13 +416,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return generate_on_rank(args)
 
 
+SUFFIX_FLAGS = {"suffix_cache_tokens": "cache", "suffix_alpha": "alpha", "suffix_min_prob": "min_prob",
+                "suffix_min_match": "min_match"}
+"""--suffix-* options (argparse dests) → the suffix setting each gives (``Strategy.build``'s ``suffix``)."""
+
+
+def _suffix_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The --suffix-* options given (dest → value); namespaces built without them (bench-serve's) give none."""
+    return {dest: value for dest in SUFFIX_FLAGS if (value := getattr(args, dest, None)) is not None}
+
+
+def suffix_settings(args: argparse.Namespace) -> dict[str, object] | None:
+    """The suffix settings --suffix-* ask for (None: none given): --suffix-cache-tokens as a new ``SuffixCache``
+    (one per proposer: a server's one cache, shared by every request it serves)."""
+    from .suffix import SuffixCache
+    flags = _suffix_flags(args)
+    if "suffix_cache_tokens" in flags:
+        flags["suffix_cache_tokens"] = SuffixCache(max_tokens=flags["suffix_cache_tokens"])
+    return {SUFFIX_FLAGS[dest]: value for dest, value in flags.items()} or None
+
+
 def make_proposer(args: argparse.Namespace, target):
-    """The proposer --draft / --draft-path / --tree / --draft-quantization ask for (None for --draft none),
-    built by the strategy registry."""
+    """The proposer --draft / --draft-path / --tree / --draft-quantization / --suffix-* ask for (None for
+    --draft none), built by the strategy registry."""
     options = {} if args.tree is None else {"tree": args.tree}
     if args.draft_quantization is not None:
         options["quantization"] = args.draft_quantization
-    return REGISTRY[args.draft].build(target, args.draft_path, **options)
+    return REGISTRY[args.draft].build(target, args.draft_path, suffix=suffix_settings(args), **options)
 
 
 def default_k(args: argparse.Namespace) -> int | None:
@@ -413,8 +469,10 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
     ``gen`` was built with, None for target only). For the compiling backends (compiled: graphs cached on disk).
     ``single_row``: also the context graphs of requests joining a running batch (serving).
     ``penalty``: the target's graphs apply a repetition penalty (drafts never do). Adaptive k verifies
-    2 .. k + 1 tokens; ``LookupOrDraft``'s draft model re-reads up to k + 1 tokens after lookup steps."""
-    from . import DecoderModel, EagleDraft, EagleTreeDraft, LookupOrDraft
+    2 .. k + 1 tokens; a ``MatchOrDraft``'s (``LookupOrDraft``, ``SuffixOrDraft``) draft model re-reads up to
+    k + 1 tokens after steps its source drafted."""
+    from . import DecoderModel, EagleDraft, EagleTreeDraft
+    from .combined import MatchOrDraft
     from .fused import FusedSpeculator
     proposer = None if gen is None else gen.proposer     # declared (specdec.proposer): its abilities are attributes
     width = 1
@@ -439,7 +497,7 @@ def precompile(target, proposer, gen, prompt_length: int, max_new_tokens: int, p
     tree = proposer is not None and proposer.depth is not None     # verify compacts up to depth accepted slots
     todo = [(target, [replace(k, penalty=penalty) for k in keys(target, verify, False)],
              (proposer.depth,) if tree else ())]
-    combined = isinstance(proposer, LookupOrDraft)
+    combined = isinstance(proposer, MatchOrDraft)
     if proposer is not None and proposer.draft is not None:    # a combination: its model proposer's graphs
         proposer = proposer.draft
     draft = None if proposer is None else proposer.model
@@ -487,7 +545,7 @@ def generate_on_rank(args: argparse.Namespace) -> int:
     if args.backend != "eager":
         if rank0:
             print("compiling the graphs this request needs"
-                  f"{' (cached on disk after the first run)' if args.backend == 'compiled' else ''} ...",
+                  f"{' (cached on disk after the first run)' if args.backend in COMPILING else ''} ...",
                   file=sys.stderr)
         precompile(target, proposer, gen, len(ids), max_new, penalty=args.repetition_penalty != 1)
     text = args.prompt_ids is None

@@ -7,6 +7,7 @@ applies the shared acceptance rules. The speculation step (``specdec.speculative
     propose(tail, lengths, k, params, rng)          every step with k > 0 → Proposal
     accepted(lengths, verified)                     every step, after acceptance
     max_draft_tokens(length)                        the largest k a row of ``length`` tokens allows
+    finished(rows, lengths)                         when requests end (an optional ability, see below)
 
 Per row r, S_r = prompt + emitted tokens. ``tail`` [B, 2] holds the last two tokens of S_r and
 ``lengths`` [B] = len(S_r); S_r[-1] is not in the target's KV cache yet. ``rows`` names the batch rows
@@ -26,13 +27,14 @@ when speculation is set up: an object that implements only the four methods (not
 wrapped as ``PlainProposer`` (no optional abilities); one that carries an ability's attribute without
 declaring it is refused by name, so nothing it has is silently ignored.
 Invariants (``tests/test_registry.py`` checks them for every proposer class): "depth" declared ⇔
-``depth`` is an int, and likewise ``verifier`` / ``verify_size`` / ``model`` / ``draft`` / ``fused_drafter``
-not None; "pending" is declared only with "depth" (a dynamic tree proposer), "fused_drafter" only with
-"model" (the fused graph sizes the draft's cache from it).
+``depth`` is an int, and likewise ``verifier`` / ``verify_size`` / ``model`` / ``draft`` / ``fused_drafter`` /
+``cache`` not None; a method ability (``check_target``, ``reread_width``, ``finished``) is declared ⇔ the
+class overrides ``BaseProposer``'s default; "pending" is declared only with "depth" (a dynamic tree proposer),
+"fused_drafter" only with "model" (the fused graph sizes the draft's cache from it).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -118,6 +120,9 @@ ABILITIES = {
     "model": "the draft network whose graphs it runs (a DecoderModel / EagleModel)",
     "draft": "a combination's model proposer (the one behind prompt lookup)",
     "pending": "its step's per-row trees, which a wrapper may replace before accepted() (LookupBranch grafts)",
+    "finished": "finished(rows, lengths): told when the requests in rows end (EOS, budget, stop, release), "
+                "each with its final len(S), so it can learn from them across requests; default: ignored",
+    "cache": "the cross-request cache it drafts from (a SuffixCache: stats() for a server's metrics)",
 }
 """Every optional ability a proposer may declare, and what it means."""
 
@@ -138,6 +143,7 @@ class BaseProposer:
     model: Any = None
     draft: BaseProposer | None = None
     pending: RowTrees | None = None
+    cache: Any = None
 
     def check_target(self, target) -> None:
         """Nothing to check (a proposer declaring "check_target" raises ValueError for a target it cannot serve)."""
@@ -145,6 +151,11 @@ class BaseProposer:
     def reread_width(self, k: int) -> int:
         """No re-read (a proposer declaring "reread_width" says how many positions its first step re-reads)."""
         return 0
+
+    def finished(self, rows: Sequence[int], lengths: Sequence[int] | None = None) -> None:
+        """Nothing to learn (a proposer declaring "finished" is told that the requests in ``rows`` ended;
+        ``lengths``: each one's final len(S), where the engine cut it, None: every token it saw). An
+        engine calls it once per request; a proposer must accept repeats and rows it never started."""
 
     def require(self, ability: str, feature: str, hint: str = "") -> None:
         """MissingAbility (naming ``ability``) unless this proposer declares it; ``feature``: what needs it."""

@@ -7,20 +7,22 @@
 The CLI (``--draft``), serving, the benchmarks (``bench-spec --strategy``, ``bench/*.py``), the sweeps
 (``specdec.experiments``) and ``shipped()`` read this table; nothing else lists strategies. Names: ``none``
 (target only), ``model`` (a draft model), ``eagle`` / ``eagle3`` (EAGLE heads, chains) and ``eagle-tree`` /
-``eagle3-tree`` (the same heads drafting EAGLE-2 dynamic trees), ``medusa``, ``lookup`` (prompt lookup), and
-``lookup+X``: prompt lookup combined with X's proposals. ``RENAMED`` holds the names of earlier tables, which
+``eagle3-tree`` (the same heads drafting EAGLE-2 dynamic trees), ``medusa``, ``lookup`` (prompt lookup),
+``lookup+X``: prompt lookup combined with X's proposals, ``suffix`` (suffix decoding: the row's text and a
+cache of earlier requests, chains) and ``suffix+X``: the suffix chain where it matches, X's chain elsewhere.
+``RENAMED`` holds the names of earlier tables, which
 are refused with the new name (``strategy``).
 
 Invariants (``tests/test_registry.py``): a strategy's ``kind`` is that of the proposer ``build`` returns
 ("tree" ⇔ its ``depth`` is declared); ``default_k`` is set exactly for chains (a tree's k is its depth);
 ``fused`` ⇔ the proposer declares ``fused_drafter``; ``adaptive`` ⇔ an unfused chain; every speculative
-strategy gates; ``lookup+X`` has X's weights, tree option and quantization, and ``part`` = X; greedy output
-of every strategy equals target-only decoding.
+strategy gates; ``lookup+X`` / ``suffix+X`` have X's weights, tree option and quantization, and ``part`` = X;
+a suffix strategy's proposer declares its ``cache``; greedy output of every strategy equals target-only decoding.
 """
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -39,6 +41,8 @@ from .medusa.draft import MedusaDraft
 from .medusa.heads import load_medusa_config
 from .medusa.smollm2 import SHIPPED_MEDUSA
 from .proposer import BaseProposer
+from .suffix.combined import SuffixOrDraft
+from .suffix.proposer import SuffixChain
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,11 @@ class Strategy:
     name: its name everywhere; summary: one line for help texts and tables; proposer: the class ``build``
     returns (None: target only); kind: "none" (target only), "chain" or "tree"; default_k: draft tokens per
     step when none is given (chains; a tree's k is its depth); part: the strategy whose weights it loads
-    (itself for a model-backed strategy, X for ``lookup+X``, None: no weights); lookup: how prompt lookup
-    takes part ("alone", "switch": per row, lookup or the model's chain (``LookupOrDraft``), "graft": the
-    lookup chain grafted onto the model's tree (``LookupBranch``), None); tree: the ``tree=`` it takes
+    (itself for a model-backed strategy, X for ``lookup+X`` / ``suffix+X``, None: no weights); lookup: how
+    prompt lookup takes part ("alone", "switch": per row, lookup or the model's chain (``LookupOrDraft``),
+    "graft": the lookup chain grafted onto the model's tree (``LookupBranch``), None); suffix: how suffix
+    decoding takes part ("alone": ``SuffixChain``, "switch": per row, the suffix chain or the model's
+    (``SuffixOrDraft``), None); tree: the ``tree=`` it takes
     ("static": a Medusa tree name / JSON / ``TokenTree``, "dynamic": a ``DynamicTree`` or "DxKxN", None);
     fused / adaptive / gate: whether ``SpeculativeGenerator``'s ``fused=`` / ``adaptive=`` / ``gate=`` apply;
     quantizable: its draft network takes its own weight-only scheme (``quantization=``); weights: the
@@ -66,6 +72,7 @@ class Strategy:
     default_k: int | None = None
     part: str | None = None
     lookup: str | None = None
+    suffix: str | None = None
     tree: str | None = None
     fused: bool = False
     adaptive: bool = False
@@ -82,33 +89,56 @@ class Strategy:
     @property
     def shipped(self) -> bool:
         """Whether ``shipped(name, target)`` loads it: a model-backed strategy with shipped weights."""
-        return self.weights is not None and self.lookup is None
+        return self.weights is not None and self.part == self.name
 
     def build(self, target: DecoderModel, path: str | Path | None = None, *, part: BaseProposer | None = None,
-              tree: Any = None, depth: int | None = None, **options) -> BaseProposer | None:
+              tree: Any = None, depth: int | None = None, suffix: Mapping[str, Any] | None = None,
+              **options) -> BaseProposer | None:
         """The strategy's proposer for ``target`` (None for "none").
 
         path: the checkpoint of the draft network (None: the shipped weights, trained for the embedded
         model); part: an already built proposer of ``self.part`` to use instead of loading one (so one
         draft network serves several strategies); tree: a tree strategy's tree (``Strategy.tree``);
         depth: a tree strategy's depth (Medusa: the tree cut to it; EAGLE-2: ``DynamicTree(depth=...)``);
+        suffix: a suffix strategy's settings: ``SuffixChain``'s (``SUFFIX_OPTIONS``: ``cache``, a ``SuffixCache``
+        (e.g. one shared with other proposers; default: a new one), ``alpha``, ``offset``, ``min_prob``,
+        ``cache_prompts``) and for ``suffix+X`` ``SuffixOrDraft``'s ``min_match``;
         options: the draft network's ``from_pretrained`` arguments (``quantization``, ``progress``, ...)."""
         if self.part is None and (path is not None or part is not None or options):
             raise ValueError(f"strategy {self.name!r} loads no draft network: it takes no path or options")
         if self.tree is None and (tree is not None or depth is not None):
             raise ValueError(f"strategy {self.name!r} drafts chains: tree / depth are for the tree strategies "
                              f"({', '.join(n for n, s in REGISTRY.items() if s.tree)})")
+        if suffix is not None:
+            self._check_suffix(suffix)
         if self.kind == "none":
             return None
         if self.lookup == "alone":
             return PromptLookup(target)
+        if self.suffix == "alone":
+            return SuffixChain(target, **(suffix or {}))
         if part is None:
             part = REGISTRY[self.part]._load(target, path, tree, depth, options)
         if self.lookup == "switch":
             return LookupOrDraft(PromptLookup(target), part)
         if self.lookup == "graft":
             return LookupBranch(PromptLookup(target), part, part.depth)
+        if self.suffix == "switch":
+            chain = {k: v for k, v in (suffix or {}).items() if k in SUFFIX_OPTIONS}
+            switch = {k: v for k, v in (suffix or {}).items() if k not in SUFFIX_OPTIONS}
+            return SuffixOrDraft(SuffixChain(target, **chain), part, **switch)
         return part
+
+    def _check_suffix(self, suffix: Mapping[str, Any]) -> None:
+        """ValueError unless ``suffix`` holds settings this strategy takes."""
+        if self.suffix is None:
+            raise ValueError(f"strategy {self.name!r} is not suffix decoding: suffix settings are for "
+                             f"{', '.join(n for n, s in REGISTRY.items() if s.suffix)}")
+        allowed = SUFFIX_OPTIONS + (("min_match",) if self.suffix == "switch" else ())
+        unknown = [k for k in suffix if k not in allowed]
+        if unknown:
+            raise ValueError(f"strategy {self.name!r}: unknown suffix setting(s) {', '.join(map(repr, unknown))}; "
+                             f"it takes {', '.join(allowed)}")
 
     def _load(self, target: DecoderModel, path, tree, depth, options: dict) -> BaseProposer:
         if path is None:
@@ -184,18 +214,33 @@ def _with_lookup(base: Strategy) -> Strategy:
                    else f"prompt lookup where the sequence repeats a 2-gram, {base.name} elsewhere")
 
 
+def _with_suffix(base: Strategy) -> Strategy:
+    """``suffix+X``: the suffix chain where the row's text or the cache matches, X's chain elsewhere (per row)."""
+    return replace(base, name=f"suffix+{base.name}", part=base.name, suffix="switch", proposer=SuffixOrDraft,
+                   fused=False, load=None, max_depth=None,
+                   summary=f"suffix decoding where the text matches (4+ tokens), {base.name} elsewhere")
+
+
+SUFFIX_OPTIONS = ("cache", "alpha", "offset", "min_prob", "cache_prompts")
+"""The ``SuffixChain`` settings ``Strategy.build(suffix=...)`` takes (``suffix+X`` also ``min_match``)."""
+
+
 def _table() -> dict[str, Strategy]:
     models = [replace(s, part=s.name) for s in _model_backed()]
     lookup = Strategy("lookup", "prompt lookup (n-grams of the sequence itself, no weights)", PromptLookup,
                       default_k=4, lookup="alone", adaptive=True)
+    suffix = Strategy("suffix", "suffix decoding (the sequence and a cache of earlier outputs, no weights)",
+                      SuffixChain, default_k=4, suffix="alone", adaptive=True)
     none = Strategy("none", "target only (no speculation)", None, kind="none", gate=False)
     combined = [_with_lookup(s) for s in models if s.name != "medusa"]
-    return {s.name: s for s in [none, *models, lookup, *combined]}
+    with_suffix = [_with_suffix(s) for s in models if s.kind == "chain"]
+    return {s.name: s for s in [none, *models, lookup, *combined, suffix, *with_suffix]}
 
 
 REGISTRY: dict[str, Strategy] = _table()
 """Every strategy by name: none, model, eagle, eagle-tree, eagle3, eagle3-tree, medusa, lookup, lookup+model,
-lookup+eagle, lookup+eagle-tree, lookup+eagle3, lookup+eagle3-tree."""
+lookup+eagle, lookup+eagle-tree, lookup+eagle3, lookup+eagle3-tree, suffix, suffix+model, suffix+eagle,
+suffix+eagle3."""
 RENAMED = {"draft": "model", "lookup+draft": "lookup+model", "target": "none"}
 """Names of the earlier per-tool tables → the registry's name."""
 SHIPPED = tuple(name for name, s in REGISTRY.items() if s.shipped)

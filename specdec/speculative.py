@@ -12,6 +12,7 @@ emitted tokens, the target's cache holds S[:-1]):
      (``specdec.verify``, ``specdec.acceptance``): n accepted drafts, then the correction / bonus token;
   3. the target's length moves to len(S) + n (rolling back rejected slots is just that);
   4. the proposer updates its own state (its KV rollback; EAGLE / Medusa read the target's outputs).
+When a request ends the engine tells the proposer (``finished``: a suffix cache learns the output).
 Near ``n_positions`` the step's k shrinks so no graph writes past a cache; at k = 0 the step is a plain
 decode step. With an ``AdaptiveK`` policy (``specdec.adaptive``) each row has its own k_r: the step
 drafts the largest k_r of the active rows and caps every row at its own (``Proposal.num_drafts``).
@@ -69,6 +70,10 @@ class Speculator:
         if self.adaptive is not None:    # (re)started rows begin at max_k
             self.row_k[slice(None) if rows is None else rows] = self.adaptive.bounds(self.k)[1]
         self.proposer.start(rows, prompts, params, rng, target_out)
+
+    def finished(self, rows: list[int], lengths: list[int]) -> None:
+        """The requests in ``rows`` ended with len(S) = ``lengths``: the proposer's "finished" (no-op default)."""
+        self.proposer.finished(rows, lengths)
 
     def step(self, tail: torch.Tensor, lengths: torch.Tensor, active: torch.Tensor, params: torch.Tensor,
              rng: RowGenerators, stats: SpecStats) -> StepResult:

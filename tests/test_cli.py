@@ -169,7 +169,7 @@ def test_stats_without_speculation(checkpoint, capsys):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("draft", ["none", "model", "lookup", "eagle", "medusa", "eagle-tree", "lookup+eagle-tree",
-                                   "lookup+eagle3-tree"])
+                                   "lookup+eagle3-tree", "suffix+model"])
 def test_precompile_builds_every_graph_the_request_uses(checkpoint, eagle_models, medusa_models, draft, temperature):
     """``precompile`` (what ``--backend compiled`` runs before the timed request) leaves no graph to be
     built mid-request: the eager backend builds the same keys cheaply, so compare the key sets."""
@@ -177,7 +177,8 @@ def test_precompile_builds_every_graph_the_request_uses(checkpoint, eagle_models
     paths = {"none": (checkpoint("llama").path, None), "lookup": (checkpoint("llama").path, None),
              "model": (checkpoint("llama").path, checkpoint("llama-draft").path),
              "eagle": eagle_models, "medusa": medusa_models, "eagle-tree": eagle_models,
-             "lookup+eagle-tree": eagle_models, "lookup+eagle3-tree": eagle_models}
+             "lookup+eagle-tree": eagle_models, "lookup+eagle3-tree": eagle_models,
+             "suffix+model": (checkpoint("llama").path, checkpoint("llama-draft").path)}
     target_path, draft_path = paths[draft]
     # 256 positions: KV buckets [128, 256]; the prompt + 117 tokens end near the first bucket's edge,
     # so the last verify steps reach into the second

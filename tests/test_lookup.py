@@ -7,6 +7,7 @@ import torch
 
 import specdec.verify as verify_module
 from specdec import DraftModel, EagleDraft, LookupOrDraft, PromptLookup, SpeculativeGenerator
+from specdec.combined import MatchOrDraft
 
 from conftest import load, prompt_ids
 from test_eagle import load_target, saved_target_and_eagle
@@ -83,14 +84,15 @@ def test_a_wrong_acceptor_is_detected(lossless_models, monkeypatch):
 
 # ---------------------------------------------------------------- LookupOrDraft
 
-def record_sources(combined: LookupOrDraft, counts: dict) -> None:
-    """Count, per row, the steps whose proposal came from the lookup / the model (rows with a sequence:
+def record_sources(combined: MatchOrDraft, counts: dict) -> None:
+    """Count, per row, the steps whose proposal came from the lookup (or another ``MatchOrDraft`` source:
+    "lookup") / the model (rows with a sequence:
     ``lengths`` > 2, the engine's dummy length for free and finished rows, which these tests never reach)."""
     propose = combined.propose
 
     def recorded(tail, lengths, k, params, rng):
         proposal = propose(tail, lengths, k, params, rng)
-        for r, (n, lookup) in enumerate(zip(lengths.tolist(), combined.from_lookup.tolist())):
+        for r, (n, lookup) in enumerate(zip(lengths.tolist(), combined.from_source.tolist())):
             if n > 2:
                 counts["lookup" if lookup else "model"][r] = counts["lookup" if lookup else "model"].get(r, 0) + 1
         return proposal

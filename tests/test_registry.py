@@ -26,11 +26,13 @@ from specdec import (
 from specdec.core.chat import chat_ids
 from specdec.proposer import ABILITIES, BaseProposer, MissingAbility, PlainProposer
 from specdec.registry import REGISTRY, RENAMED, SHIPPED, names, strategy
+from specdec.suffix import SuffixCache, SuffixChain, SuffixDraft, SuffixOrDraft
 
 from conftest import load, prompt_ids
 from test_engine import RepeatLastToken
 
-PROPOSERS = [DraftModel, EagleDraft, EagleTreeDraft, MedusaDraft, PromptLookup, LookupOrDraft, LookupBranch]
+PROPOSERS = [DraftModel, EagleDraft, EagleTreeDraft, MedusaDraft, PromptLookup, LookupOrDraft, LookupBranch,
+             SuffixChain, SuffixDraft, SuffixOrDraft]
 N_NEW = 8
 
 
@@ -38,7 +40,7 @@ N_NEW = 8
 def test_the_table_holds_its_invariants():
     assert list(REGISTRY) == ["none", "model", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "medusa", "lookup",
                               "lookup+model", "lookup+eagle", "lookup+eagle-tree", "lookup+eagle3",
-                              "lookup+eagle3-tree"]
+                              "lookup+eagle3-tree", "suffix", "suffix+model", "suffix+eagle", "suffix+eagle3"]
     assert SHIPPED == ("model", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "medusa")
     for name, s in REGISTRY.items():
         assert s.name == name and s.kind in ("none", "chain", "tree"), name
@@ -47,11 +49,14 @@ def test_the_table_holds_its_invariants():
         assert s.adaptive == (s.kind == "chain") and s.gate == s.speculative, name
         assert not s.fused or (s.kind == "chain" and s.lookup is None), name
         assert (s.proposer is None) == (not s.speculative), name
-        if s.lookup in ("switch", "graft"):     # lookup+X: X's weights, tree option, quantization and k
-            base = REGISTRY[name.removeprefix("lookup+")]
+        assert s.lookup is None or s.suffix is None, name
+        if s.lookup in ("switch", "graft") or s.suffix == "switch":   # lookup+X / suffix+X: X's weights, tree,
+            base = REGISTRY[name.split("+", 1)[1]]                      # quantization and k
             assert s.part == base.name and (s.weights, s.tree, s.quantizable, s.default_k) == \
                 (base.weights, base.tree, base.quantizable, base.default_k), name
-            assert s.proposer is (LookupBranch if base.kind == "tree" else LookupOrDraft), name
+            assert s.proposer is (SuffixOrDraft if s.suffix else LookupBranch if base.kind == "tree" else
+                                  LookupOrDraft), name
+        assert (s.suffix is None) == (s.proposer not in (SuffixChain, SuffixOrDraft)), name
     for old, new in RENAMED.items():
         assert old not in REGISTRY and new in REGISTRY
 
@@ -87,6 +92,13 @@ def test_build_refuses_options_a_strategy_does_not_take(ckpt):
         REGISTRY["medusa"].build(target, ckpt.path, quantization="int8")
     assert REGISTRY["none"].build(target) is None
     assert isinstance(REGISTRY["lookup"].build(target), PromptLookup)
+    with pytest.raises(ValueError, match="'lookup' is not suffix decoding"):
+        REGISTRY["lookup"].build(target, suffix={"alpha": 2.0})
+    with pytest.raises(ValueError, match="unknown suffix setting\\(s\\) 'min_match'; it takes cache, alpha"):
+        REGISTRY["suffix"].build(target, suffix={"min_match": 3})
+    cache = SuffixCache(max_tokens=1000)
+    chain = REGISTRY["suffix"].build(target, suffix={"cache": cache, "alpha": 2.0})
+    assert isinstance(chain, SuffixChain) and chain.cache is cache and chain.alpha == 2.0
 
 
 # ---------------------------------------------------------------------------------------------- the protocol
@@ -95,7 +107,7 @@ def test_every_proposer_class_declares_its_abilities(cls):
     """The methods a class declares are the ones it has (the attributes: ``check_declared`` on instances)."""
     assert issubclass(cls, BaseProposer) and cls.abilities <= set(ABILITIES), cls.abilities - set(ABILITIES)
     assert ("fused_drafter" in cls.abilities) == callable(cls.fused_drafter)
-    for method in ("check_target", "reread_width"):
+    for method in ("check_target", "reread_width", "finished"):
         assert (method in cls.abilities) == (getattr(cls, method) is not getattr(BaseProposer, method)), method
     assert "pending" not in cls.abilities or "depth" in cls.abilities
     assert "fused_drafter" not in cls.abilities or "model" in cls.abilities
@@ -103,7 +115,7 @@ def test_every_proposer_class_declares_its_abilities(cls):
 
 def check_declared(proposer: BaseProposer) -> None:
     """An instance's ability attributes are set exactly when it declares them."""
-    for name in ("depth", "verifier", "verify_size", "model", "draft", "fused_drafter"):
+    for name in ("depth", "verifier", "verify_size", "model", "draft", "fused_drafter", "cache"):
         assert (name in proposer.abilities) == (getattr(proposer, name) is not None), (type(proposer), name)
     if proposer.draft is not None:
         check_declared(proposer.draft)
@@ -120,7 +132,8 @@ def test_a_missing_ability_is_named(ckpt, checkpoint):
         LookupBranch(PromptLookup(target), lookup)
     assert e.value.ability == "pending"
     draft = DraftModel.from_pretrained(checkpoint("llama-draft").path, target, progress=False)
-    for proposer in (lookup, draft, LookupOrDraft(PromptLookup(target), draft)):
+    for proposer in (lookup, draft, LookupOrDraft(PromptLookup(target), draft), SuffixDraft(target),
+                     SuffixOrDraft(SuffixChain(target), draft)):
         check_declared(proposer)
 
 
@@ -171,6 +184,8 @@ def test_every_strategy_gives_the_target_only_greedy_output(embedded, name):
         out = gen.generate([ids], max_new_tokens=N_NEW, eos_token_id=[])
         assert torch.equal(out, reference), (name, kw)
         assert kw or gen.last_stats.drafted > 0
+    if s.suffix is not None:        # every finished request entered the cache (the engine's "finished" hook)
+        assert proposer.cache.stats()["added"] == len(settings), name
     for flag in ("fused", "adaptive"):      # what the registry says does not apply is refused
         if not getattr(s, flag):
             with pytest.raises(ValueError):

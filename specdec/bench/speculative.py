@@ -19,6 +19,11 @@ In one process run, for each temperature (greedy and 0.7) and each k:
                       where an n-gram of 2 tokens matches, the shipped draft model / EAGLE head elsewhere)
   specdec-lookup+eagle-tree-{DxKxN}  the same trees with the prompt-lookup continuation (as long as the
                       depth) grafted on (``LookupBranch``)
+  specdec-suffix-k{k} ``--strategy suffix``: suffix decoding chains (``SuffixChain``); ``suffix+model`` /
+                      ``suffix+eagle`` / ``suffix+eagle3``: ``SuffixOrDraft`` (the suffix chain where a match of
+                      4+ tokens is found, the shipped draft elsewhere). Every call starts with an empty suffix
+                      cache (a fresh generator), so only the call's own rows are matched: MT-Bench questions do
+                      not repeat each other (``bench/bench_suffix.py`` measures workloads that do)
   specdec-medusa-{t}  ``--strategy medusa``: the shipped Medusa heads (or ``--heads DIR``) with tree t of
                       ``--trees`` (a built-in name, a JSON file, or ``shipped``: the tree built from the
                       heads' measured accuracy, stored with them); k = the tree's depth
@@ -74,8 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default=["model"], type=name_list(SPECULATIVE),
                         help=f"comma list of {', '.join(SPECULATIVE)}: the shipped vanilla draft model, EAGLE head "
                              "(chains, or EAGLE-2 dynamic trees) or Medusa heads, prompt lookup (no weights), prompt "
-                             "lookup where an n-gram matches and the draft model / EAGLE head elsewhere, or "
-                             "EAGLE-2 trees with the prompt-lookup continuation grafted on (lookup+eagle-tree)")
+                             "lookup where an n-gram matches and the draft model / EAGLE head elsewhere, "
+                             "EAGLE-2 trees with the prompt-lookup continuation grafted on (lookup+eagle-tree), "
+                             "suffix decoding (suffix; no weights) or suffix decoding where it matches and the "
+                             "draft model / EAGLE head elsewhere (suffix+model, suffix+eagle, suffix+eagle3)")
     parser.add_argument("--dynamic-trees", default="3x8x8",
                         help="eagle-tree: comma list of DEPTHxTOPKxNODES dynamic tree shapes")
     parser.add_argument("--trees", default="chain_4,mc_sim_7b_63,shipped",
@@ -90,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per call (HF assisted needs 1)")
     parser.add_argument("--ks", type=int_list, default=[2, 4, 6], help="draft tokens per step")
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
-    parser.add_argument("--backend", default="compiled", choices=["eager", "compiled", "xla"])
+    parser.add_argument("--backend", default="compiled", choices=["eager", "compiled", "regional", "xla"])
     parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
     parser.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
                         help="the target's weights (DecoderModel.from_pretrained(quantization=...)); drafts inherit it")

@@ -11,9 +11,12 @@ emitted tokens (the accepted drafts, then the target's correction or bonus token
 
 The engine appends the emitted tokens one position at a time, so EOS, the row's budget and stopping
 criteria cut the run exactly where target-only decoding stops; a finished row stays in the batch
-(static shapes) with its output frozen until it is released. Rows are independent: ``add`` prefills
-one row (a single-row context-encoding graph) while the others keep their state, and each row draws
-its random numbers from its own generator, so a row's output does not depend on its neighbours.
+(static shapes) with its output frozen until it is released. The speculator hears of every request's end
+once (``finished``: when its row finishes, or when it is released or dropped unfinished), with the
+final length, so a proposer that learns across requests (suffix decoding's cache) sees the output as
+emitted. Rows are independent: ``add`` prefills one row (a single-row context-encoding graph) while the
+others keep their state, and each row draws its random numbers from its own generator, so a row's output
+does not depend on its neighbours.
 
 Repetition penalty: the engine tracks the target's ``presence`` (``DecoderModel.track_presence``) and
 keeps it equal to each row's S_r: reset to the prompt before the row's context encoding, then marked
@@ -74,6 +77,10 @@ class Speculator(Protocol):
              rng: RowGenerators, stats: SpecStats) -> StepResult:
         """Advance every row once. tail [B, 2] = the last two tokens of S_r, lengths [B] = len(S_r),
         active [B] bool; the target's lengths are len(S_r) - 1. Times its phases into ``stats``."""
+
+    def finished(self, rows: list[int], lengths: list[int]) -> None:
+        """The requests in ``rows`` ended (EOS, budget, stopping criteria, release) with len(S_r) = ``lengths``
+        (each request once, after the step that emitted its last token)."""
 
 
 @dataclass
@@ -147,7 +154,11 @@ class Engine:
         return row
 
     def release(self, row: int) -> None:
-        """Free a row (finished or not); its cache slots are simply overwritten by the next request."""
+        """Free a row (finished or not: an unfinished request ends here); its cache slots are simply
+        overwritten by the next request."""
+        current = self.rows[row]
+        if current is not None and not current.done:
+            self._finished([row])
         self.rows[row] = None
         self.rng.release(row)
         self.params[row] = self.target.sampling_params(do_sample=False)[row]
@@ -206,7 +217,13 @@ class Engine:
         if appended:
             self.target.mark_presence([r for r, tokens in appended.items() for _ in tokens],
                                       [t for tokens in appended.values() for t in tokens])
+        self._finished([r for _, r in live if self.rows[r].done])
         return appended
+
+    def _finished(self, rows: list[int]) -> None:
+        """Tell the speculator that the requests in ``rows`` ended, with their final lengths."""
+        if self.speculator is not None and rows:
+            self.speculator.finished(rows, [self.rows[r].length for r in rows])
 
     # ------------------------------------------------------------------ batch requests
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int | None = None,
@@ -234,6 +251,7 @@ class Engine:
         b = len(req.prompts)
         start = time.perf_counter()
         total, self.stats = self.stats, SpecStats()     # this call's numbers, merged into the total after
+        self._finished(self.active_rows)                # requests added before this call are dropped
         self.rows = [None] * target.batch_size
         self.rng = RowGenerators(target.batch_size, target.device)
         eos = frozenset(req.eos.tolist())
@@ -269,6 +287,7 @@ class Engine:
             if streamer is not None:
                 streamer.end()
         finally:
+            self._finished(self.active_rows)            # rows an exception left unfinished end here
             self.on_tokens = None
             self.stats.add_time(other_s=time.perf_counter() - start - self.stats.total_s)
             self.last_stats, self.stats = self.stats, total.merge(self.stats)

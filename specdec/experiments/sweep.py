@@ -21,6 +21,11 @@ for the same settings (model, amp, backend, batch size, max_new_tokens, seed, to
 interrupted sweep (Ctrl-C, a crash) resumes where it stopped. A torn last line (killed mid-write) is
 dropped. Rows of other settings stay in the file and are not returned.
 
+Suffix decoding learns across requests: a proposer with a cache (``suffix``, ``suffix+X``) starts every
+configuration with it empty (after the warm-up), so a configuration never finds the outputs an earlier one
+produced for the same prompts; within a configuration each batch finds the earlier batches' outputs
+(a resumed configuration starts from an empty cache where it resumes).
+
 Seeds: a row's seed is derived from ``seed`` and the prompt's id (``row_seed``), so a prompt samples the
 same way whatever batch it lands in (rows are independent in the engine).
 """
@@ -485,6 +490,7 @@ def sweep(target: DecoderModel, configs: Iterable[Config], prompts: Iterable, *,
             if not pending:
                 continue
             strat = reg[c.strategy]
+            cache = None
             if strat.build is None:
                 engine, k = Engine(target), 0
             else:
@@ -492,13 +498,15 @@ def sweep(target: DecoderModel, configs: Iterable[Config], prompts: Iterable, *,
                 if pkey not in proposers:      # built once, reused by every k / temperature
                     proposers[pkey] = strat.build(target, c.k)
                 gen = SpeculativeGenerator(proposers[pkey], target, c.k if not strat.per_k else None)
-                engine, k = gen.engine, gen.k
+                engine, k, cache = gen.engine, gen.k, gen.proposer.cache
             sampling = _sampling(c, top_p)
             if bar is not None:
                 bar.set_description(c.label)
             if warmup:
                 engine.generate([ids[pending[0]]], max_new_tokens=min(8, max_new_tokens), eos_token_id=eos,
                                 seed=seed, **sampling)
+            if cache is not None:     # a cross-request cache (suffix decoding) starts each configuration empty
+                cache.clear()
             for start in range(0, len(pending), B):
                 batch = pending[start:start + B]
                 with _RowStats(engine, len(batch)) as rows:

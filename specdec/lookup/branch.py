@@ -18,6 +18,8 @@ verifier took, whichever source proposed it.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..proposer import BaseProposer, Proposal, Proposer, Verified, declared
@@ -30,7 +32,7 @@ class LookupBranch(BaseProposer):
     with a ``length``-token prompt-lookup branch (``lookup``: a ``PromptLookup`` for the same target); the
     arguments in ``LookupOrDraft``'s order. Itself a tree proposer of ``draft``'s depth and verifier."""
 
-    abilities = frozenset({"depth", "verifier", "verify_size", "check_target", "draft"})
+    abilities = frozenset({"depth", "verifier", "verify_size", "check_target", "draft", "finished"})
 
     def __init__(self, lookup: PromptLookup, draft: Proposer, length: int = 4):
         draft = declared(draft)
@@ -79,6 +81,11 @@ class LookupBranch(BaseProposer):
     def accepted(self, lengths, verified: Verified) -> None:
         self.draft.accepted(lengths, verified)
         self.lookup.accepted(lengths, verified)
+
+    def finished(self, rows: Sequence[int], lengths: Sequence[int] | None = None) -> None:
+        """Both proposers hear that the requests in ``rows`` ended."""
+        self.draft.finished(rows, lengths)
+        self.lookup.finished(rows, lengths)
 
 
 def graft(tokens: torch.Tensor, parent: torch.Tensor, chain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,8 +12,14 @@ Counters, gauges and histograms (names prefixed ``specdec_``):
     spec_steps_total, spec_draft_tokens_total, spec_accepted_tokens_total   row-steps, drafted, accepted
     spec_mean_acceptance_length    tau = 1 + accepted / steps (1 without speculation)
     spec_position_acceptance{position}   accepted at draft position i / steps
+    suffix_cache_tokens, suffix_cache_max_tokens, suffix_cache_sequences   suffix strategies: what the one
+                                   cache of the served model holds (tokens, its budget, finished outputs)
+    suffix_cache_lookups_total, suffix_cache_hits_total, suffix_cache_hit_rate   cache lookups, those that
+                                   found a match, hits / lookups
+    suffix_cache_added_total, suffix_cache_evicted_total   finished outputs added, evicted (LRU)
 
-The speculation values are read from the engine's ``SpecStats`` at scrape time (vLLM's definitions).
+The speculation values are read from the engine's ``SpecStats`` at scrape time (vLLM's definitions), the
+suffix cache's from its ``stats()`` (a proposer declaring "cache": ``specdec.proposer``).
 """
 from __future__ import annotations
 
@@ -48,6 +54,10 @@ class ServingMetrics:
         self.rows_in_use.set_function(lambda: engine.rows_in_use)
         self.rows.set(engine.target.batch_size)
         self.registry.register(_SpecCollector(engine.engine))
+        speculator = engine.engine.speculator          # (the core engine's; None: target only)
+        cache = None if speculator is None else speculator.proposer.cache
+        if cache is not None:
+            self.registry.register(_SuffixCacheCollector(cache))
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
@@ -72,3 +82,22 @@ class _SpecCollector:
         for i, a in enumerate(s.per_position_acceptance):
             per_position.add_metric([str(i)], a)
         yield per_position
+
+
+class _SuffixCacheCollector:
+    """A suffix cache's size and hit rate (``SuffixCache.stats()``, one consistent read per scrape)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def collect(self):
+        s = self.cache.stats()
+        for name, doc in (("tokens", "Tokens the suffix cache holds"),
+                          ("max_tokens", "The suffix cache's token budget"),
+                          ("sequences", "Finished outputs the suffix cache holds"),
+                          ("hit_rate", "Suffix cache lookups that found a match / lookups")):
+            yield GaugeMetricFamily(f"specdec_suffix_cache_{name}", doc, value=s[name])
+        for name, doc in (("lookups", "Suffix cache lookups"), ("hits", "Suffix cache lookups that found a match"),
+                          ("added", "Finished outputs added to the suffix cache"),
+                          ("evicted", "Outputs evicted from the suffix cache (least recently used)")):
+            yield CounterMetricFamily(f"specdec_suffix_cache_{name}", doc, value=s[name])

@@ -35,6 +35,7 @@ from ..cli import (
 )
 from ..core.decoder import DecoderModel
 from ..core.engine import Engine
+from ..core.graphs import COMPILING
 from ..generator import SpeculativeGenerator
 
 log = logging.getLogger("specdec.serving")
@@ -156,7 +157,7 @@ def load_engine(args: argparse.Namespace, progress: bool = False) -> Engine:
                                    adaptive=getattr(args, "adaptive_k", False), gate=getattr(args, "gate", False))
     say("loaded", seconds=round(time.perf_counter() - start, 2), layers=target.config.num_layers,
         vocab_size=target.vocab_size, proposer=type(proposer).__name__ if proposer else None, k=gen.k if gen else None)
-    if args.backend == "compiled":
+    if args.backend in COMPILING:
         start = time.perf_counter()
         precompile(target, proposer, gen, target.n_positions - 1, target.n_positions, progress=progress and log_here,
                    single_row=True)

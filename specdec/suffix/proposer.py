@@ -22,14 +22,15 @@ rows take the deepest path matching the target argmax (target-only greedy output
 the one-hot rules (tree: recursive multi-draft rejection; chain: accept x with p(x)): lossless.
 
 Finished requests enter the global cache when the proposer learns a row is over: ``finished(rows,
-lengths)`` (the optional hook an engine may call; ``lengths`` cuts what a final step emitted past an
-EOS), the first step the row is no longer active (its length or tail stops matching the row's sequence),
-or the row's next ``start`` — whichever comes first, once per request. Without ``lengths``, tokens a
-final step emitted past an EOS are cached with the output (the engine cuts the row there unseen).
+lengths)`` (the engine calls it when a request ends, with its final length, which cuts what a final step
+emitted past an EOS), or, for a loop that does not call it, the first step the row is no longer active (its
+length or tail stops matching the row's sequence) or the row's next ``start`` — whichever comes first, once
+per request.
 """
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 import torch
 
@@ -51,7 +52,10 @@ class SuffixProposer(BaseProposer):
     ``running`` [B] bool: the row runs a request not yet added to the cache (``finished`` adds it).
     After each ``propose``: ``matched`` [B] long, the match length behind each row's draft (0: none);
     ``drafted`` [B] long, its real tokens (the rest is padding); ``from_cache`` [B] bool, whether the
-    global cache (not the row's own sequence) gave it."""
+    global cache (not the row's own sequence) gave it. Declares "finished" (the engine's hook: a finished
+    request enters the cache) and "cache"."""
+
+    abilities = frozenset({"finished", "cache"})
 
     def __init__(self, target: DecoderModel, cache: SuffixCache | None = None, *, max_nodes: int,
                  alpha: float = 1.0, offset: float = 0.0, min_prob: float = 0.1, cache_prompts: bool = False):
@@ -95,7 +99,7 @@ class SuffixProposer(BaseProposer):
             self.local[r].extend(0, prompt.tolist() + [first[i]])
             self.prompt_len[r], self.running[r] = len(prompt), True
 
-    def finished(self, rows, lengths=None) -> None:
+    def finished(self, rows: Sequence[int], lengths: Sequence[int] | None = None) -> None:
         """The requests in ``rows`` are over (EOS, budget, released): add their sequences to the global
         cache (the output, with the prompt if ``cache_prompts``), cut to ``lengths`` (each row's final
         len(S), where the engine stopped it; None: all the tokens seen). Rows already added are skipped,
@@ -152,7 +156,7 @@ class SuffixDraft(SuffixProposer):
     ``num_nodes`` nodes + the root per step with ``TreeVerifier``. See the module docstring and
     ``SuffixProposer`` for ``cache``, ``alpha``, ``offset``, ``min_prob``, ``cache_prompts``."""
 
-    abilities = frozenset({"depth", "verifier", "verify_size", "check_target"})
+    abilities = SuffixProposer.abilities | {"depth", "verifier", "verify_size", "check_target"}
 
     def __init__(self, target: DecoderModel, cache: SuffixCache | None = None, *, depth: int = 8,
                  num_nodes: int = 8, alpha: float = 1.0, offset: float = 0.0, min_prob: float = 0.1,
@@ -192,8 +196,6 @@ class SuffixDraft(SuffixProposer):
 class SuffixChain(SuffixProposer):
     """Suffix decoding with chains for ``target``: each row's most frequent continuation (at most k tokens,
     padded with S[-1]), verified with ``ChainVerifier``; see ``SuffixProposer`` for the arguments."""
-
-    abilities = frozenset()
 
     def __init__(self, target: DecoderModel, cache: SuffixCache | None = None, *, alpha: float = 1.0,
                  offset: float = 0.0, min_prob: float = 0.1, cache_prompts: bool = False):

@@ -1,0 +1,457 @@
+#!/usr/bin/env python
+"""Suffix decoding on repetitive and non-repetitive workloads: τ, tok/s and the ratio to target-only,
+offline (batch 1, requests one after the other) and through the HTTP server under concurrent streams.
+
+Workloads (generated here, deterministic for a given ``--seed``; every request greedy, ending at EOS or
+``--max-new-tokens``):
+
+- ``agent``: multi-turn agent sessions (a coding agent that fixes failing tests with JSON actions): every
+  turn re-sends the whole conversation, the agent's earlier outputs and the tool results included;
+- ``extraction``: extraction requests filling the same JSON schema from different generated documents;
+- ``refactor``: refactor requests over similar generated Python functions;
+- ``mt-bench`` and ``varied``: the first turns of MT-Bench and of specdec's varied prompt set, the
+  non-repetitive controls.
+
+Systems: ``target`` (target-only decoding) and one per ``--strategies`` entry (registry names, default
+``suffix,suffix+model``). Each (system, workload) starts with an empty suffix cache that then fills with
+the workload's finished requests, as a server's does. Offline: one ``SpeculativeGenerator`` per (system,
+workload) over one batch-1 target, after an untimed warm-up request (with its own cache); ``tok_s`` = new
+tokens / seconds of the ``generate`` calls (prefill included). Server (``--modes server``): ``specdec serve``'s
+engine (batch ``--concurrency``) in this process, ``--concurrency`` concurrent streams (agent: that many
+sessions at once, each turn after the previous one; others: a closed loop of that many clients);
+``tok_s`` = output tokens / wall seconds. τ = 1 + accepted / steps (pooled row-steps). Greedy outputs of
+every speculative system must equal the target's (``identical_to_target``, in both modes).
+
+Commands (the full runs take a while: run them on an idle machine)::
+
+    python bench/bench_suffix.py                            # the embedded SmolLM2-135M-Instruct
+    python bench/bench_suffix.py --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
+        --quantization gguf
+
+The JSON (stdout and ``--output``, default ``bench/results/suffix_<model>.json``): ``command``, ``commit``,
+``machine`` (``specdec.bench.runtime.machine_info``), ``config``, ``offline`` and ``server``
+({workload: {system: {tau, tok_s, ratio_to_target, new_tokens, requests, seconds, cache, ...}}}); a markdown
+table goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from specdec import DecoderModel, Engine
+from specdec.bench import emit_json
+from specdec.bench.prompts import load_records
+from specdec.bench.runtime import git_commit, machine_info
+from specdec.cli import (
+    EMBEDDED_NAME,
+    SUFFIX_FLAGS,
+    add_suffix_arguments,
+    build_parser,
+    check_speculation_arguments,
+    suffix_settings,
+)
+from specdec.core.chat import chat_ids, conversation_ids
+from specdec.generator import SpeculativeGenerator
+from specdec.registry import REGISTRY, name_list
+
+WORKLOADS = ("agent", "extraction", "refactor", "mt-bench", "varied")
+SUFFIX = tuple(name for name, s in REGISTRY.items() if s.suffix is not None)
+"""The registry's suffix strategies (suffix alone, suffix+X): what ``--strategies`` may name."""
+TARGET = "target"
+
+
+# ---------------------------------------------------------------------------------------------- workloads
+FIRST = ["Maria", "James", "Aiko", "Omar", "Lena", "Pedro", "Grace", "Ivan", "Chen", "Sofia", "Noah", "Amara"]
+LAST = ["Lopez", "Smith", "Tanaka", "Haddad", "Fischer", "Silva", "Okafor", "Petrov", "Wei", "Rossi", "Berg", "Diallo"]
+COMPANIES = ["Acme Corp", "Globex", "Initech", "Umbrella Labs", "Stark Logistics", "Wayne Foods", "Hooli",
+             "Vandelay Imports"]
+ROLES = ["data analyst", "software engineer", "product manager", "accountant", "sales director", "nurse",
+         "mechanical engineer", "designer"]
+CITIES = ["Denver", "Lyon", "Osaka", "Nairobi", "Toronto", "Porto", "Austin", "Krakow"]
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December"]
+SCHEMA = ('{"name": string, "company": string, "role": string, "city": string, "start_date": "YYYY-MM-DD", '
+          '"salary_usd": number, "remote": boolean}')
+DOCUMENTS = [
+    "{name} joined {company} as a {seniority} {role} in {city} on {month} {day}, {year}. The offer letter lists "
+    "an annual salary of ${salary:,} and says the position is {remote_text}.",
+    "HR note: starting {month} {day}, {year}, {company} employs {name} ({seniority} {role}). Work location: "
+    "{city}, {remote_text}. Compensation: ${salary:,} per year.",
+    "Welcome aboard! {company} is happy to announce that {name} starts as our new {seniority} {role} on "
+    "{month} {day}, {year}. {first} will be based in {city} ({remote_text}) and earn ${salary:,} a year.",
+]
+ENTITIES = [("user", "users", ["email", "name", "id"]), ("order", "orders", ["customer_id", "status", "id"]),
+            ("product", "products", ["sku", "category", "id"]), ("invoice", "invoices", ["number", "client", "id"]),
+            ("ticket", "tickets", ["priority", "assignee", "id"]), ("book", "books", ["isbn", "author", "id"])]
+FUNCTIONS = [
+    "def find_{entity}_by_{field}({table}, value):\n    result = None\n    for item in {table}:\n"
+    "        if item[\"{field}\"] == value:\n            result = item\n            break\n    return result\n",
+    "def count_{table}_with_{field}({table}, value):\n    count = 0\n    for item in {table}:\n"
+    "        if item[\"{field}\"] == value:\n            count = count + 1\n    return count\n",
+    "def {table}_{field}_values({table}):\n    values = []\n    for item in {table}:\n"
+    "        if item[\"{field}\"] not in values:\n            values.append(item[\"{field}\"])\n    return values\n",
+]
+REFACTOR = ("Refactor this Python function: add type hints and a docstring, and make it shorter with a generator "
+            "expression or a comprehension. Reply with the code only.\n\n```python\n{code}```")
+AGENT_SYSTEM = ("You are a coding agent fixing a failing test in a Python repository. Each turn, reply with one "
+                "JSON action and nothing else: {\"thought\": string, \"tool\": \"read_file\" | \"run_tests\" | "
+                "\"edit_file\" | \"finish\", \"args\": object}. Tool results come back as the next message.")
+AGENT_TASK = ("Task: the test {test} fails in the repository {repo}. Find the bug in {module} and fix it.\n"
+              "Files:\n{files}")
+
+
+@dataclass
+class Workload:
+    """A workload: independent requests (``prompts``: token ids), or agent ``sessions`` whose turn t's prompt
+    is the conversation so far (``turn(session, outputs)`` → the next prompt's ids, or None when it is over)."""
+
+    name: str
+    prompts: list[list[int]] = field(default_factory=list)
+    sessions: list[Callable[[list[str]], list[int] | None]] = field(default_factory=list)
+
+    @property
+    def requests(self) -> int:
+        return len(self.prompts) or len(self.sessions)
+
+
+def extraction_prompts(rng: random.Random, n: int) -> list[str]:
+    """``n`` requests to fill ``SCHEMA`` from generated documents (different people, the same schema)."""
+    out = []
+    for _ in range(n):
+        first, last = rng.choice(FIRST), rng.choice(LAST)
+        remote = rng.random() < 0.5
+        doc = rng.choice(DOCUMENTS).format(
+            name=f"{first} {last}", first=first, company=rng.choice(COMPANIES), role=rng.choice(ROLES),
+            seniority=rng.choice(["junior", "senior", "lead"]), city=rng.choice(CITIES), month=rng.choice(MONTHS),
+            day=rng.randint(1, 28), year=rng.randint(2015, 2024), salary=rng.randrange(40_000, 160_000, 500),
+            remote_text="fully remote" if remote else "on site")
+        out.append(f"Extract the fields of this document as a JSON object with exactly this schema: {SCHEMA}. "
+                   f"Answer with the JSON object only.\n\nDocument: {doc}")
+    return out
+
+
+def refactor_prompts(rng: random.Random, n: int) -> list[str]:
+    """``n`` refactor requests over generated functions of a few shapes (similar code, different names)."""
+    out = []
+    for _ in range(n):
+        entity, table, fields = rng.choice(ENTITIES)
+        code = rng.choice(FUNCTIONS).format(entity=entity, table=table, field=rng.choice(fields))
+        out.append(REFACTOR.format(code=code))
+    return out
+
+
+def agent_tool_result(rng: random.Random, turn: int, module: str, test: str) -> str:
+    """A deterministic tool result for an agent's turn: a file, a test run, an edit confirmation."""
+    entity, table, fields = rng.choice(ENTITIES)
+    if turn % 3 == 1:
+        code = rng.choice(FUNCTIONS).format(entity=entity, table=table, field=rng.choice(fields))
+        return f"read_file {module}:\n```python\n{code}```"
+    if turn % 3 == 2:
+        passed = rng.randint(5, 40)
+        return (f"run_tests: {passed} passed, 1 failed\nFAILED {test} - AssertionError: expected 2, got 1\n"
+                f"  File \"{module}\", line {rng.randint(3, 9)}, in count_{table}_with_{fields[0]}")
+    return f"edit_file {module}: applied 1 change ({rng.randint(1, 4)} lines). Run the tests to check it."
+
+
+def agent_session(tokenizer, rng: random.Random, turns: int) -> Callable[[list[str]], list[int] | None]:
+    """A session of ``turns`` turns: the conversation grows by the agent's output and a tool result per turn."""
+    entity, table, fields = rng.choice(ENTITIES)
+    module = f"app/{table}.py"
+    test = f"tests/test_{table}.py::test_count_{table}_with_{fields[0]}"
+    files = "\n".join(f"  {p}" for p in (module, f"app/{rng.choice(ENTITIES)[1]}.py", "app/db.py",
+                                         f"tests/test_{table}.py"))
+    first = AGENT_TASK.format(test=test, repo=f"{entity}-service", module=module, files=files)
+    results = [agent_tool_result(rng, t, module, test) for t in range(1, turns)]
+
+    def turn(outputs: list[str]) -> list[int] | None:
+        if len(outputs) >= turns:
+            return None
+        messages = [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": first}]
+        for i, out in enumerate(outputs):
+            messages += [{"role": "assistant", "content": out}, {"role": "user", "content": results[i]}]
+        return conversation_ids(tokenizer, messages)
+    return turn
+
+
+def workload(name: str, tokenizer, requests: int, turns: int, seed: int) -> Workload:
+    """The workload ``name`` (``WORKLOADS``) with ``requests`` requests (agent: sessions of ``turns`` turns)."""
+    rng = random.Random(f"{seed}-{name}")
+    if name == "agent":
+        return Workload(name, sessions=[agent_session(tokenizer, rng, turns) for _ in range(requests)])
+    if name == "extraction":
+        texts = extraction_prompts(rng, requests)
+    elif name == "refactor":
+        texts = refactor_prompts(rng, requests)
+    else:
+        texts = [text for _, _, text in load_records(name, requests)]
+    return Workload(name, prompts=[chat_ids(tokenizer, t) for t in texts])
+
+
+def requests_of(wl: Workload, tokenizer, generate: Callable[[list[int]], list[int]]) -> list[list[int]]:
+    """Run every request of ``wl`` in order with ``generate`` (prompt ids → new token ids); agent sessions
+    one after the other, each turn's prompt holding the earlier turns' outputs → the outputs, in order."""
+    outputs = [generate(p) for p in wl.prompts]
+    for session in wl.sessions:
+        texts: list[str] = []
+        while (prompt := session(texts)) is not None:
+            outputs.append(generate(prompt))
+            texts.append(tokenizer.decode(outputs[-1], skip_special_tokens=True))
+    return outputs
+
+
+# ---------------------------------------------------------------------------------------------- offline
+def run_offline(cfg: argparse.Namespace, workloads: list[Workload], target: DecoderModel) -> dict:
+    """Batch 1, requests one after the other: target-only and every strategy, per workload (see the module
+    docstring) → {workload: {system: entry}}."""
+    parts: dict[str, object] = {}           # a draft network, loaded once, serves every system that uses it
+
+    def proposer(name: str):
+        s = REGISTRY[name]
+        if s.part is not None and s.part not in parts:
+            parts[s.part] = REGISTRY[s.part].build(target, cfg.draft_model, progress=False)
+        return s.build(target, part=parts.get(s.part), suffix=suffix_settings(cfg))
+
+    def engine_of(name: str) -> Engine:
+        if name == TARGET:
+            return Engine(target)
+        return SpeculativeGenerator(proposer(name), target, cfg.k or REGISTRY[name].default_k).engine
+
+    result: dict[str, dict] = {}
+    for system in (TARGET, *cfg.strategies):
+        log(f"offline: {system}")
+        warm = engine_of(system)            # untimed: each workload's first request, a few tokens
+        for wl in workloads:
+            first = wl.prompts[0] if wl.prompts else wl.sessions[0]([])
+            warm.generate([first], max_new_tokens=8)
+        for wl in workloads:
+            engine, seconds = engine_of(system), 0.0
+
+            def generate(ids: list[int]) -> list[int]:
+                nonlocal seconds
+                start = time.perf_counter()
+                engine.generate([ids], max_new_tokens=cfg.max_new_tokens)      # noqa: B023 (this workload's)
+                seconds += time.perf_counter() - start
+                return list(engine.rows[0].new)                                 # noqa: B023
+
+            outputs = requests_of(wl, target.tokenizer, generate)
+            result.setdefault(wl.name, {})[system] = entry(engine, outputs, seconds)
+    return finish(result)
+
+
+COUNTERS = ("lookups", "hits", "added", "evicted")
+
+
+def entry(engine: Engine, outputs: list[list[int]], seconds: float, before: dict | None = None) -> dict:
+    """One (system, workload) result: requests, new tokens, seconds, tok/s, τ and acceptance (the engine's
+    statistics since it was made or reset), the suffix cache's ``stats()`` (its counters since ``before``)."""
+    new = sum(len(o) for o in outputs)
+    out = {"requests": len(outputs), "new_tokens": new, "seconds": seconds, "tok_s": new / seconds,
+           "outputs": outputs}
+    speculator = engine.speculator
+    if speculator is not None:
+        d = engine.stats.to_dict()
+        out.update(tau=d["mean_acceptance_length"], acceptance_rate=d["acceptance_rate"],
+                   steps=d["steps"], drafted=d["drafted"], accepted=d["accepted"])
+        if speculator.proposer.cache is not None:
+            cache = speculator.proposer.cache.stats()
+            cache.update({c: cache[c] - (before or {}).get(c, 0) for c in COUNTERS})
+            cache["hit_rate"] = cache["hits"] / cache["lookups"] if cache["lookups"] else 0.0
+            out["cache"] = cache
+    return out
+
+
+def finish(result: dict) -> dict:
+    """Per workload: every system's ratio of tok/s to the target's and whether its outputs equal the target's
+    (greedy: they must); the outputs themselves are dropped."""
+    for systems in result.values():
+        reference = systems[TARGET]
+        for e in systems.values():
+            e["ratio_to_target"] = e["tok_s"] / reference["tok_s"]
+            e["identical_to_target"] = e["outputs"] == reference["outputs"]
+        for e in systems.values():
+            del e["outputs"]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- server
+def serve_args(cfg: argparse.Namespace, strategy: str) -> argparse.Namespace:
+    """``specdec serve``'s arguments for ``strategy`` ("none": target only), batch ``--concurrency``."""
+    argv = ["serve", "--model", cfg.model, "--backend", cfg.backend, "--amp", cfg.amp, "--n-positions",
+            str(cfg.n_positions), "--batch-size", str(cfg.concurrency), "--draft", strategy,
+            "--max-waiting", str(4 * cfg.concurrency)]
+    argv += ["--quantization", cfg.quantization] if cfg.quantization else []
+    argv += ["--draft-model", cfg.draft_model] if cfg.draft_model and REGISTRY[strategy].part == "model" else []
+    argv += ["--k", str(cfg.k)] if cfg.k and strategy != "none" else []
+    args = build_parser().parse_args(argv)
+    for dest in SUFFIX_FLAGS if REGISTRY[strategy].suffix else ():
+        setattr(args, dest, getattr(cfg, dest))
+    check_speculation_arguments(args)
+    return args
+
+
+async def serve_workload(base: str, wl: Workload, tokenizer, cfg: argparse.Namespace) -> list[list[int]]:
+    """``wl`` through the HTTP API, ``--concurrency`` at a time (requests: a closed loop of that many clients;
+    agent: that many sessions at once, each turn after the previous one) → the outputs."""
+    import httpx
+
+    gate = asyncio.Semaphore(cfg.concurrency)
+    async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=cfg.concurrency + 2)) as client:
+        async def complete(ids: list[int]) -> list[int]:
+            body = {"prompt": ids, "max_tokens": cfg.max_new_tokens, "temperature": 0}
+            r = await client.post(f"{base}/v1/completions", json=body)
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text}")
+            return r.json()["choices"][0]["token_ids"]
+
+        async def request(ids: list[int]) -> list[list[int]]:
+            async with gate:
+                return [await complete(ids)]
+
+        async def session(turn) -> list[list[int]]:
+            outputs, texts = [], []
+            async with gate:
+                while (prompt := turn(texts)) is not None:
+                    outputs.append(await complete(prompt))
+                    texts.append(tokenizer.decode(outputs[-1], skip_special_tokens=True))
+            return outputs
+
+        done = await asyncio.gather(*[request(p) for p in wl.prompts], *[session(t) for t in wl.sessions])
+    return [o for outs in done for o in outs]
+
+
+def run_server(cfg: argparse.Namespace, workloads: list[Workload]) -> dict:
+    """Each system served in this process (``specdec serve``'s engine); its one cache is emptied between
+    workloads → {workload: {system: entry}} (outputs compared across systems as offline)."""
+    from specdec.serving import create_app
+    from specdec.serving.server import load_engine, running_server, serving_engine
+
+    result: dict[str, dict] = {}
+    for system in (TARGET, *cfg.strategies):
+        log(f"server: {system}")
+        args = serve_args(cfg, "none" if system == TARGET else system)
+        served = serving_engine(load_engine(args), args)
+        core = served.engine
+        cache = None if core.speculator is None else core.speculator.proposer.cache
+        with running_server(create_app(served, "bench")) as base:
+            for wl in workloads:                     # warm-up: each workload's first request, a few tokens
+                first = wl.prompts[0] if wl.prompts else wl.sessions[0]([])
+                asyncio.run(serve_workload(base, Workload("warm-up", prompts=[first]), core.target.tokenizer,
+                                           argparse.Namespace(**{**vars(cfg), "max_new_tokens": 8})))
+            for wl in workloads:
+                if cache is not None:
+                    cache.clear()
+                before = {} if cache is None else cache.stats()
+                core.stats.reset()                   # (the engine thread is idle between workloads)
+                start = time.perf_counter()
+                outputs = asyncio.run(serve_workload(base, wl, core.target.tokenizer, cfg))
+                seconds = time.perf_counter() - start
+                result.setdefault(wl.name, {})[system] = entry(core, outputs, seconds, before)
+    return finish(result)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=EMBEDDED_NAME,
+                   help="the target: the embedded model, a named model (qwen2.5-coder-1.5b-instruct), a .gguf file "
+                        "or a checkpoint directory")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft of suffix+model (a named model such as qwen2.5-coder-0.5b-instruct, a .gguf file "
+                        "or a checkpoint directory; default: the shipped draft, trained for the embedded model)")
+    p.add_argument("--strategies", type=name_list(SUFFIX), default=["suffix", "suffix+model"],
+                   help=f"comma list of {', '.join(SUFFIX)} (target-only always runs)")
+    p.add_argument("--workloads", type=name_list_of(WORKLOADS), default=list(WORKLOADS), help="comma list")
+    p.add_argument("--modes", type=name_list_of(("offline", "server")), default=["offline", "server"],
+                   help="offline (batch 1), server (HTTP, --concurrency streams), or both")
+    p.add_argument("--requests", type=int, default=8,
+                   help="requests per workload (agent: sessions, each of --turns requests)")
+    p.add_argument("--turns", type=int, default=4, help="agent: turns per session")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per request (a request may end at EOS first)")
+    p.add_argument("--concurrency", type=int, default=4, help="server: concurrent streams = rows of the batch")
+    p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: the strategy's, 4)")
+    p.add_argument("--backend", choices=("eager", "compiled"), default="eager")
+    p.add_argument("--amp", choices=("f32", "bf16"), default="f32")
+    p.add_argument("--quantization", default=None, choices=("int8", "int4", "gguf"),
+                   help="the target's weights (gguf: a GGUF model's own blocks, e.g. the Qwen2.5-Coder pair)")
+    p.add_argument("--n-positions", type=int, default=2048, help="KV positions: the longest agent turn must fit")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
+    p.add_argument("--seed", type=int, default=0, help="the workloads' generator seed")
+    p.add_argument("--output", default=None,
+                   help="also write the JSON here (default: bench/results/suffix_<model>.json)")
+    add_suffix_arguments(p)
+    args = p.parse_args(argv)
+    if min(args.requests, args.turns, args.max_new_tokens, args.concurrency) < 1:
+        p.error("--requests, --turns, --max-new-tokens and --concurrency must be >= 1")
+    if "suffix+model" in args.strategies and args.draft_model is None and args.model != EMBEDDED_NAME:
+        p.error(f"suffix+model for --model {args.model} needs --draft-model (the shipped draft is for "
+                f"{EMBEDDED_NAME})")
+    return args
+
+
+def name_list_of(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list of ``choices``."""
+    def parse(text: str) -> list[str]:
+        out = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+        bad = [t for t in out if t not in choices]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"choose among {', '.join(choices)}, got {text!r}")
+        return out
+    return parse
+
+
+def table(result: dict) -> str:
+    rows = ["| mode | workload | system | τ | tok/s | × target | identical |", "|---|---|---|---:|---:|---:|---|"]
+    for mode in ("offline", "server"):
+        for wl, systems in result.get(mode, {}).items():
+            for name, e in systems.items():
+                tau = f"{e['tau']:.2f}" if "tau" in e else "1.00"
+                rows.append(f"| {mode} | {wl} | {name} | {tau} | {e['tok_s']:.1f} | {e['ratio_to_target']:.2f} | "
+                            f"{e['identical_to_target']} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    torch.set_num_threads(cfg.threads)
+    torch.set_grad_enabled(False)
+    name = cfg.model if cfg.model == EMBEDDED_NAME else Path(cfg.model).stem
+    output = cfg.output or str(REPO / "bench" / "results" / f"suffix_{name}.json")
+    result: dict = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(),
+                    "machine": machine_info(), "config": {**vars(cfg), "output": output}}
+    log(f"loading {cfg.model} ...")
+    target = DecoderModel.from_pretrained(cfg.model, batch_size=1, n_positions=cfg.n_positions, amp=cfg.amp,
+                                          backend=cfg.backend, quantization=cfg.quantization, progress=False)
+    workloads = [workload(w, target.tokenizer, cfg.requests, cfg.turns, cfg.seed) for w in cfg.workloads]
+    longest = max(len(p) for wl in workloads for p in wl.prompts or [wl.sessions[0]([])])
+    if longest + cfg.max_new_tokens > cfg.n_positions:
+        raise SystemExit(f"--n-positions {cfg.n_positions} is too small for a prompt of {longest} tokens and "
+                         f"{cfg.max_new_tokens} new tokens")
+    if "offline" in cfg.modes:
+        result["offline"] = run_offline(cfg, workloads, target)
+    if "server" in cfg.modes:
+        del target                                 # the servers load their own (batch --concurrency)
+        result["server"] = run_server(cfg, workloads)
+    emit_json(result, output)
+    log(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
