@@ -84,9 +84,11 @@ from specdec.registry import REGISTRY, name_list
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
-STRATEGIES = tuple(name for name, s in REGISTRY.items() if s.kind != "tree" and s.part in (None, "model"))
+STRATEGIES = tuple(name for name, s in REGISTRY.items()
+                   if s.kind != "tree" and s.part in (None, "model") and s.suffix is None)
 """The registry's strategies the pair runs: target only, the draft model, prompt lookup, both (none, model,
-lookup, lookup+model): the 0.5B is the pair's one draft network."""
+lookup, lookup+model): the 0.5B is the pair's one draft network. (Suffix decoding learns across requests:
+``bench/bench_suffix.py`` measures it on workloads that repeat.)"""
 SPECDEC_TARGET, LLAMACPP_TARGET = "specdec-target", "llamacpp-target"
 ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "GGML_", "LLAMA_")   # inherited variables that can change llama.cpp
 
@@ -138,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
                         "(none = no speculative system; specdec-target always runs)")
     p.add_argument("--model", default=TARGET, help="target: a named model, a .gguf file or a checkpoint directory")
     p.add_argument("--draft-model", default=DRAFT, help="draft: a named model, a .gguf file or a checkpoint")
-    p.add_argument("--backend", choices=("eager", "compiled"), default="eager")
+    p.add_argument("--backend", choices=("eager", "compiled", "regional"), default="eager")
     p.add_argument("--amp", choices=("f32", "bf16"), default="f32")
     p.add_argument("--quantization", default="gguf", help="DecoderModel quantization ('none' for None)")
     p.add_argument("--n-positions", type=int, default=1024, help="KV positions (also llama.cpp's -c)")
