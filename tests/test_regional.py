@@ -2,14 +2,16 @@
 once per graph shape for all the layers of one structure, the rest eager. It computes what eager
 computes (greedy tokens equal eager's and transformers', logits to float tolerance, speculation exact),
 layers of different structure never share code (a model whose layers mix weight formats), and the
-runners are built once per model."""
+runners are built once per model; compiled reductions are row-invariant (a row's RMSNorm has the same
+bits in a decode step and in a verify step)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from specdec import PromptLookup, SpeculativeGenerator
-from specdec.core.graphs import compile_layers, layer_signature
+from specdec.core.graphs import COMPILE_OPTIONS, compile_layers, layer_signature
+from specdec.core.model import rms_norm
 from specdec.core.quant import Int8Linear
 
 from conftest import checkpoint, hf_greedy, load, prompt_ids  # noqa: F401  (fixture)
@@ -76,3 +78,25 @@ def test_signature_sees_attributes_and_tensor_shapes(checkpoint):
     layers[1].self_attn.kv_cache_dtype = layers[0].self_attn.kv_cache_dtype
     layers[1].input_layernorm.weight.data = torch.ones(3)   # a parameter of another shape
     assert layer_signature(layers[0]) != layer_signature(layers[1])
+
+
+@pytest.mark.parametrize("n", [2, 5, 9, 16])
+def test_compiled_norms_are_row_invariant(n):
+    """A 1,536-wide RMSNorm feeding a matmul, compiled with the backends' options at two threads: each row's
+    norm is bitwise the same alone (a decode step) as among n rows (a verify step). With Inductor's default
+    chunk the one-row reduction is split between the threads and its last bits differ."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        weight, w = torch.rand(1536) + 0.5, torch.randn(1536, 64)
+
+        def norm_then_matmul(x):
+            y = rms_norm(x, weight, 1e-6).reshape(-1, 1536).float().contiguous()
+            return y, torch.mm(y, w)
+        torch._dynamo.reset()
+        f = torch.compile(norm_then_matmul, dynamic=False, options=COMPILE_OPTIONS)
+        x = torch.randn(n, 1536, generator=torch.Generator().manual_seed(n)) * 3
+        assert torch.equal(f(x)[0], torch.cat([f(x[i:i + 1])[0] for i in range(n)]))
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()

@@ -263,10 +263,18 @@ def autotuned(compiled):
     return run
 
 
-COMPILE_OPTIONS = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "size_asserts": False}
-"""``torch.compile`` options of the ``compiled`` backend. No guards on module attributes (``own_frame``);
-no size asserts: the generated code would check the size and stride of every input (each weight, ~1,000
-checks, ~0.5 ms a decode step), and the runtime passes fixed shapes by construction."""
+COMPILE_OPTIONS = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "size_asserts": False,
+                   "cpp.min_chunk_size": 32768}
+"""``torch.compile`` options of the ``compiled`` and ``regional`` backends. No guards on module attributes
+(``own_frame``); no size asserts: the generated code would check the size and stride of every input (each
+weight, ~1,000 checks, ~0.5 ms a decode step), and the runtime passes fixed shapes by construction.
+
+Row invariance: with Inductor's default chunk (512 elements a thread), a decode step's RMSNorm (one row
+of 1,536) is summed by two threads in two halves while a verify step's rows are each summed by one thread,
+so a row's norm differs in the last bit between decode and verify, the 8-bit activation rounding of the
+GGUF kernel amplifies it (logits 0.15 apart on the 1.5B) and greedy speculation stopped matching target-only
+decoding. A chunk of 32,768 elements (ATen's grain size, which keeps the eager backend invariant) leaves
+every reduction shorter than that to one thread (``tests/test_regional.py``)."""
 
 
 def _plain(value) -> object:
