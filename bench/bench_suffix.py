@@ -386,7 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128, help="per request (a request may end at EOS first)")
     p.add_argument("--concurrency", type=int, default=4, help="server: concurrent streams = rows of the batch")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: the strategy's, 4)")
-    p.add_argument("--backend", choices=("eager", "compiled"), default="eager")
+    p.add_argument("--backend", choices=("eager", "compiled", "regional"), default="eager")
     p.add_argument("--amp", choices=("f32", "bf16"), default="f32")
     p.add_argument("--quantization", default=None, choices=("int8", "int4", "gguf"),
                    help="the target's weights (gguf: a GGUF model's own blocks, e.g. the Qwen2.5-Coder pair)")
