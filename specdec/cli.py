@@ -641,7 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     benchmark("bench-quality", "perplexity on held-out text and greedy agreement of f32 / bf16 / int8 / int4 "
               "(prints JSON)", bench_quality)
     benchmark("bench-coverage", "coverage of the shipped drafts' reduced vocabulary on the target's greedy outputs, "
-              "per prompt category, and of larger vocabularies (writes bench/results/coverage_<date>.json)",
+              "per prompt category, and of larger vocabularies (writes bench/results/coverage.json)",
               bench_coverage)
     benchmark("bench-serve", "serving benchmark: the HTTP server under 1-16 concurrent streaming clients, "
               "with and without speculation (prints JSON)", bench_serving)

@@ -10,7 +10,8 @@ ROOT = Path(specdec.__file__).parent
 
 LAYERS = [  # lowest first: module-name prefixes (relative to the package)
     ("runtime", ["core"]),
-    ("speculation", ["acceptance", "adaptive", "gate", "tree", "proposer", "verify", "speculative", "fused"]),
+    ("speculation", ["acceptance", "adaptive", "combined", "gate", "tree", "proposer", "verify", "speculative",
+                     "fused"]),
     ("strategies", ["draft", "eagle", "medusa", "lookup", "suffix"]),
     ("api", ["generator", "registry", "shipped", "__init__"]),
     ("tools", ["train", "plan", "bench", "cli", "experiments", "serving"]),

@@ -8,7 +8,7 @@ For each prompt: the target's greedy output (runtime, EOS off); then
       with its row length), and optionally at k=5.
 Both compared position by position with the target's next token (its greedy argmax).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/eagle_gap.py --num-prompts 10 --amp f32 --out /tmp/gap.json
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/eagle_gap/eagle_gap.py --num-prompts 10 --amp f32 --out /tmp/gap.json
 """
 from __future__ import annotations
 

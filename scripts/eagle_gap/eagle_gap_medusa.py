@@ -1,7 +1,7 @@
 """EAGLE gap, part 3: Medusa head 0 (top-1) and the EAGLE head, teacher-forced, on the same target outputs
-(the sequences ``bench/eagle_gap.py --out`` or ``bench/eagle_gap_synth.py`` saved).
+(the sequences ``scripts/eagle_gap/eagle_gap.py --out`` or ``scripts/eagle_gap/eagle_gap_synth.py`` saved).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/eagle_gap_medusa.py /tmp/diag/gap_f32.json /tmp/diag/synth.pt
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/eagle_gap/eagle_gap_medusa.py /tmp/gap_f32.json /tmp/synth.pt
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """EAGLE gap, part 2: the training metric vs the runtime on fresh synthesised prompts (the training data's
 generator, ``specdec.train.data.generate_batch``, at a batch index the training never used).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/eagle_gap_synth.py --rows 24 --index 777 --runtime-rows 8
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/eagle_gap/eagle_gap_synth.py --rows 24 --index 777 --runtime-rows 8
 """
 from __future__ import annotations
 

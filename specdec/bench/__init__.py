@@ -14,8 +14,11 @@ import json
 
 
 def emit_json(result: dict, output: str | None) -> None:
-    """Print a benchmark result as indented JSON and, with ``output``, also write it there."""
-    text = json.dumps(result, indent=2)
+    """Print a benchmark result as indented JSON and, with ``output``, also write it there; the JSON carries
+    the command, commit and machine (``runtime.with_provenance``)."""
+    from .runtime import with_provenance
+
+    text = json.dumps(with_provenance(result), indent=2)
     print(text)
     if output:
         with open(output, "w") as f:

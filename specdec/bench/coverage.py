@@ -19,12 +19,11 @@ varied set) this reports, on the target's greedy outputs (``--max-new-tokens``, 
 - the cost: LM-head bytes a draft reads per drafted token, hidden × V × 2 (bf16).
 
     specdec bench-coverage [--sets mt-bench,varied] [--max-new-tokens 128] [--output FILE]
-    (default output bench/results/coverage_<date>.json; ``--cache FILE`` keeps the generated outputs)
+    (default output bench/results/coverage.json; ``--cache FILE`` keeps the generated outputs)
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import time
 from collections import Counter
@@ -49,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vocabulary sizes to evaluate besides the full one (default 8192,16384,24576,32768)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cache", default=None, help="json of generated outputs: read if it exists, else written")
-    parser.add_argument("--output", default=None, help="default bench/results/coverage_<date>.json")
+    parser.add_argument("--output", default=None, help="default bench/results/coverage.json")
 
 
 def shipped_vocabularies() -> dict[str, torch.Tensor]:
@@ -223,7 +222,7 @@ def run(args: argparse.Namespace) -> dict:
               "max_new_tokens": args.max_new_tokens, "amp": args.amp, "decoding": "greedy, EOS off",
               **analyse(rows, shipped_vocabularies(), args.sizes, config.vocab_size, config.hidden_size)}
     if args.output is None:
-        args.output = f"bench/results/coverage_{datetime.date.today().isoformat()}.json"
+        args.output = "bench/results/coverage.json"
     return result
 
 

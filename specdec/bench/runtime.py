@@ -858,8 +858,9 @@ def markdown_table(result: dict) -> str:
         f"model {cfg['model']}, {cfg['num_prompts']} MT-Bench prompts, {cfg['max_new_tokens']} new tokens, "
         f"batch 1 greedy; {cfg['cpu_count']} CPUs ({cfg['cpu_model']}), torch {cfg['torch']}, "
         f"{cfg['torch_threads']} threads; read bandwidth {result['bandwidth_gbps']:.1f} GB/s → bound "
-        f"{bound['f32']['tokens_per_s']:.1f} tok/s f32, {bound['bf16']['tokens_per_s']:.1f} tok/s bf16, "
-        f"{bound['int8']['tokens_per_s']:.1f} / {bound['int4']['tokens_per_s']:.1f} tok/s int8 / int4 projections"
+        f"{bound['f32']['tokens_per_s']:.1f} tok/s f32, {bound['bf16']['tokens_per_s']:.1f} tok/s bf16"
+        + (f", {bound['int8']['tokens_per_s']:.1f} / {bound['int4']['tokens_per_s']:.1f} tok/s int8 / int4 "
+           "projections" if "int4" in bound else "")     # results from before the quantized systems lack them
         + (f", {bound['gguf']['tokens_per_s']:.1f} tok/s the GGUF file" if "gguf" in bound else ""),
         "",
         "| system | tok/s (median) | decode tok/s | TTFT ms | compile s (cold / cached) | peak RSS MB "
@@ -889,9 +890,28 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def command_line() -> str:
+    """How this process was started, as a user would type it again: ``specdec ARGS`` for the console
+    script, else ``python SCRIPT ARGS``."""
+    script = Path(sys.argv[0]).name if Path(sys.argv[0]).name == "specdec" else f"python {sys.argv[0]}"
+    return " ".join([script, *sys.argv[1:]])
+
+
+def with_provenance(result: dict) -> dict:
+    """``result`` led by ``command``, ``commit`` and ``machine`` (this process's), where it lacks them:
+    every result JSON under bench/results/ carries them (``scripts/results_tables.py`` checks)."""
+    missing = [key for key in ("command", "commit", "machine") if key not in result]
+    if not missing:
+        return result
+    known = {"command": command_line, "commit": git_commit, "machine": machine_info}
+    return {**{key: known[key]() for key in missing}, **result}
+
+
 def print_result(result: dict, args: argparse.Namespace, table=None) -> int:
     """JSON to stdout (and ``--output``), ``table(result)`` (a markdown table) to stderr if given; exit
-    status 1 if any system failed, else 0. Every benchmark module's ``print_result`` is this one."""
+    status 1 if any system failed, else 0. Every benchmark module's ``print_result`` is this one; the JSON
+    carries the command, commit and machine (``with_provenance``)."""
+    result = with_provenance(result)
     if table is not None:
         print(table(result), file=sys.stderr)
     text = json.dumps(result, indent=2)

@@ -409,14 +409,30 @@ def bytes_read_per_step(module: torch.nn.Module) -> int:
     return total - module_bytes(embed)
 
 
+def _cell(value, spec: str) -> str:
+    return "" if value is None or value != value else format(value, spec)     # None and nan: an empty cell
+
+
 def table(result: dict) -> str:
-    rows = ["| config | T | k | tok/s | τ | accept rate | per-position | × specdec target | × HF assisted |",
-            "|---|---|---|---:|---:|---:|---|---:|---:|"]
+    """A result's markdown table (bench-spec prints it to stderr; the docs' tables are generated with it,
+    ``scripts/results_tables.py``): one row per system and temperature, then what was run."""
+    rows = ["| system | T | tok/s | τ | per-position | × target | × HF assisted | graph / host ms per step |",
+            "|---|---:|---:|---:|---|---:|---:|---|"]
     for key, e in result["runs"].items():
         pp = ", ".join(f"{p:.2f}" for p in e.get("per_position_acceptance", []))
-        rows.append(f"| {key.split('@')[0]} | {e['temperature']} | {e['k'] or '–'} | {e['tokens_per_s']:.1f} | "
-                    f"{e.get('tau', float('nan')):.2f} | {e.get('acceptance_rate', float('nan')):.2f} | {pp} | "
-                    f"{e['speedup_vs_specdec_target']:.2f} | {e.get('speedup_vs_hf_assisted', float('nan')):.2f} |")
+        ms = (f"{e['graph_ms_per_step']:.1f} / {e['outside_graphs_ms_per_step']:.1f}"
+              if e.get("graph_ms_per_step") is not None else "")
+        rows.append(f"| {key.split('@')[0].removeprefix('specdec-')} | {e['temperature']:g} | "
+                    f"{e['tokens_per_s']:.1f} | {_cell(e.get('tau'), '.2f')} | {pp} | "
+                    f"{_cell(e.get('speedup_vs_specdec_target'), '.2f')} | "
+                    f"{_cell(e.get('speedup_vs_hf_assisted'), '.2f')} | {ms} |")
+    cfg = result["config"]
+    prompts = Path(cfg.get("prompts") or "mt_bench_questions.jsonl").stem
+    rows += ["", f"Medians over calls: {cfg['num_prompts']} prompts of `{prompts}`, batch {cfg.get('batch_size', 1)}, "
+                 f"{cfg['max_new_tokens']} new tokens (EOS off), {cfg['backend']} {cfg['amp']}"
+                 + (f" `{cfg['quantization']}`" if cfg.get("quantization") else "")
+                 + (", autotuned" if cfg.get("autotune") else "") + f", {cfg['threads']} threads; "
+                 "× target: over target-only at the same T in the same run."]
     return "\n".join(rows)
 
 
