@@ -37,6 +37,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from bench_pair import markdown_table as pair_table
+from bench_suffix import table as suffix_table
 
 from specdec.bench import runtime, speculative
 
@@ -121,6 +122,7 @@ def spec(name: str) -> tuple[str, Table]:
 
 TABLES: dict[str, Table] = {
     "pair_code": Table(("pair_code",), pair_table, sources=False),
+    "suffix_qwen": Table(("suffix_qwen2.5-coder-1.5b-instruct",), suffix_table),
     "runtime": Table(("runtime",), runtime.markdown_table),
     "decode_step": Table(("decode_step", "decode_step_autotune"), decode_step_table),
     "fused_projections": Table(("fused_projections", "fused_projections_autotune"), fused_projections_table),
