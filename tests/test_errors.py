@@ -113,7 +113,7 @@ def test_sliding_window_shorter_than_n_positions(tmp_path, checkpoint):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"backend": "tpu"}, r"backend='tpu' is not supported; use one of eager, compiled, xla, neuron"),
+    ({"backend": "tpu"}, r"backend='tpu' is not supported; use one of eager, compiled, regional, xla, neuron"),
     ({"backend": "xla", "device": "cpu"}, r"backend='xla' runs on an XLA device, not device='cpu'"),
     ({"backend": "eager", "device": "xla"}, r"device='xla' needs backend='xla'"),
     ({"amp": "int8"}, r"amp='int8' is not supported"),
