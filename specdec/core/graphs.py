@@ -222,8 +222,8 @@ def configure_compile_cache() -> None:
         torch._dynamo.config.accumulated_cache_size_limit, 1024)
 
 
-def own_frame(graph: nn.Module):
-    """A function calling ``graph`` with a code object of its own.
+def own_frame(graph: Callable):
+    """A function calling ``graph`` (a graph module, or any callable) with a code object of its own.
 
     Dynamo keeps compiled code per code object and checks each entry's guards on every call: compiling
     the module itself would put every graph of every model on ``StepGraph.forward``'s one code object,
@@ -306,6 +306,11 @@ def layer_signature(layer: nn.Module) -> tuple:
     return tuple((name, type(m).__qualname__, _plain(vars(m))) for name, m in layer.named_modules())
 
 
+def call_layer(layer: nn.Module, *inputs):
+    """``layer(*inputs)``: what a ``compile_layers`` runner runs."""
+    return layer(*inputs)
+
+
 def compile_layers(lm: DecoderLM) -> None:
     """Regional compilation (the ``regional`` backend): each decoder layer runs
     through ``torch.compile``d code, compiled once per graph shape for all the layers of one
@@ -317,11 +322,8 @@ def compile_layers(lm: DecoderLM) -> None:
         return
     configure_compile_cache()
 
-    def runner() -> Callable:
-        def run(layer, *inputs):
-            return layer(*inputs)
-        run.__code__ = run.__code__.replace()      # a code object (compiled-code cache) per signature
-        return torch.compile(run, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+    def runner() -> Callable:     # a code object (compiled-code cache) per signature
+        return torch.compile(own_frame(call_layer), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
 
     signatures = [layer_signature(layer) for layer in lm.model.layers]
     runners = {signature: runner() for signature in dict.fromkeys(signatures)}
