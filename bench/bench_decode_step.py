@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--amp", default="bf16")
     ap.add_argument("--autotune", action="store_true",
                     help="Inductor freezing + max_autotune (docs/backends.md, Autotuned graphs)")
+    ap.add_argument("--output-vocab-size", type=int, default=None,
+                    help="score only token ids [0, N) (a draft's reduced LM head: DecoderLM.restrict_output_vocab)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=15)
@@ -69,7 +71,8 @@ def main() -> None:
             model = DecoderModel.from_pretrained(args.model, batch_size=b, n_positions=kv, amp=args.amp,
                                                  quantization=args.quantization,
                                                  backend=args.backend, kv_buckets=[kv], context_buckets=[kv],
-                                                 progress=False, autotune=args.autotune)
+                                                 progress=False, autotune=args.autotune,
+                                                 output_vocab_size=args.output_vocab_size)
             if split:
                 split_projections(model)
             model.set_lengths(torch.full((b,), kv - n - 1))

@@ -68,7 +68,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from specdec import DecoderModel, SpecStats, SpeculativeGenerator
+from specdec import DecoderModel, DraftModel, SpecStats, SpeculativeGenerator
 from specdec.bench import emit_json
 from specdec.bench.llamacpp import (
     LlamaCppRun,
@@ -106,6 +106,7 @@ class Config:
     strategies: list[str]
     model: str
     draft_model: str
+    draft_vocab: int | None
     backend: str
     amp: str
     quantization: str | None
@@ -140,6 +141,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
                         "(none = no speculative system; specdec-target always runs)")
     p.add_argument("--model", default=TARGET, help="target: a named model, a .gguf file or a checkpoint directory")
     p.add_argument("--draft-model", default=DRAFT, help="draft: a named model, a .gguf file or a checkpoint")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="also run every draft-model strategy with a second copy of the draft that scores only token "
+                        "ids [0, N) (output_vocab_size; systems named ...-v<N>)")
     p.add_argument("--backend", choices=("eager", "compiled", "regional"), default="eager")
     p.add_argument("--amp", choices=("f32", "bf16"), default="f32")
     p.add_argument("--quantization", default="gguf", help="DecoderModel quantization ('none' for None)")
@@ -157,6 +161,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         p.error("--max-new-tokens must be >= 2, --num-prompts, --threads, --warmup-tokens and every k >= 1")
     return Config(prompts=a.prompts, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens, threads=a.threads,
                   ks=list(dict.fromkeys(a.ks)), strategies=a.strategies, model=a.model, draft_model=a.draft_model,
+                  draft_vocab=a.draft_vocab,
                   backend=a.backend, amp=a.amp, quantization=None if a.quantization == "none" else a.quantization,
                   n_positions=a.n_positions, context_buckets=a.context_buckets, warmup_tokens=a.warmup_tokens,
                   llamacpp=a.llamacpp, llamacpp_env=dict(a.llamacpp_env), output=a.output)
@@ -205,20 +210,24 @@ def load_target(cfg: Config) -> DecoderModel:
 
 def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
     """``specdec-target`` and one ``specdec-<strategy>-k<k>`` per strategy (not none) and k; one draft model
-    (loaded only if a strategy needs it) serves every system that drafts with it."""
+    (loaded only if a strategy needs it) serves every system that drafts with it. With ``draft_vocab`` N, every
+    draft-model strategy also runs as ``specdec-<strategy>-k<k>-v<N>`` on a draft scoring ids [0, N) only."""
     systems = {SPECDEC_TARGET: OurSystem(SPECDEC_TARGET, "none", None, target.generate)}
-    draft = None
+    drafts: dict[str, DraftModel | None] = {"": None}
     if any(REGISTRY[s].part == "model" for s in cfg.strategies):
         log(f"loading the draft {cfg.draft_model} ...")
-        draft = REGISTRY["model"].build(target, cfg.draft_model)
+        drafts[""] = REGISTRY["model"].build(target, cfg.draft_model)
+        if cfg.draft_vocab is not None:
+            drafts[f"-v{cfg.draft_vocab}"] = REGISTRY["model"].build(target, cfg.draft_model,
+                                                                     output_vocab_size=cfg.draft_vocab)
     for strategy in cfg.strategies:
         if strategy == "none":
             continue
         for k in cfg.ks:
-            part = draft if REGISTRY[strategy].part == "model" else None
-            gen = SpeculativeGenerator(REGISTRY[strategy].build(target, part=part), target, k)
-            name = f"specdec-{strategy}-k{k}"
-            systems[name] = OurSystem(name, strategy, k, gen.generate, lambda gen=gen: gen.last_stats)
+            for suffix, draft in drafts.items() if REGISTRY[strategy].part == "model" else [("", None)]:
+                gen = SpeculativeGenerator(REGISTRY[strategy].build(target, part=draft), target, k)
+                name = f"specdec-{strategy}-k{k}{suffix}"
+                systems[name] = OurSystem(name, strategy, k, gen.generate, lambda gen=gen: gen.last_stats)
     return systems
 
 

@@ -299,3 +299,46 @@ def test_gguf_graphs_export(tiny):
     model = load(target, amp="bf16", quantization="gguf")
     exported = model.export(model.graph_keys(prompt_length=16, max_length=32)[-1])
     assert any(n.target == torch.ops.specdec.block_mm.default for n in exported.graph.nodes)   # one custom op
+
+
+# ---------------------------------------------------------------------------------- a restricted output vocabulary
+def test_output_vocab_size_scores_the_first_ids_only(tiny, tmp_path_factory):
+    """``output_vocab_size`` n: the head keeps its first n rows (the file's blocks, or a float head's rows), the
+    logits of ids < n are the full model's (bit for bit on the kernel: its columns are independent) and every
+    later id gets -inf; bad values and re-quantized heads are refused at load."""
+    target_path, _ = tiny
+    prompts = [prompt_ids(7, 2, VOCAB), prompt_ids(4, 5, VOCAB)]
+    _, float_dir = save_tiny(tmp_path_factory, "float-vocab", 1, 5, vocab=VOCAB)
+    for path, kw, exact in ((target_path, dict(quantization="gguf"), True), (float_dir, {}, False)):
+        full, cut = (load(path, batch_size=2, **kw, output_vocab_size=n) for n in (None, 72))
+        assert cut.lm.lm_head.out_features == 72 and cut.config.output_vocab_size == 72
+        params = full.sampling_params()
+        a, b = full.prefill(prompts, params).logits, cut.prefill(prompts, params).logits
+        assert b.shape == a.shape and torch.isneginf(b[..., 72:]).all()
+        if exact:
+            assert torch.equal(b[..., :72], a[..., :72])
+        else:
+            torch.testing.assert_close(b[..., :72], a[..., :72], rtol=0, atol=1e-5)
+    for n in (0, VOCAB + 1):
+        with pytest.raises(ValueError, match="output_vocab_size must be in"):
+            load(target_path, quantization="gguf", output_vocab_size=n)
+    with pytest.raises(ValueError, match="re-quantizes the head"):
+        load(target_path, quantization="int8", output_vocab_size=64)
+
+
+def test_speculation_with_a_restricted_draft_vocabulary_is_exact(tiny):
+    """A draft that never proposes ids >= n: greedy output = target-only, sampling lossless (chi-square)."""
+    target_path, draft_path = tiny
+    target = load(target_path, batch_size=3, quantization="gguf")
+    prompts = [prompt_ids(5, 1, VOCAB), [5, 6, 7, 5, 6, 7, 5, 6], prompt_ids(12, 3, VOCAB)]
+    reference = target.generate(prompts, max_new_tokens=30, eos_token_id=[])
+    draft = DraftModel.from_pretrained(draft_path, target, output_vocab_size=96)
+    gen = SpeculativeGenerator(draft, target, 3)
+    assert torch.equal(gen.generate(prompts, max_new_tokens=30, eos_token_id=[]), reference)
+    assert gen.last_stats.drafted > 0
+    kw = dict(batch_size=512, n_positions=32, context_buckets=[8], kv_buckets=[32], quantization="gguf")
+    target = load(target_path, **kw)
+    gen = SpeculativeGenerator(load(target_path, **kw, output_vocab_size=96), target, 2)
+    reference = TargetOnly(load(target_path, **kw))
+    assert lossless_pvalue(reference, target, gen, dict(temperature=0.8), 2) > 1e-3    # 20,480 samples
+    assert 0.02 < gen.stats.acceptance_rate < 0.98

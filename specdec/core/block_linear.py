@@ -76,6 +76,13 @@ class BlockLinear(nn.Module):
                 for name in ("d", "dmin", "sc", "mn")]
         return cls(*parts, sum(layer.out_features for layer in layers), first.layout, cat_biases(layers), first.dtype)
 
+    def first_rows(self, n: int) -> BlockLinear:
+        """The layer computing only output features [0, n): a copy of its first ceil(n / 16) tiles."""
+        tiles = -(-n // LANES)
+        parts = [getattr(self, name)[:tiles].clone() for name in ("qs", "d", "dmin", "sc", "mn")]
+        bias = None if self.bias is None else self.bias[:n]
+        return BlockLinear(*parts, n, self._layout, bias, self._dtype)
+
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] f32 the layer computes with."""
         n, layout = self.out_features, self._layout

@@ -70,6 +70,7 @@ class RuntimeSettings:
     kv_cache_dtype: str | None = None      # None: the compute dtype; "int8" / "fp8_e4m3" (``kv_quant``)
     feature_layers: tuple[int, ...] = ()   # layers whose input hidden states graphs also return (EAGLE-3)
     autotune: bool = False                 # compiled, CPU: weights frozen in, kernels chosen by timing
+    output_vocab_size: int | None = None   # score only token ids [0, n) (``DecoderLM.restrict_output_vocab``)
 
 
 @dataclass
@@ -118,7 +119,7 @@ class DecoderModel:
                         sampling: SamplingConfig | None = None, backend: str = "compiled", device: str | None = None,
                         quantization: str | None = None, kv_cache_dtype: str | None = None,
                         feature_layers: tuple[int, ...] | list[int] = (), autotune: bool = False,
-                        progress: bool = True) -> DecoderModel:
+                        output_vocab_size: int | None = None, progress: bool = True) -> DecoderModel:
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, a named model (e.g.
         ``"qwen2.5-coder-1.5b-instruct"``, ``named_models.NAMED_MODELS``: a GGUF file assembled once from
         its packages), or (``None``) the embedded SmolLM2-135M-Instruct. Graphs are built lazily on first
@@ -146,7 +147,9 @@ class DecoderModel:
         its weights frozen in and every matmul's kernel chosen by timing Inductor's C++ GEMM templates
         against ATen's (``graphs.AUTOTUNE_OPTIONS``): faster steps at every precision, at the cost of a
         longer first compile and, for bf16 and int8 weights, a re-blocked copy of the weights per graph
-        (see docs/backends.md, "Autotuned graphs")."""
+        (see docs/backends.md, "Autotuned graphs"). ``output_vocab_size`` n: score only the token ids [0, n)
+        (``DecoderLM.restrict_output_vocab``; a cheaper LM head for a draft, which then never proposes a later
+        id; quantization None or "gguf")."""
         gqa = parse_gqa(gqa_strategy)
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")
@@ -158,10 +161,14 @@ class DecoderModel:
                              f"backend={backend!r} on device={device!r}: use backend='compiled' on the CPU, "
                              "or autotune=False")
         quantization = parse_quantization(quantization)
+        if output_vocab_size is not None and quantization not in (None, "gguf"):
+            raise ValueError(f"output_vocab_size restricts a float LM head or a GGUF file's own blocks; "
+                             f"quantization={quantization!r} re-quantizes the head: use None or 'gguf'")
         kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
         settings = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa and gqa.value, context_buckets,
                                    kv_buckets, sampling or SamplingConfig(), backend, device, quantization,
-                                   kv_cache_dtype, autotune=autotune)   # feature_layers: set once the config is read
+                                   kv_cache_dtype, autotune=autotune, output_vocab_size=output_vocab_size)
+        # feature_layers: set once the config is read
         dtype = amp_dtype(amp)
         if backend == "neuron":   # one process traces for every NeuronCore (SPMD)
             from .neuron import check_tp_degree
@@ -199,6 +206,9 @@ class DecoderModel:
         if quantization is not None and gguf is not None:
             load_gguf_blocks(lm, gguf, quantization, shards)
         quantize_and_fuse(lm, quantization, backend, tp)
+        if output_vocab_size is not None:
+            lm.restrict_output_vocab(output_vocab_size)
+            config = lm.config
         lm.eval().requires_grad_(False)
         model = cls(path, config, lm, settings)
         model.source = gguf or path
@@ -560,7 +570,7 @@ class DecoderModel:
         bucket = pick_bucket(self.context_buckets, int(lens.max()), "prompt length")
         ids = torch.zeros(self.batch_size, bucket, dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, : len(p)] = p
+            ids[i, : len(p)] = torch.as_tensor(p)      # a 1-D tensor or a list of ids
         b = self.batch_size
         key = self._key(bucket, 1, bucket, params)
         out = self._run(key, ids, torch.arange(bucket).expand(b, bucket), torch.zeros(b, dtype=torch.long),

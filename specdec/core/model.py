@@ -318,7 +318,8 @@ class DecoderLM(nn.Module):
     def init_buffers(self) -> None:
         """Restore what ``to_empty``/dtype casts lose: weight tying, f32 RoPE frequencies, zero caches
         (and scales) in their storage dtypes."""
-        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):   # not a quantized head
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear) and \
+                self.lm_head.out_features == self.config.vocab_size:   # not a quantized or restricted head
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq = rope_inv_freq(self.config)[0].to(self.model.norm.weight.device)
         if self.tp.size > 1:
@@ -326,6 +327,38 @@ class DecoderLM(nn.Module):
                 self.tp_rank.fill_(self.tp.rank)
         for layer in self.model.layers:
             layer.self_attn.init_cache()
+
+    def restrict_output_vocab(self, n: int) -> None:
+        """Score only the token ids [0, n) (a draft's reduced LM head, as FR-Spec / SGLang's speculative token
+        map do with frequent tokens: byte-pair ids are numbered in merge order, so the first ids are the common
+        ones): the head keeps its first n rows — a ``BlockLinear`` its first tiles of blocks, a float head
+        (tied or not) a view of its first rows — and every other token gets logit -inf (probability 0), so a
+        draft restricted this way only ever proposes ids below n and rejection sampling stays lossless.
+        Once per model, before any graph is built; tensor parallelism is not supported."""
+        from dataclasses import replace
+
+        from .block_linear import BlockLinear
+
+        if self.config.output_vocab_size is not None:
+            raise ValueError(f"this model already scores a reduced vocabulary of {self.config.output_vocab_size} "
+                             "tokens")
+        if not 1 <= n <= self.config.vocab_size:
+            raise ValueError(f"output_vocab_size must be in [1, {self.config.vocab_size}] (the vocabulary), got {n}")
+        if self.tp.size > 1:
+            raise ValueError("output_vocab_size is not supported with tensor parallelism (tp_degree > 1)")
+        head = self.lm_head
+        if isinstance(head, BlockLinear):
+            self.lm_head = head.first_rows(n)
+        elif isinstance(head, nn.Linear):
+            self.lm_head = nn.Linear(head.in_features, n, bias=False, device=head.weight.device,
+                                     dtype=head.weight.dtype)
+            self.lm_head.weight = nn.Parameter(head.weight.detach()[:n], requires_grad=False)
+        else:
+            raise ValueError(f"output_vocab_size needs a float LM head or a GGUF file's own blocks "
+                             f"(quantization=None or 'gguf'); this model's head is a {type(head).__name__}")
+        self.config = replace(self.config, output_vocab_size=n)
+        self.out_vocab = n
+        self.register_buffer("output_token_ids", torch.arange(n, device=self.inv_freq.device))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, n] → [B, n, H]; vocab-parallel: the owning rank's row, summed over ranks."""
