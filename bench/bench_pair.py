@@ -14,9 +14,10 @@ draft Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF):
   draft sampler gives every draft token p = 1, so each round drafts k tokens).
 
 Every system runs on every prompt, prompt after prompt (all systems on prompt 1, then on prompt 2, ...), so
-a slow spell of the machine hits every system alike. Each system first does one untimed warm-up
-generation (``--warmup-tokens``) on the first prompt (on every prompt with ``--backend compiled``: the
-prefill graph of each context bucket); llama.cpp's warm-up runs fill the page cache with its GGUF files.
+a slow spell of the machine hits every system alike. Each system first does untimed warm-up generations:
+eagerly one of ``--warmup-tokens`` on the first prompt; with ``--backend compiled`` / ``regional`` one on
+every prompt for ``--max-new-tokens``, so that no graph is compiled (or loaded from the compile cache) while
+a run is timed; llama.cpp's warm-up runs fill the page cache with its GGUF files.
 specdec systems are timed as a user waits: wall clock around the ``generate`` call (prefill included),
 ``e2e_tok_s`` = N / seconds; ``decode_tok_s`` = (N - 1) / (time of the last token - time of the first),
 taken from a streamer in the same call. llama.cpp's figures are its own timing lines (``LlamaCppRun``):
@@ -151,7 +152,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--context-buckets", type=int_list, default=None,
                    help="prompt-length buckets, comma-separated (default: the runtime's powers of two from 128; "
                         "eager graphs cost nothing per bucket, so fine buckets waste no padding)")
-    p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each untimed warm-up generation")
+    p.add_argument("--warmup-tokens", type=int, default=16,
+                   help="new tokens of the untimed warm-up generation on the eager backend (compiling backends warm "
+                        "up on every prompt for --max-new-tokens)")
     p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false", help="skip the llama.cpp systems")
     p.add_argument("--llamacpp-env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                    help="an environment variable for llama.cpp's runs (repeatable; default: the inherited env)")
@@ -312,12 +315,16 @@ def compare_text(ours: str, theirs: str, overshoot: bool) -> dict:
 
 def warm_up(ours: dict[str, OurSystem], llamas: dict[str, LlamaSystem], prompts: list[list[int]], texts: list[str],
             cfg: Config, llama_files: tuple[Path, Path, Path | None] | None) -> None:
-    """One untimed generation of every system (our systems on every prompt with the compiled backend)."""
-    warm = prompts if cfg.backend == "compiled" else prompts[:1]
+    """One untimed generation of every system. On a compiling backend our systems run every prompt for the
+    full ``max_new_tokens``, so every graph the timed runs use (prompt bucket, KV buckets, verify widths) is
+    compiled or loaded before timing starts; eagerly, one short generation warms the kernels."""
+    compiling = cfg.backend != "eager"
+    warm = prompts if compiling else prompts[:1]
+    n_new = cfg.max_new_tokens if compiling else cfg.warmup_tokens
     for name, system in ours.items():
         start = time.perf_counter()
         for ids in warm:
-            system.generate(torch.tensor([ids]), max_new_tokens=cfg.warmup_tokens, eos_token_id=[])
+            system.generate(torch.tensor([ids]), max_new_tokens=n_new, eos_token_id=[])
         log(f"warm-up {name}: {time.perf_counter() - start:.1f} s")
     for name, system in llamas.items():
         assert llama_files is not None
