@@ -42,7 +42,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -51,25 +51,59 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from specdec import DecoderModel, Engine
+from specdec.arguments import add_suffix_arguments
 from specdec.bench import emit_json
 from specdec.bench.prompts import load_records
 from specdec.bench.runtime import git_commit, machine_info
-from specdec.cli import (
-    EMBEDDED_NAME,
-    SUFFIX_FLAGS,
-    add_suffix_arguments,
-    build_parser,
-    check_speculation_arguments,
-    suffix_settings,
-)
 from specdec.core.chat import chat_ids, conversation_ids
 from specdec.generator import SpeculativeGenerator
+from specdec.options import (
+    EMBEDDED_NAME,
+    SUFFIX_SETTINGS,
+    ModelOptions,
+    SpeculationOptions,
+    available_cores,
+    options_from,
+)
 from specdec.registry import REGISTRY, name_list
+from specdec.serving.server import ServeOptions
 
 WORKLOADS = ("agent", "extraction", "refactor", "mt-bench", "varied")
 SUFFIX = tuple(name for name, s in REGISTRY.items() if s.suffix is not None)
 """The registry's suffix strategies (suffix alone, suffix+X): what ``--strategies`` may name."""
 TARGET = "target"
+
+
+@dataclass(frozen=True)
+class SuffixBenchOptions:
+    """What the benchmark runs (the flags of ``parse_args``, same names): the target ``model`` and the
+    ``draft_model`` of suffix+model (None: the shipped draft), the suffix ``strategies``, the ``workloads``,
+    the ``modes`` (offline, server), ``requests`` per workload (agent: sessions of ``turns`` requests),
+    ``max_new_tokens`` per request, the server's ``concurrency``, ``k`` (None: the strategy's), the runtime
+    (``backend``, ``amp``, ``quantization``, ``n_positions``, ``threads``), the workloads' ``seed``, ``output``
+    (None: bench/results/suffix_<model>.json) and the suffix options (``SpeculationOptions``' suffix fields)."""
+
+    model: str = EMBEDDED_NAME
+    draft_model: str | None = None
+    strategies: list[str] = field(default_factory=lambda: ["suffix", "suffix+model"])
+    workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
+    modes: list[str] = field(default_factory=lambda: ["offline", "server"])
+    requests: int = 8
+    turns: int = 4
+    max_new_tokens: int = 128
+    concurrency: int = 4
+    k: int | None = None
+    backend: str = "eager"
+    amp: str = "f32"
+    quantization: str | None = None
+    n_positions: int = 2048
+    threads: int = field(default_factory=available_cores)
+    seed: int = 0
+    output: str | None = None
+    suffix_cache_tokens: int | None = None
+    suffix_alpha: float | None = None
+    suffix_min_prob: float | None = None
+    suffix_min_match: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------- workloads
@@ -212,7 +246,7 @@ def requests_of(wl: Workload, tokenizer, generate: Callable[[list[int]], list[in
 
 
 # ---------------------------------------------------------------------------------------------- offline
-def run_offline(cfg: argparse.Namespace, workloads: list[Workload], target: DecoderModel) -> dict:
+def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: DecoderModel) -> dict:
     """Batch 1, requests one after the other: target-only and every strategy, per workload (see the module
     docstring) → {workload: {system: entry}}."""
     parts: dict[str, object] = {}           # a draft network, loaded once, serves every system that uses it
@@ -221,7 +255,7 @@ def run_offline(cfg: argparse.Namespace, workloads: list[Workload], target: Deco
         s = REGISTRY[name]
         if s.part is not None and s.part not in parts:
             parts[s.part] = REGISTRY[s.part].build(target, cfg.draft_model, progress=False)
-        return s.build(target, part=parts.get(s.part), suffix=suffix_settings(cfg))
+        return s.build(target, part=parts.get(s.part), suffix=options_from(SpeculationOptions, cfg).suffix_settings())
 
     def engine_of(name: str) -> Engine:
         if name == TARGET:
@@ -286,22 +320,19 @@ def finish(result: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- server
-def serve_args(cfg: argparse.Namespace, strategy: str) -> argparse.Namespace:
-    """``specdec serve``'s arguments for ``strategy`` ("none": target only), batch ``--concurrency``."""
-    argv = ["serve", "--model", cfg.model, "--backend", cfg.backend, "--amp", cfg.amp, "--n-positions",
-            str(cfg.n_positions), "--batch-size", str(cfg.concurrency), "--draft", strategy,
-            "--max-waiting", str(4 * cfg.concurrency)]
-    argv += ["--quantization", cfg.quantization] if cfg.quantization else []
-    argv += ["--draft-model", cfg.draft_model] if cfg.draft_model and REGISTRY[strategy].part == "model" else []
-    argv += ["--k", str(cfg.k)] if cfg.k and strategy != "none" else []
-    args = build_parser().parse_args(argv)
-    for dest in SUFFIX_FLAGS if REGISTRY[strategy].suffix else ():
-        setattr(args, dest, getattr(cfg, dest))
-    check_speculation_arguments(args)
-    return args
+def serve_options(cfg: SuffixBenchOptions, strategy: str) -> ServeOptions:
+    """``specdec serve``'s options for ``strategy`` ("none": target only), batch ``--concurrency``."""
+    s = REGISTRY[strategy]
+    suffix = {name: getattr(cfg, name) for name in SUFFIX_SETTINGS} if s.suffix else {}
+    speculation = SpeculationOptions(draft=strategy, draft_model=cfg.draft_model if s.part == "model" else None,
+                                     k=cfg.k if cfg.k and strategy != "none" else None, **suffix)
+    model = ModelOptions(model=cfg.model, backend=cfg.backend, amp=cfg.amp, n_positions=cfg.n_positions,
+                         quantization=cfg.quantization)
+    return ServeOptions(model=model, speculation=speculation.checked(cfg.model), batch_size=cfg.concurrency,
+                        max_waiting=4 * cfg.concurrency)
 
 
-async def serve_workload(base: str, wl: Workload, tokenizer, cfg: argparse.Namespace) -> list[list[int]]:
+async def serve_workload(base: str, wl: Workload, tokenizer, cfg: SuffixBenchOptions) -> list[list[int]]:
     """``wl`` through the HTTP API, ``--concurrency`` at a time (requests: a closed loop of that many clients;
     agent: that many sessions at once, each turn after the previous one) → the outputs."""
     import httpx
@@ -331,7 +362,7 @@ async def serve_workload(base: str, wl: Workload, tokenizer, cfg: argparse.Names
     return [o for outs in done for o in outs]
 
 
-def run_server(cfg: argparse.Namespace, workloads: list[Workload]) -> dict:
+def run_server(cfg: SuffixBenchOptions, workloads: list[Workload]) -> dict:
     """Each system served in this process (``specdec serve``'s engine); its one cache is emptied between
     workloads → {workload: {system: entry}} (outputs compared across systems as offline)."""
     from specdec.serving import create_app
@@ -340,15 +371,15 @@ def run_server(cfg: argparse.Namespace, workloads: list[Workload]) -> dict:
     result: dict[str, dict] = {}
     for system in (TARGET, *cfg.strategies):
         log(f"server: {system}")
-        args = serve_args(cfg, "none" if system == TARGET else system)
-        served = serving_engine(load_engine(args), args)
+        options = serve_options(cfg, "none" if system == TARGET else system)
+        served = serving_engine(load_engine(options), options.max_waiting)
         core = served.engine
         cache = None if core.speculator is None else core.speculator.proposer.cache
         with running_server(create_app(served, "bench")) as base:
             for wl in workloads:                     # warm-up: each workload's first request, a few tokens
                 first = wl.prompts[0] if wl.prompts else wl.sessions[0]([])
                 asyncio.run(serve_workload(base, Workload("warm-up", prompts=[first]), core.target.tokenizer,
-                                           argparse.Namespace(**{**vars(cfg), "max_new_tokens": 8})))
+                                           replace(cfg, max_new_tokens=8)))
             for wl in workloads:
                 if cache is not None:
                     cache.clear()
@@ -366,7 +397,7 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=EMBEDDED_NAME,
@@ -402,7 +433,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "suffix+model" in args.strategies and args.draft_model is None and args.model != EMBEDDED_NAME:
         p.error(f"suffix+model for --model {args.model} needs --draft-model (the shipped draft is for "
                 f"{EMBEDDED_NAME})")
-    return args
+    return options_from(SuffixBenchOptions, args)
 
 
 def name_list_of(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
@@ -434,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     name = cfg.model if cfg.model == EMBEDDED_NAME else Path(cfg.model).stem
     output = cfg.output or str(REPO / "bench" / "results" / f"suffix_{name}.json")
     result: dict = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(),
-                    "machine": machine_info(), "config": {**vars(cfg), "output": output}}
+                    "machine": machine_info(), "config": {**asdict(cfg), "output": output}}
     log(f"loading {cfg.model} ...")
     target = DecoderModel.from_pretrained(cfg.model, batch_size=1, n_positions=cfg.n_positions, amp=cfg.amp,
                                           backend=cfg.backend, quantization=cfg.quantization, progress=False)

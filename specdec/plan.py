@@ -65,13 +65,14 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .core.neuron import TP_DEGREES
+from .options import options_from
 
 GB = 10**9
 DEFAULT_MEMORY_FRACTION = 0.9
@@ -785,29 +786,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class PlanOptions:
+    """``specdec plan``: the target's ``config`` (a config.json or a checkpoint directory), the ``request``, the
+    draft's ``draft_config`` (None: no draft) and ``json`` (print the plan as JSON, else as a table)."""
+
+    config: str
+    request: CapacityRequest
+    draft_config: str | None = None
+    json: bool = False
+
+
+def run(options: PlanOptions) -> int:
     """``specdec plan``: print the plan; exit 0 if something fits, 2 if nothing does or the input is bad."""
+    def plan_for(request: CapacityRequest) -> CapacityPlan:
+        return plan_capacity(options.config, draft_config=options.draft_config, require_fit=False, **asdict(request))
+
     try:
-        plan = plan_capacity(args.config, batch_size=args.batch_size, n_positions=args.n_positions, amp=args.amp,
-                             platform=args.platform, cores=args.cores, lnc=args.lnc, draft_config=args.draft_config,
-                             k=args.k, tp_degree=args.tp_degree, draft_tp_degree=args.draft_tp_degree,
-                             gqa_strategy=args.gqa_strategy, memory_fraction=args.memory_fraction,
-                             replicate_embeddings=args.replicate_embeddings, quantization=args.quantization,
-                             kv_cache_dtype=args.kv_cache_dtype, require_fit=False)
+        plan = plan_for(options.request)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"specdec plan: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.format_table())
+    print(json.dumps(plan.to_dict(), indent=2) if options.json else plan.format_table())
     if not plan.fits:
         everything = plan.degrees
         if plan.request.tp_degree is not None:     # suggestions consider every degree
-            everything = plan_capacity(args.config, batch_size=args.batch_size, n_positions=args.n_positions,
-                                       amp=args.amp, platform=args.platform, cores=args.cores, lnc=args.lnc,
-                                       draft_config=args.draft_config, k=args.k,
-                                       draft_tp_degree=args.draft_tp_degree, gqa_strategy=args.gqa_strategy,
-                                       memory_fraction=args.memory_fraction,
-                                       replicate_embeddings=args.replicate_embeddings, quantization=args.quantization,
-                                       kv_cache_dtype=args.kv_cache_dtype, require_fit=False).degrees
+            everything = plan_for(replace(options.request, tp_degree=None)).degrees
         print(f"specdec plan: {_no_fit_message(plan, list(everything))}", file=sys.stderr)
         return 2
     return 0
@@ -816,7 +820,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec plan", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run(options_from(PlanOptions, parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

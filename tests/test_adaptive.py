@@ -176,24 +176,21 @@ def test_a_cap_that_drops_the_correction_token_is_detected(lossless_models, monk
 
 
 def test_bench_spec_builds_adaptive_and_lookup_plus_model_systems(checkpoint, monkeypatch):
-    import argparse
-
     import specdec
     from specdec.bench import speculative as bench
 
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
     target = load(checkpoint("llama"), batch_size=1)
     draft = DraftModel(load(checkpoint("llama-draft"), batch_size=1))
     monkeypatch.setattr(specdec, "shipped", lambda kind, target: draft)     # the embedded model's draft stand-in
-    systems, module = bench.speculative_systems(parser.parse_args(["--strategy", "lookup", "--adaptive",
-                                                                   "--ks", "2,3"]), target)
+    systems, module = bench.speculative_systems(bench.parse_options(["--strategy", "lookup", "--adaptive",
+                                                                     "--ks", "2,3"]), target)
     assert list(systems) == ["specdec-lookup-adaptive-k2", "specdec-lookup-adaptive-k3"] and module is None
     assert systems["specdec-lookup-adaptive-k3"].make().speculator.adaptive == AdaptiveK()
-    systems, module = bench.speculative_systems(parser.parse_args(["--strategy", "lookup+model", "--ks", "4"]), target)
+    systems, module = bench.speculative_systems(bench.parse_options(["--strategy", "lookup+model", "--ks", "4"]),
+                                                target)
     gen = systems["specdec-lookup+model-k4"].make()
     assert isinstance(gen.proposer, LookupOrDraft) and gen.proposer.draft is draft and gen.speculator.adaptive is None
     assert module is draft.module
     for argv in (["--strategy", "medusa", "--adaptive"], ["--strategy", "model", "--adaptive", "--fused", "on"]):
         with pytest.raises(ValueError, match="--adaptive applies to chain strategies"):
-            bench.speculative_systems(parser.parse_args(argv), target)
+            bench.speculative_systems(bench.parse_options(argv), target)

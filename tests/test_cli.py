@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import cli
-from specdec.cli import main
+from specdec import cli, options
+from specdec.cli import generate, main
 from specdec.eagle.checkpoint import copy_lm_head
 from specdec.medusa import save_heads
 
@@ -185,12 +185,12 @@ def test_precompile_builds_every_graph_the_request_uses(checkpoint, eagle_models
     argv = generate_args(target_path, SMALL, 117, 256, "--draft", draft)
     if draft_path is not None:
         argv += ["--draft-path", draft_path]
-    args = cli.build_parser().parse_args([str(a) for a in argv])
-    target = DecoderModel.from_pretrained(args.model, n_positions=256, amp="f32", backend="eager", progress=False,
+    spec = generate.checked_options(cli.build_parser().parse_args([str(a) for a in argv])).speculation
+    target = DecoderModel.from_pretrained(target_path, n_positions=256, amp="f32", backend="eager", progress=False,
                                           sampling=SamplingConfig(do_sample=temperature > 0, temperature=temperature))
-    proposer = cli.make_proposer(args, target)
-    gen = None if proposer is None else SpeculativeGenerator(proposer, target, cli.default_k(args))
-    cli.precompile(target, proposer, gen, len(SMALL), 117, progress=False)
+    proposer = spec.make_proposer(target)
+    gen = None if proposer is None else SpeculativeGenerator(proposer, target, spec.default_k)
+    options.precompile(target, gen, len(SMALL), 117, progress=False)
     inner = proposer.draft if isinstance(proposer, LookupBranch) else proposer
     models = [m for m in (target, inner and inner.model) if isinstance(m, DecoderModel)]
     built = [set(m._graphs) for m in models]
@@ -288,24 +288,24 @@ def test_wait_policy_set_for_the_command(checkpoint):
 # ------------------------------------------------------------------ threads
 def test_default_threads(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert cli.default_threads() == 3
+    assert options.default_threads() == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "2,1")   # nested levels: the first
-    assert cli.default_threads() == 2
+    assert options.default_threads() == 2
     for unset in ("", "zero", "0"):
         monkeypatch.setenv("OMP_NUM_THREADS", unset)
-        assert cli.default_threads() == cli.available_cores()
+        assert options.default_threads() == options.available_cores()
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert cli.default_threads() == cli.available_cores() == len(os.sched_getaffinity(0))
+    assert options.default_threads() == options.available_cores() == len(os.sched_getaffinity(0))
 
 
 def test_oversubscription_warning(monkeypatch):
-    cores = cli.available_cores()
+    cores = options.available_cores()
     monkeypatch.setattr(os, "getloadavg", lambda: (cores + 0.5, 0.0, 0.0))
-    warning = cli.oversubscribed(2)
+    warning = generate.oversubscribed(2)
     assert warning.startswith("specdec: warning: load average") and "\n" not in warning
-    assert "(try --threads 1)" in warning and "(try" not in cli.oversubscribed(1)
+    assert "(try --threads 1)" in warning and "(try" not in generate.oversubscribed(1)
     monkeypatch.setattr(os, "getloadavg", lambda: (cores - 0.5, 0.0, 0.0))
-    assert cli.oversubscribed(2) is None
+    assert generate.oversubscribed(2) is None
 
 
 def test_threads_option_sets_torch_threads(checkpoint, capsys):
@@ -342,3 +342,35 @@ def test_every_command_help_renders(command, capsys):
     assert out.startswith(f"usage: specdec {command}")
     assert "``" not in out and "%(" not in out
     assert len(out.splitlines()) > 3
+
+
+# ------------------------------------------------------------------ typed options
+def flat_fields(cls) -> set[str]:
+    """The field names of an options dataclass, those of its nested options dataclasses included."""
+    import dataclasses
+    import typing
+    hints = typing.get_type_hints(cls)
+    return {name for f in dataclasses.fields(cls)
+            for name in (flat_fields(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else {f.name})}
+
+
+def test_each_command_parses_into_its_options_with_their_defaults(monkeypatch):
+    """A command's flags are its options' fields (same names; ``serve`` has no --gqa-strategy), and parsing
+    no flags gives the options' defaults: a library caller and the command line mean the same by an absent
+    option."""
+    from specdec.bench import coverage, quality, runtime, serving, speculative
+    from specdec.serving.server import ServeOptions
+
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    parser = cli.build_parser()
+    for command, cls, absent in (("generate", generate.GenerateOptions, set()),
+                                 ("serve", ServeOptions, {"gqa_strategy"}),
+                                 ("bench", runtime.RuntimeBenchOptions, set()),
+                                 ("bench-spec", speculative.SpecBenchOptions, set()),
+                                 ("bench-serve", serving.ServeBenchOptions, set()),
+                                 ("bench-quality", quality.QualityBenchOptions, set()),
+                                 ("bench-coverage", coverage.CoverageBenchOptions, set())):
+        args = parser.parse_args([command])
+        assert {name for name in flat_fields(cls) if not hasattr(args, name)} == absent, command
+        assert set(vars(args)) - flat_fields(cls) == {"command", "func"}, command
+        assert options.options_from(cls, args) == cls(), command

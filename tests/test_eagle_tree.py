@@ -204,8 +204,6 @@ def test_errors(saved):
 
 
 def test_bench_spec_builds_tree_systems_from_a_strategy_list(saved, monkeypatch):
-    import argparse
-
     import specdec
     from specdec import LookupBranch
     from specdec.bench import speculative as bench
@@ -219,28 +217,27 @@ def test_bench_spec_builds_tree_systems_from_a_strategy_list(saved, monkeypatch)
         return EagleDraft.from_pretrained(eagle_dir, target, progress=False)
 
     monkeypatch.setattr(specdec, "shipped", stand_in)
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    args = parser.parse_args(["--strategy", "eagle,eagle-tree,lookup+eagle-tree", "--ks", "3",
-                              "--dynamic-trees", "3x2x4"])
+    args = bench.parse_options(["--strategy", "eagle,eagle-tree,lookup+eagle-tree", "--ks", "3",
+                                "--dynamic-trees", "3x2x4"])
     systems, module = bench.speculative_systems(args, target)
     assert list(systems) == ["specdec-eagle-k3", "specdec-eagle-tree-3x2x4", "specdec-lookup+eagle-tree-3x2x4"]
     assert [s.width for s in systems.values()] == [4, 5, 8]
     assert isinstance(systems["specdec-lookup+eagle-tree-3x2x4"].make().proposer, LookupBranch)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--strategy", "eagle,nope"])
+        bench.parse_options(["--strategy", "eagle,nope"])
     # --eagle DIR: that head for every EAGLE strategy (a loadable checkpoint is used as it is)
     monkeypatch.setattr(specdec, "shipped", None)
-    args = parser.parse_args(["--strategy", "eagle3-tree,lookup+eagle3", "--ks", "2", "--dynamic-trees", "3x2x4",
-                              "--eagle", str(eagle_dir)])
+    args = bench.parse_options(["--strategy", "eagle3-tree,lookup+eagle3", "--ks", "2", "--dynamic-trees", "3x2x4",
+                                "--eagle", str(eagle_dir)])
     systems, _ = bench.speculative_systems(args, target)
     assert list(systems) == ["specdec-eagle3-tree-3x2x4", "specdec-lookup+eagle3-k2"]
     assert isinstance(systems["specdec-eagle3-tree-3x2x4"].make().proposer, EagleTreeDraft)
     # --draft-quantization: the head's own scheme, the target untouched; Medusa refuses it by name
     from specdec.core.quant import Int8Linear
-    args = parser.parse_args(["--strategy", "eagle3-tree", "--dynamic-trees", "3x2x4", "--eagle", str(eagle_dir),
-                              "--draft-quantization", "int8"])
+    args = bench.parse_options(["--strategy", "eagle3-tree", "--dynamic-trees", "3x2x4", "--eagle", str(eagle_dir),
+                                "--draft-quantization", "int8"])
     systems, module = bench.speculative_systems(args, target)
     assert isinstance(module.lm_head, Int8Linear) and target.settings.quantization is None
     with pytest.raises(ValueError, match="--draft-quantization applies to the draft model and EAGLE heads"):
-        bench.speculative_systems(parser.parse_args(["--strategy", "medusa", "--draft-quantization", "int8"]), target)
+        bench.speculative_systems(bench.parse_options(["--strategy", "medusa", "--draft-quantization", "int8"]),
+                                  target)

@@ -164,33 +164,28 @@ def test_sampling_with_mixed_steps_is_lossless(lossless_models, kind):
 # ---------------------------------------------------------------- CLI and bench-spec
 
 def test_bench_spec_and_cli_gate(checkpoint, monkeypatch):
-    import argparse
-
     import specdec
     from specdec import DraftModel
     from specdec.bench import speculative as bench
-    from specdec.cli import CLIError, check_speculation_arguments
+    from specdec.options import OptionError, SpeculationOptions
 
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
     target = load(checkpoint("llama"), batch_size=1)
     draft = DraftModel(load(checkpoint("llama-draft"), batch_size=1))
     monkeypatch.setattr(specdec, "shipped", lambda kind, target: draft)
-    systems, _ = bench.speculative_systems(parser.parse_args(["--strategy", "lookup,model", "--gate", "on",
-                                                              "--ks", "3"]), target)
+    systems, _ = bench.speculative_systems(bench.parse_options(["--strategy", "lookup,model", "--gate", "on",
+                                                                "--ks", "3"]), target)
     assert list(systems) == ["specdec-lookup-k3-gate", "specdec-model-k3-gate"]
     assert all(s.make().gate_meter.gate == CostGate() for s in systems.values())
-    systems, _ = bench.speculative_systems(parser.parse_args(["--strategy", "lookup", "--gate", "both", "--ks", "3"]),
-                                           target)
+    systems, _ = bench.speculative_systems(bench.parse_options(["--strategy", "lookup", "--gate", "both",
+                                                                "--ks", "3"]), target)
     assert list(systems) == ["specdec-lookup-k3", "specdec-lookup-k3-gate"]
     assert systems["specdec-lookup-k3"].make().gate_meter is None
     with pytest.raises(ValueError, match="--gate runs unfused"):
-        bench.speculative_systems(parser.parse_args(["--strategy", "model", "--gate", "on", "--fused", "on"]), target)
-    for argv in (dict(draft="none"), dict(draft="model", fused=True)):
-        args = argparse.Namespace(k=None, adaptive_k=False, tree=None, draft_path=None, draft_quantization=None,
-                                  gate=True, **{"fused": False, **argv})
-        with pytest.raises(CLIError, match="--gate needs a --draft"):
-            check_speculation_arguments(args)
+        bench.speculative_systems(bench.parse_options(["--strategy", "model", "--gate", "on", "--fused", "on"]),
+                                  target)
+    for given in (dict(draft="none"), dict(draft="model", fused=True)):
+        with pytest.raises(OptionError, match="--gate needs a --draft"):
+            SpeculationOptions(gate=True, **given).checked(None)
 
 
 def test_eagle_rereads_the_pairs_of_plain_steps_before_drafting(tiny):

@@ -14,7 +14,8 @@ from specdec.cli import build_parser, main
 from specdec.core.kv_quant import dequantize_kv, parse_kv_cache_dtype, quantize_kv, storage_dtype
 from specdec.core.model import Attention
 from specdec.core.parallel import launch
-from specdec.serving.server import load_engine
+from specdec.options import options_from
+from specdec.serving.server import ServeOptions, load_engine
 
 from conftest import checkpoint, load, prompt_ids  # noqa: F401  (fixture)
 from test_eagle import saved_target_and_eagle
@@ -327,7 +328,7 @@ def test_serve_option_is_passed_to_the_engine(checkpoint, loads):
     args = build_parser().parse_args(["serve", "--model", str(checkpoint("llama").path), "--backend", "eager",
                                       "--amp", "f32", "--n-positions", "64", "--batch-size", "2",
                                       "--kv-cache-dtype", "int8"])
-    engine = load_engine(args)
+    engine = load_engine(options_from(ServeOptions, args))
     assert loads == ["int8"] and engine.target.settings.kv_cache_dtype == "int8"
     assert build_parser().parse_args(["serve"]).kv_cache_dtype is None
 

@@ -126,48 +126,52 @@ def test_stale_tmp_removed(fake):
 def test_hooks(fake, capsys):
     """A named model is a GGUF source (what DecoderModel.from_pretrained and the bench read) and a valid
     --model / --draft-path; the server names it by its name."""
-    from specdec import cli
-    from specdec.serving.server import served_name
+    from specdec import arguments, cli
+    from specdec.cli.generate import checked_options
+    from specdec.options import EMBEDDED_NAME, ModelOptions, OptionError
+    from specdec.serving.server import ServeOptions, served_name
 
     assert is_named_model(NAME) and is_named_model("qwen2.5-coder-1.5b-instruct") and not is_named_model(None)
     assert not is_named_model("qwen2.5-coder-1.5b")
     assert paths.gguf_source(NAME, progress=False) == fake.out and fake.out.read_bytes() == fake.whole
-    assert cli.model_path(NAME) == NAME and cli.draft_path(NAME) == NAME
+    assert arguments.model_path(NAME) == NAME and arguments.draft_path(NAME) == NAME
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(", ".join(NAMED_MODELS))):
-        cli.model_path("qwen2.5-coder-7b-instruct")
+        arguments.model_path("qwen2.5-coder-7b-instruct")
     with pytest.raises(argparse.ArgumentTypeError, match="is not a directory"):
-        cli.draft_path("qwen2.5-coder-7b-instruct")
+        arguments.draft_path("qwen2.5-coder-7b-instruct")
     for name in NAMED_MODELS:
-        assert served_name(argparse.Namespace(served_model_name=None, model=name)) == name
-    assert served_name(argparse.Namespace(served_model_name=None, model=None)) == cli.EMBEDDED_NAME
+        assert served_name(ServeOptions(model=ModelOptions(model=name))) == name
+    assert served_name(ServeOptions()) == EMBEDDED_NAME
     parser = cli.build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "--help"])
     assert "qwen2.5-coder-1.5b-instruct" in capsys.readouterr().out
     args = parser.parse_args(["generate", "hi", "--model", "qwen2.5-coder-1.5b-instruct", "--draft", "eagle",
                               "--draft-path", "qwen2.5-coder-0.5b-instruct"])
-    with pytest.raises(cli.CLIError, match="use it with --draft model"):
-        cli.check_generate_arguments(args)
+    with pytest.raises(OptionError, match="use it with --draft model"):
+        checked_options(args)
     args.draft = "lookup+model"
-    cli.check_generate_arguments(args)
+    checked_options(args)
 
 
 def test_draft_model_flag(fake):
     """--draft-model X is --draft model --draft-path X (or the model part of --draft lookup+model)."""
     from specdec import cli
+    from specdec.cli.generate import checked_options
+    from specdec.options import OptionError
 
     parser = cli.build_parser()
     args = parser.parse_args(["generate", "hi", "--model", NAME, "--draft-model", NAME])
-    cli.check_generate_arguments(args)
-    assert (args.draft, args.draft_path) == ("model", NAME)
+    spec = checked_options(args).speculation
+    assert (spec.draft, spec.draft_path) == ("model", NAME)
     args = parser.parse_args(["generate", "hi", "--model", NAME, "--draft", "lookup+model", "--draft-model", NAME])
-    cli.check_generate_arguments(args)
-    assert (args.draft, args.draft_path) == ("lookup+model", NAME)
+    spec = checked_options(args).speculation
+    assert (spec.draft, spec.draft_path) == ("lookup+model", NAME)
     for extra, message in ((["--draft", "eagle"], "use it alone, or with --draft model"),
                            (["--draft-path", NAME], "not both")):
         args = parser.parse_args(["generate", "hi", "--model", NAME, "--draft-model", NAME, *extra])
-        with pytest.raises(cli.CLIError, match=message):
-            cli.check_generate_arguments(args)
+        with pytest.raises(OptionError, match=message):
+            checked_options(args)
 
 
 # ---------------------------------------------------------------------------------------------- the real pair

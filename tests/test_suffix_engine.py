@@ -5,7 +5,6 @@ updated by another thread while the async engine serves, the CLI, the server (it
 and ``bench-spec`` — all on tiny models."""
 from __future__ import annotations
 
-import argparse
 import random
 import threading
 import time
@@ -237,14 +236,16 @@ def test_server_with_suffix_decoding_exports_its_cache(text_model):
     """``specdec serve --draft suffix``'s engine (built from the serve command's arguments) over HTTP: outputs
     equal offline greedy, the one cache learns across requests, /metrics exports its size and hit rate."""
     from specdec.cli import build_parser
+    from specdec.options import options_from
     from specdec.serving import create_app
-    from specdec.serving.server import load_engine, running_server, serving_engine
+    from specdec.serving.server import ServeOptions, load_engine, running_server, serving_engine
 
     path, _ = text_model
     args = build_parser().parse_args(["serve", "--model", str(path), "--backend", "eager", "--amp", "f32",
                                       "--n-positions", "256", "--batch-size", "2", "--draft", "suffix",
                                       "--suffix-cache-tokens", "5000"])
-    engine = serving_engine(load_engine(args), args)
+    options = options_from(ServeOptions, args)
+    engine = serving_engine(load_engine(options), options.max_waiting)
     ids = [40 + i % 7 for i in range(15)]
     one = load(path, batch_size=1, n_positions=256, context_buckets=[16, 64], kv_buckets=[64, 128, 256])
     expected = one.generate([ids], max_new_tokens=40, eos_token_id=[])[0, len(ids):].tolist()
@@ -280,11 +281,9 @@ def test_sweeps_and_bench_spec_run_suffix(checkpoint, monkeypatch):
     second = df[df["config"] == "suffix|4|0.0"].set_index("prompt_id")["tau"]
     assert second["a"] == pytest.approx(fresh.last_stats.mean_acceptance_length) and second["b"] > second["a"]
 
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
     draft = DraftModel(load(checkpoint("llama-draft"), batch_size=1, amp="f32"))
     monkeypatch.setattr(specdec, "shipped", lambda kind, target: draft)
-    systems, _ = bench.speculative_systems(parser.parse_args(["--strategy", "suffix,suffix+model", "--ks", "3"]),
+    systems, _ = bench.speculative_systems(bench.parse_options(["--strategy", "suffix,suffix+model", "--ks", "3"]),
                                            target)
     assert list(systems) == ["specdec-suffix-k3", "specdec-suffix+model-k3"]
     for system in systems.values():

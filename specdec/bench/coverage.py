@@ -27,14 +27,39 @@ import argparse
 import json
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..options import options_from
 from . import runtime
 from .prompts import int_list, load_records
 
 SIZES = (8192, 16384, 24576, 32768)
+
+
+OUTPUT = "bench/results/coverage.json"
+"""Where the result goes without ``--output``."""
+
+
+@dataclass(frozen=True)
+class CoverageBenchOptions:
+    """What ``run`` measures (the flags of ``add_arguments``, same names): ``sets`` (a comma list of prompt sets
+    or jsonl files), their first ``num_prompts`` (None: all), ``max_new_tokens`` greedy tokens per prompt at
+    ``amp``, ``batch_size`` prompts per call, the vocabulary ``sizes`` evaluated besides the full one, ``threads``
+    (None: torch's), ``cache`` (a json of generated outputs: read if it exists, else written), ``output``
+    (None: ``OUTPUT``)."""
+
+    sets: str = "mt-bench,varied"
+    num_prompts: int | None = None
+    max_new_tokens: int = 128
+    amp: str = "bf16"
+    batch_size: int = 8
+    sizes: list[int] = field(default_factory=lambda: list(SIZES))
+    threads: int | None = None
+    cache: str | None = None
+    output: str | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -203,38 +228,42 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def run(options: CoverageBenchOptions) -> dict:
+    if options.threads:
+        torch.set_num_threads(options.threads)
     from ..core.config import ModelConfig
     from ..core.paths import resolve_model_path
-    sets = [s for s in args.sets.split(",") if s]
-    cache = Path(args.cache) if args.cache else None
+    sets = [s for s in options.sets.split(",") if s]
+    cache = Path(options.cache) if options.cache else None
     if cache is not None and cache.is_file():
         rows = json.loads(cache.read_text())["rows"]
     else:
-        rows = generate_outputs(sets, args.num_prompts, args.max_new_tokens, args.amp, args.batch_size)
+        rows = generate_outputs(sets, options.num_prompts, options.max_new_tokens, options.amp, options.batch_size)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps({"rows": rows}))
     config = ModelConfig.from_dir(resolve_model_path(None))
     result = {"benchmark": "coverage", "model": "SmolLM2-135M-Instruct (embedded)", "sets": sets,
-              "max_new_tokens": args.max_new_tokens, "amp": args.amp, "decoding": "greedy, EOS off",
-              **analyse(rows, shipped_vocabularies(), args.sizes, config.vocab_size, config.hidden_size)}
-    if args.output is None:
-        args.output = "bench/results/coverage.json"
+              "max_new_tokens": options.max_new_tokens, "amp": options.amp, "decoding": "greedy, EOS off",
+              **analyse(rows, shipped_vocabularies(), options.sizes, config.vocab_size, config.hidden_size)}
     return result
 
 
-def print_result(result: dict, args: argparse.Namespace) -> int:
-    return runtime.print_result(result, args, table)
+def print_result(result: dict, output: str | None = None) -> int:
+    """JSON to stdout and to ``output`` (None: ``OUTPUT``), the table to stderr."""
+    return runtime.print_result(result, output or OUTPUT, table)
+
+
+def parse_options(argv: list[str] | None = None) -> CoverageBenchOptions:
+    """``python -m specdec.bench.coverage``'s arguments (``argv`` None: ``sys.argv``) as options."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return options_from(CoverageBenchOptions, parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return print_result(run(args), args)
+    options = parse_options(argv)
+    return print_result(run(options), options.output)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -54,6 +55,24 @@ SETTINGS = {"f32": ("f32", None), "bf16": ("bf16", None), "int8": ("bf16", "int8
             "gguf": ("bf16", "gguf"), "gguf-f32": ("f32", "gguf")}
 
 
+@dataclass(frozen=True)
+class QualityBenchOptions:
+    """What ``run`` measures (the flags of ``add_arguments``, same names): ``prompts`` / ``num_prompts`` (the
+    greedy-agreement prompts), ``model`` (None: the embedded model), ``settings`` (a comma list of
+    ``SETTINGS``; the first is the reference), ``text`` (a file to score; None: the built-in held-out text),
+    ``window`` tokens per scored window, ``max_new_tokens`` per prompt, ``threads`` (None: torch's), ``output``."""
+
+    prompts: str | None = None
+    num_prompts: int = 10
+    model: str | None = None
+    settings: str = "bf16,int8"
+    text: str | None = None
+    window: int = 256
+    max_new_tokens: int = 128
+    threads: int | None = None
+    output: str | None = None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prompt_arguments(parser, num_prompts=10)
     parser.add_argument("--model", default=None,
@@ -83,29 +102,29 @@ def perplexity(model, ids: list[int], window: int) -> float:
     return math.exp(nll / count)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(options: QualityBenchOptions) -> dict:
     from ..core.decoder import DecoderModel
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    names = [s for s in args.settings.split(",") if s]
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    names = [s for s in options.settings.split(",") if s]
     bad = [s for s in names if s not in SETTINGS]
     if bad or not names:
         raise ValueError(f"unknown setting(s) {bad}: choose from {', '.join(SETTINGS)}")
-    text = open(args.text, encoding="utf-8").read() if args.text else HELD_OUT
-    questions = load_prompts(resolve_prompts(args.prompts), args.num_prompts)
-    result: dict = {"benchmark": "quality", "window": args.window, "settings": {}}
+    text = open(options.text, encoding="utf-8").read() if options.text else HELD_OUT
+    questions = load_prompts(resolve_prompts(options.prompts), options.num_prompts)
+    result: dict = {"benchmark": "quality", "window": options.window, "settings": {}}
     outputs: dict[str, list[list[int]]] = {}
     for name in tqdm(names, desc="settings", file=sys.stderr):
         amp, quantization = SETTINGS[name]
-        model = DecoderModel.from_pretrained(args.model, n_positions=max(args.window, 512), amp=amp,
+        model = DecoderModel.from_pretrained(options.model, n_positions=max(options.window, 512), amp=amp,
                                              quantization=quantization, backend="eager", progress=False)
         ids = list(model.tokenizer(text)["input_ids"])
         prompts = [chat_ids(model.tokenizer, q) for q in questions]
-        outputs[name] = [model.generate([p], max_new_tokens=args.max_new_tokens, eos_token_id=[])[0, len(p):].tolist()
-                         for p in prompts]
+        outputs[name] = [model.generate([p], max_new_tokens=options.max_new_tokens,
+                                        eos_token_id=[])[0, len(p):].tolist() for p in prompts]
         result["settings"][name] = {"amp": amp, "quantization": quantization, "tokens_scored": len(ids),
-                                    "perplexity": perplexity(model, ids, args.window)}
+                                    "perplexity": perplexity(model, ids, options.window)}
     ref = names[0]
     for name in names:
         pairs = list(zip(outputs[name], outputs[ref]))

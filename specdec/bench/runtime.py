@@ -44,9 +44,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.chat import chat_ids
+from ..options import options_from
 from .prompts import add_prompt_arguments, int_list, load_questions, resolve_prompts
 
 SYSTEMS = ("hf-eager-f32", "hf-compile-f32", "specdec-eager-f32", "specdec-eager-bf16",
@@ -99,6 +101,38 @@ def _systems_arg(text: str) -> list[str]:
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS)} or 'all'")
     return list(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class RuntimeBenchOptions:
+    """What ``run`` measures (the flags of ``add_arguments``, same names): ``systems`` (names of ``SYSTEMS``, or a
+    comma string, "all" for every one), ``model`` (None: the embedded model), ``prompts`` / ``num_prompts``,
+    ``max_new_tokens`` per prompt (EOS disabled); specdec's ``n_positions`` (None: the smallest power of two
+    that fits), ``context_buckets`` / ``kv_buckets`` (None: the runtime's), ``kv_cache_dtype``, ``compile_all``
+    (every bucket); ``threads`` (None: torch's), ``warmup_tokens``; the bandwidth test: ``bandwidth_gb``,
+    ``bandwidth_runs``, or ``bandwidth_gbps`` given; ``timeout`` per worker (seconds), ``work_dir`` (None: a
+    temporary one), ``output``, ``save_tokens`` (every system's token ids in the JSON), ``no_progress``."""
+
+    systems: list[str] | str = field(default_factory=lambda: list(DEFAULT_SYSTEMS))
+    model: str | None = None
+    prompts: str | None = None
+    num_prompts: int = 10
+    max_new_tokens: int = 128
+    n_positions: int | None = None
+    context_buckets: list[int] | None = None
+    kv_buckets: list[int] | None = None
+    kv_cache_dtype: str | None = None
+    compile_all: bool = False
+    threads: int | None = None
+    warmup_tokens: int = 16
+    bandwidth_gb: float = 1.0
+    bandwidth_runs: int = 9
+    bandwidth_gbps: float | None = None
+    timeout: float | None = None
+    work_dir: str | None = None
+    output: str | None = None
+    save_tokens: bool = False
+    no_progress: bool = False
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -617,9 +651,9 @@ def _agreement(tokens: list[list[int]], ref: list[list[int]]) -> dict:
             "common_prefix_tokens": prefixes, "max_new_tokens": n}
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark described by ``args`` (from :func:`add_arguments`); returns the result
-    dict and prints progress and a markdown table to stderr."""
+def run(options: RuntimeBenchOptions) -> dict:
+    """Run the benchmark ``options`` describe; returns the result dict and prints progress and a markdown
+    table to stderr."""
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
@@ -628,13 +662,13 @@ def run(args: argparse.Namespace) -> dict:
     from ..core.config import ModelConfig
     from ..core.paths import resolve_model_path
 
-    progress = not getattr(args, "no_progress", False)
-    systems = args.systems if isinstance(args.systems, list) else _systems_arg(args.systems)
-    n_new = args.max_new_tokens
+    progress = not options.no_progress
+    systems = options.systems if isinstance(options.systems, list) else _systems_arg(options.systems)
+    n_new = options.max_new_tokens
     if n_new < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {n_new}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if options.threads:
+        torch.set_num_threads(options.threads)
 
     old_handlers = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -642,19 +676,19 @@ def run(args: argparse.Namespace) -> dict:
             old_handlers[sig] = signal.signal(sig, _raise_interrupt)
         except (ValueError, OSError):  # not the main thread
             pass
-    work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+    work_dir = Path(options.work_dir) if options.work_dir else Path(tempfile.mkdtemp(prefix="specdec-bench-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     try:
-        prompts_path = resolve_prompts(args.prompts)
-        questions = load_questions(prompts_path, args.num_prompts)
+        prompts_path = resolve_prompts(options.prompts)
+        questions = load_questions(prompts_path, options.num_prompts)
         texts = [t for _, t in questions]
-        model_path = resolve_model_path(args.model)
+        model_path = resolve_model_path(options.model)
         config = ModelConfig.from_dir(model_path)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         prompt_ids = [chat_ids(tokenizer, t) for t in texts]
         lengths = [len(p) for p in prompt_ids]
         need = max(lengths) + n_new
-        n_positions = args.n_positions
+        n_positions = options.n_positions
         if n_positions is None:  # smallest power of two that fits, capped at the model's maximum
             n_positions = 128
             while n_positions < need:
@@ -663,33 +697,33 @@ def run(args: argparse.Namespace) -> dict:
         if n_positions < need:
             raise ValueError(f"--n-positions={n_positions} is too small: the longest prompt has {max(lengths)} "
                              f"tokens + {n_new} new tokens = {need}")
-        gguf = gguf_file(args.model) if set(GGUF_SYSTEMS) & set(systems) else None
+        gguf = gguf_file(options.model) if set(GGUF_SYSTEMS) & set(systems) else None
         pad = config.pad_token_id if config.pad_token_id is not None else \
             (config.eos_token_ids[0] if config.eos_token_ids else 0)
         job = {"model": str(model_path), "prompt_ids": prompt_ids, "max_new_tokens": n_new,
-               "n_positions": n_positions, "context_buckets": args.context_buckets, "kv_buckets": args.kv_buckets,
-               "compile_all": args.compile_all, "threads": args.threads, "warmup_tokens": args.warmup_tokens,
-               "pad_token_id": pad, "gguf": str(gguf) if gguf else None, "kv_cache_dtype": args.kv_cache_dtype}
+               "n_positions": n_positions, "context_buckets": options.context_buckets, "kv_buckets": options.kv_buckets,
+               "compile_all": options.compile_all, "threads": options.threads, "warmup_tokens": options.warmup_tokens,
+               "pad_token_id": pad, "gguf": str(gguf) if gguf else None, "kv_cache_dtype": options.kv_cache_dtype}
         job_file = work_dir / "job.json"
         job_file.write_text(json.dumps(job))
 
         result: dict = {"config": {
-            **machine_info(), "model": str(args.model or "smollm2-135m-instruct (embedded)"),
+            **machine_info(), "model": str(options.model or "smollm2-135m-instruct (embedded)"),
             "model_path": str(model_path), "prompts_file": str(prompts_path), "num_prompts": len(texts),
             "question_ids": [q for q, _ in questions],
             "prompt_tokens": lengths, "max_new_tokens": n_new, "n_positions": n_positions,
-            "context_buckets": args.context_buckets or default_buckets(n_positions),
-            "kv_buckets": args.kv_buckets or default_buckets(n_positions),
-            "compile_all": args.compile_all, "systems": systems, "batch_size": 1, "decoding": "greedy, EOS disabled",
-            "kv_cache_dtype": args.kv_cache_dtype}}
+            "context_buckets": options.context_buckets or default_buckets(n_positions),
+            "kv_buckets": options.kv_buckets or default_buckets(n_positions),
+            "compile_all": options.compile_all, "systems": systems, "batch_size": 1, "decoding": "greedy, EOS disabled",
+            "kv_cache_dtype": options.kv_cache_dtype}}
 
         # ---- bandwidth and the bound
-        if args.bandwidth_gbps:
-            bw = {"gbps": args.bandwidth_gbps, "method": "given with --bandwidth-gbps"}
+        if options.bandwidth_gbps:
+            bw = {"gbps": options.bandwidth_gbps, "method": "given with --bandwidth-gbps"}
         else:
             if progress:
-                tqdm.write(f"measuring read bandwidth ({args.bandwidth_gb:g} GB float32 sum) ...", file=sys.stderr)
-            bw = measure_bandwidth(args.bandwidth_gb, args.bandwidth_runs)
+                tqdm.write(f"measuring read bandwidth ({options.bandwidth_gb:g} GB float32 sum) ...", file=sys.stderr)
+            bw = measure_bandwidth(options.bandwidth_gb, options.bandwidth_runs)
         result["bandwidth_gbps"] = bw["gbps"]
         result["bandwidth"] = bw
         mean_ctx = statistics.fmean(L + (n_new - 1) / 2 for L in lengths)
@@ -720,7 +754,7 @@ def run(args: argparse.Namespace) -> dict:
                 shutil.rmtree(cache, ignore_errors=True)
             cache.mkdir(parents=True, exist_ok=True)
             r = _spawn_worker(s, job_file, work_dir / f"result-{s}-{phase}.json", cache, compile_only,
-                              args.timeout, progress)
+                              options.timeout, progress)
             raw.setdefault(s, {})[phase] = r
             if "error" in r:
                 tqdm.write(f"[bench] {s} ({phase}) failed: {r['error']}", file=sys.stderr)
@@ -728,8 +762,8 @@ def run(args: argparse.Namespace) -> dict:
                 tqdm.write(f"[bench] {s} skipped: {r['skipped']}", file=sys.stderr)
         bar.close()
         result["config"]["loadavg_end"] = list(os.getloadavg())
-        if not args.bandwidth_gbps:  # measured again after the workers: the higher median counts
-            bw_after = measure_bandwidth(args.bandwidth_gb, args.bandwidth_runs)
+        if not options.bandwidth_gbps:  # measured again after the workers: the higher median counts
+            bw_after = measure_bandwidth(options.bandwidth_gb, options.bandwidth_runs)
             bw["gbps_before"], bw["gbps_after"] = bw["gbps"], bw_after["gbps"]
             bw["max_gbps"] = max(bw["max_gbps"], bw_after["max_gbps"])
             bw["min_gbps"] = min(bw["min_gbps"], bw_after["min_gbps"])
@@ -740,7 +774,7 @@ def run(args: argparse.Namespace) -> dict:
             _fill_bound(bound, bw["gbps"])
         result["systems"] = _summarize(raw, n_new, bound)
         _agreements(result["systems"], raw)
-        if getattr(args, "save_tokens", False):
+        if options.save_tokens:
             for s, phases in raw.items():
                 main = phases.get("cached") or phases.get("cold") or phases.get("eager")
                 if main.get("tokens"):
@@ -751,7 +785,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         for sig, h in old_handlers.items():
             signal.signal(sig, h)
-        if not args.work_dir:
+        if not options.work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
 
 
@@ -907,8 +941,8 @@ def with_provenance(result: dict) -> dict:
     return {**{key: known[key]() for key in missing}, **result}
 
 
-def print_result(result: dict, args: argparse.Namespace, table=None) -> int:
-    """JSON to stdout (and ``--output``), ``table(result)`` (a markdown table) to stderr if given; exit
+def print_result(result: dict, output: str | None = None, table=None) -> int:
+    """JSON to stdout (and to the file ``output``), ``table(result)`` (a markdown table) to stderr if given; exit
     status 1 if any system failed, else 0. Every benchmark module's ``print_result`` is this one; the JSON
     carries the command, commit and machine (``with_provenance``)."""
     result = with_provenance(result)
@@ -916,22 +950,27 @@ def print_result(result: dict, args: argparse.Namespace, table=None) -> int:
         print(table(result), file=sys.stderr)
     text = json.dumps(result, indent=2)
     print(text)
-    if getattr(args, "output", None):
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text + "\n")
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(text + "\n")
     return 1 if any("error" in e for e in result.get("systems", {}).values()) else 0
+
+
+def parse_options(argv: list[str]) -> RuntimeBenchOptions:
+    """``python bench/bench_runtime.py``'s arguments as options."""
+    parser = argparse.ArgumentParser(prog="bench_runtime", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return options_from(RuntimeBenchOptions, parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--worker"]:
         return _worker_main(argv)
-    parser = argparse.ArgumentParser(prog="bench_runtime", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+    options = parse_options(argv)
     try:
-        return print_result(run(args), args)
+        return print_result(run(options), options.output)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -20,16 +20,41 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from functools import partial
 
 import torch
 from tqdm.auto import tqdm
 
 from ..core.chat import chat_ids
-from ..registry import REGISTRY, name_list
+from ..options import ModelOptions, SpeculationOptions
+from ..registry import name_list
 from . import runtime
 from .prompts import add_prompt_arguments, int_list, load_prompts, resolve_prompts
 from .runtime import machine_info
+
+
+@dataclass(frozen=True)
+class ServeBenchOptions:
+    """What ``run`` measures (the flags of ``add_arguments``, same names): ``prompts`` / ``num_prompts``,
+    ``strategies`` (registry names, "none" = target only), ``concurrency`` levels (clients), ``batch_size``
+    rows of the server's batch, ``max_tokens`` per request (EOS ignored) at ``temperature``; the runtime:
+    ``backend``, ``amp``, ``quantization``, ``n_positions``, ``threads`` (None: torch's); ``output``: also write
+    the JSON there."""
+
+    prompts: str | None = None
+    num_prompts: int = 16
+    strategies: list[str] = field(default_factory=lambda: ["none", "model"])
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
+    batch_size: int = 4
+    max_tokens: int = 96
+    temperature: float = 0.0
+    backend: str = "compiled"
+    amp: str = "bf16"
+    quantization: str | None = None
+    n_positions: int = 512
+    threads: int | None = None
+    output: str | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,9 +81,9 @@ def percentiles(values: list[float]) -> dict:
     return {"p50": statistics.median(values), "p99": q[98], "mean": statistics.fmean(values)}
 
 
-async def one_request(client, base: str, prompt: list[int], args: argparse.Namespace) -> dict:
+async def one_request(client, base: str, prompt: list[int], options: ServeBenchOptions) -> dict:
     """Stream one completion → its timings (seconds) and token count."""
-    body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": 0,
+    body = {"prompt": prompt, "max_tokens": options.max_tokens, "temperature": options.temperature, "seed": 0,
             "ignore_eos": True, "stream": True}
     start = time.perf_counter()
     chunks, tokens = [], 0
@@ -77,7 +102,7 @@ async def one_request(client, base: str, prompt: list[int], args: argparse.Names
             "tpot": (chunks[-1] - chunks[0]) / (tokens - 1) if tokens > 1 else None}
 
 
-async def run_load(base: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace) -> dict:
+async def run_load(base: str, prompts: list[list[int]], concurrency: int, options: ServeBenchOptions) -> dict:
     """A closed loop: ``concurrency`` clients, each sending the next prompt when its last one ends."""
     import httpx
 
@@ -87,7 +112,7 @@ async def run_load(base: str, prompts: list[list[int]], concurrency: int, args: 
     async def client_loop(client):
         while queue:
             prompt = queue.pop(0)
-            results.append(await one_request(client, base, prompt, args))
+            results.append(await one_request(client, base, prompt, options))
 
     limits = httpx.Limits(max_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -103,31 +128,31 @@ async def run_load(base: str, prompts: list[list[int]], concurrency: int, args: 
             "e2e_s": percentiles([r["e2e"] for r in results])}
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(options: ServeBenchOptions) -> dict:
     from ..serving.app import create_app
-    from ..serving.server import load_engine, running_server, serving_engine
+    from ..serving.server import ServeOptions, load_engine, running_server, serving_engine
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    strategies = args.strategies
-    texts = load_prompts(resolve_prompts(args.prompts), args.num_prompts)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    strategies = options.strategies
+    texts = load_prompts(resolve_prompts(options.prompts), options.num_prompts)
     result = {"benchmark": "serving", "machine": machine_info(), "threads": torch.get_num_threads(),
-              "settings": {k: v for k, v in vars(args).items() if k not in ("func",)}, "runs": {}}
+              "settings": asdict(options), "runs": {}}
+    model = ModelOptions(amp=options.amp, quantization=options.quantization, backend=options.backend,
+                         n_positions=options.n_positions)
     for strategy in strategies:
-        ns = argparse.Namespace(model=None, amp=args.amp, quantization=args.quantization, backend=args.backend,
-                                batch_size=args.batch_size, n_positions=args.n_positions, draft=strategy,
-                                draft_path=None, draft_quantization=None, k=REGISTRY[strategy].default_k,
-                                tree=None, tp_degree=1, max_waiting=max(args.concurrency) + 1)
+        serve = ServeOptions(model=model, speculation=SpeculationOptions(draft=strategy),
+                             batch_size=options.batch_size, max_waiting=max(options.concurrency) + 1)
         start = time.perf_counter()
-        engine = serving_engine(load_engine(ns, progress=True), ns)
+        engine = serving_engine(load_engine(serve, progress=True), serve.max_waiting)
         build_s = time.perf_counter() - start
         prompts = [chat_ids(engine.tokenizer, t) for t in texts]
         runs = []
         with running_server(create_app(engine, "bench")) as base:
-            asyncio.run(run_load(base, prompts[:1], 1, args))     # warm-up (lazily built graphs)
-            for c in tqdm(args.concurrency, desc=f"serving {strategy}", unit="level", file=sys.stderr):
+            asyncio.run(run_load(base, prompts[:1], 1, options))     # warm-up (lazily built graphs)
+            for c in tqdm(options.concurrency, desc=f"serving {strategy}", unit="level", file=sys.stderr):
                 stats_before = engine.engine.stats.copy()
-                run_result = asyncio.run(run_load(base, prompts, c, args))
+                run_result = asyncio.run(run_load(base, prompts, c, options))
                 s = engine.engine.stats
                 steps = s.steps - stats_before.steps
                 run_result["tau"] = 1 + (s.accepted - stats_before.accepted) / steps if steps else None

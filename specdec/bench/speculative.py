@@ -52,6 +52,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -65,12 +66,51 @@ from ..eagle.proposer import EagleDraft
 from ..eagle.smollm2 import embedded_eagle_path
 from ..eagle.tree import DynamicTree
 from ..medusa.draft import MedusaDraft
+from ..options import options_from
 from ..registry import REGISTRY, name_list
 from . import runtime
 from .prompts import add_prompt_arguments, int_list, load_records, resolve_prompts
 
 SPECULATIVE = tuple(name for name, s in REGISTRY.items() if s.speculative)
 """The registry's strategies a ``--strategy`` may name (target-only runs in every benchmark)."""
+
+
+@dataclass(frozen=True)
+class SpecBenchOptions:
+    """What ``run`` measures (the flags of ``add_arguments``, same names): ``prompts`` (a prompt set name or
+    MT-Bench style jsonl; None: MT-Bench), its first ``num_prompts`` (or ``per_category`` of every category),
+    ``max_new_tokens`` per prompt; the systems: ``strategy`` (registry names), ``ks`` (chains),
+    ``dynamic_trees`` / ``trees`` (comma lists of EAGLE-2 shapes / Medusa trees), ``heads`` / ``eagle`` (other
+    weights than the shipped ones), ``fused`` / ``gate`` ("off", "on", "both"), ``adaptive``, ``no_hf`` (no
+    transformers assisted generation); the runtime: ``batch_size`` prompts per call, ``temperatures`` (a comma
+    list), ``backend``, ``amp``, ``quantization`` (the target's), ``draft_quantization``, ``autotune``,
+    ``n_positions``, ``seed``, ``threads`` (None: torch's); ``output``: also write the JSON there."""
+
+    prompts: str | None = None
+    num_prompts: int = 10
+    max_new_tokens: int = 128
+    strategy: list[str] = field(default_factory=lambda: ["model"])
+    dynamic_trees: str = "3x8x8"
+    trees: str = "chain_4,mc_sim_7b_63,shipped"
+    heads: str | None = None
+    eagle: str | None = None
+    per_category: int | None = None
+    batch_size: int = 1
+    ks: list[int] = field(default_factory=lambda: [2, 4, 6])
+    temperatures: str = "0,0.7"
+    backend: str = "compiled"
+    amp: str = "bf16"
+    quantization: str | None = None
+    draft_quantization: str | None = None
+    autotune: bool = False
+    n_positions: int = 384
+    fused: str = "off"
+    adaptive: bool = False
+    gate: str = "off"
+    no_hf: bool = False
+    seed: int = 0
+    threads: int | None = None
+    output: str | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +172,7 @@ def _timed(fn) -> tuple[object, float]:
     return out, time.perf_counter() - start
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(options: SpecBenchOptions) -> dict:
     from transformers import AutoModelForCausalLM
 
     from .. import DecoderModel, Engine, SpecStats
@@ -140,28 +180,29 @@ def run(args: argparse.Namespace) -> dict:
     from ..draft.smollm2 import embedded_draft_path
 
     torch.set_grad_enabled(False)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    kw = dict(n_positions=args.n_positions, amp=args.amp, backend=args.backend, progress=False,
-              kv_buckets=[args.n_positions], autotune=args.autotune)
-    B = args.batch_size
-    target = DecoderModel.from_pretrained(None, batch_size=B, quantization=args.quantization, **kw)
-    systems, draft_module = speculative_systems(args, target)   # name -> System
-    records = bench_records(args)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    kw = dict(n_positions=options.n_positions, amp=options.amp, backend=options.backend, progress=False,
+              kv_buckets=[options.n_positions], autotune=options.autotune)
+    B = options.batch_size
+    target = DecoderModel.from_pretrained(None, batch_size=B, quantization=options.quantization, **kw)
+    systems, draft_module = speculative_systems(options, target)   # name -> System
+    records = bench_records(options)
     prompts = [chat_ids(target.tokenizer, text) for _, _, text in records]
     calls = [prompts[i:i + B] for i in range(0, len(prompts), B)]
     call_category = []          # each call's prompt category ("mixed" when its rows differ)
     for i in range(0, len(records), B):
         found = {c for _, c, _ in records[i:i + B]}
         call_category.append(found.pop() if len(found) == 1 else "mixed")
-    n_new = args.max_new_tokens
+    n_new = options.max_new_tokens
     width = max(system.width for system in systems.values())
     needed = max(len(p) for p in prompts) + n_new + width
-    if needed > args.n_positions:  # else k shrinks near the end and new graph shapes compile mid-run
-        raise ValueError(f"--n-positions {args.n_positions} is too small: the longest prompt + {n_new} new tokens "
+    if needed > options.n_positions:  # else k shrinks near the end and new graph shapes compile mid-run
+        raise ValueError(f"--n-positions {options.n_positions} is too small: the longest prompt + {n_new} new tokens "
                          f"+ a verify step of {width} tokens needs {needed}")
-    temps = [float(t) for t in args.temperatures.split(",")]
-    hf = None if args.no_hf or B > 1 else AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
+    temps = [float(t) for t in options.temperatures.split(",")]
+    hf = None if options.no_hf or B > 1 else \
+        AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
     if hf is not None:
         hf.generation_config.eos_token_id = None
     assistant = None if hf is None else HFAdapter(
@@ -182,12 +223,12 @@ def run(args: argparse.Namespace) -> dict:
     jobs = [(t, None, "specdec-target") for t in temps]
     jobs += [(t, system.k, name) for t in temps for name, system in systems.items()]
     if hf is not None:
-        jobs += [(t, k, f"hf-assisted-k{k}") for t in temps for k in args.ks]
+        jobs += [(t, k, f"hf-assisted-k{k}") for t in temps for k in options.ks]
     for t, k, name in tqdm(jobs, desc="benchmark", unit="config", file=sys.stderr):
         rates, stats, clock, gated = [], SpecStats(), GraphClock(), {True: 0, False: 0}
         by_category: dict[str, tuple[list[float], SpecStats]] = {}
         for i, batch in enumerate(calls):
-            seed = args.seed + i
+            seed = options.seed + i
             if name == "specdec-target":
                 engine = Engine(target)
                 clock.watch(engine, [target])
@@ -244,11 +285,11 @@ def run(args: argparse.Namespace) -> dict:
                        if name.startswith("hf-assisted") and r["temperature"] == e["temperature"]), default=None)
         if key.split("@")[0] in systems and hf_best:
             e["speedup_vs_hf_assisted"] = e["tokens_per_s"] / hf_best
-    return {"config": {"strategy": args.strategy, "batch_size": B, "backend": args.backend, "amp": args.amp,
-                       "quantization": args.quantization, "draft_quantization": args.draft_quantization,
-                       "autotune": args.autotune, "fused": args.fused,
-                       "adaptive": args.adaptive, "gate": args.gate,
-                       "num_prompts": len(prompts), "prompts": str(resolve_prompts(args.prompts).name),
+    return {"config": {"strategy": options.strategy, "batch_size": B, "backend": options.backend, "amp": options.amp,
+                       "quantization": options.quantization, "draft_quantization": options.draft_quantization,
+                       "autotune": options.autotune, "fused": options.fused,
+                       "adaptive": options.adaptive, "gate": options.gate,
+                       "num_prompts": len(prompts), "prompts": str(resolve_prompts(options.prompts).name),
                        "question_ids": [q for q, _, _ in records], "max_new_tokens": n_new, "systems": list(systems),
                        "temperatures": temps, "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "draft_cost_ratio": 0.0 if draft_module is None else
@@ -256,14 +297,14 @@ def run(args: argparse.Namespace) -> dict:
             "runs": runs}
 
 
-def bench_records(args: argparse.Namespace) -> list[tuple[object, str, str]]:
+def bench_records(options: SpecBenchOptions) -> list[tuple[object, str, str]]:
     """``(question_id, category, text)`` of the benchmark's prompts: the first ``--num-prompts`` of
     ``--prompts``, or with ``--per-category N`` the first N of every category (in file order)."""
-    if not args.per_category:
-        return load_records(args.prompts, args.num_prompts)
-    records = load_records(args.prompts)
+    if not options.per_category:
+        return load_records(options.prompts, options.num_prompts)
+    records = load_records(options.prompts)
     return [r for c in dict.fromkeys(c for _, c, _ in records)
-            for r in [r for r in records if r[1] == c][:args.per_category]]
+            for r in [r for r in records if r[1] == c][:options.per_category]]
 
 
 class System(NamedTuple):
@@ -275,43 +316,43 @@ class System(NamedTuple):
     make: Callable
 
 
-def speculative_systems(args: argparse.Namespace, target) -> tuple[dict[str, System], torch.nn.Module | None]:
+def speculative_systems(options: SpecBenchOptions, target) -> tuple[dict[str, System], torch.nn.Module | None]:
     """``{name: System}`` for every ``--strategy`` and the first one's drafting module (for its
     weight-read cost). The shipped proposers take the target's runtime settings (batch size, buckets,
     amp, backend)."""
-    if args.adaptive and (not all(REGISTRY[s].adaptive for s in args.strategy) or args.fused != "off"):
+    if options.adaptive and (not all(REGISTRY[s].adaptive for s in options.strategy) or options.fused != "off"):
         raise ValueError(f"--adaptive applies to chain strategies "
                          f"({', '.join(n for n, s in REGISTRY.items() if s.adaptive)}) with --fused off")
-    if args.gate != "off" and args.fused != "off":
+    if options.gate != "off" and options.fused != "off":
         raise ValueError("--gate runs unfused (a fused step's graph always drafts): use --fused off")
     systems, modules = {}, []
-    for strategy in args.strategy:
-        for gate in SIDES[args.gate]:
-            found, module = strategy_systems(strategy, args, target, gate)
+    for strategy in options.strategy:
+        for gate in SIDES[options.gate]:
+            found, module = strategy_systems(strategy, options, target, gate)
             systems.update({f"{name}-gate" if gate else name: system for name, system in found.items()})
         modules.append(module)
     return systems, next((m for m in modules if m is not None), None)
 
 
-def strategy_model(name: str, args: argparse.Namespace, target, **options):
+def strategy_model(name: str, options: SpecBenchOptions, target, **build):
     """The draft network's proposer of strategy ``name`` (a model-backed one): the shipped weights
     (``specdec.shipped``), or ``--eagle DIR`` for the EAGLE strategies, ``--heads DIR`` for Medusa;
-    ``--draft-quantization``; ``options``: ``tree=`` for trees."""
+    ``--draft-quantization``; ``build``: ``tree=`` for trees."""
     from .. import shipped
     cls, path = REGISTRY[name].proposer, None
-    if args.eagle is not None and issubclass(cls, EagleDraft):
-        path = embedded_eagle_path(args.eagle)
-    elif args.heads and issubclass(cls, MedusaDraft):
-        path = args.heads
-    if args.draft_quantization is not None:
+    if options.eagle is not None and issubclass(cls, EagleDraft):
+        path = embedded_eagle_path(options.eagle)
+    elif options.heads and issubclass(cls, MedusaDraft):
+        path = options.heads
+    if options.draft_quantization is not None:
         if not REGISTRY[name].quantizable:
             raise ValueError("--draft-quantization applies to the draft model and EAGLE heads; Medusa heads follow "
                              "the target's --quantization")
-        options["quantization"] = args.draft_quantization
-    return shipped(name, target, **options) if path is None else REGISTRY[name].build(target, path, **options)
+        build["quantization"] = options.draft_quantization
+    return shipped(name, target, **build) if path is None else REGISTRY[name].build(target, path, **build)
 
 
-def strategy_systems(name: str, args: argparse.Namespace, target,
+def strategy_systems(name: str, options: SpecBenchOptions, target,
                      gate: bool = False) -> tuple[dict[str, System], torch.nn.Module | None]:
     """One strategy's systems (named ``specdec-{name}-...``; ``gate``: gated generators) and its drafting
     module. Trees: one system per tree (``--trees`` for static trees, ``--dynamic-trees`` for EAGLE-2 shapes;
@@ -322,20 +363,20 @@ def strategy_systems(name: str, args: argparse.Namespace, target,
     generator = partial(SpeculativeGenerator, gate=gate)
     spec = f"specdec-{name}"
     if s.kind == "tree":
-        shapes = args.trees.split(",") if s.tree == "static" else args.dynamic_trees.split(",")
-        parts = {shape: strategy_model(s.part, args, target, tree=None if shape == "shipped" else
+        shapes = options.trees.split(",") if s.tree == "static" else options.dynamic_trees.split(",")
+        parts = {shape: strategy_model(s.part, options, target, tree=None if shape == "shipped" else
                                        DynamicTree.parse(shape) if s.tree == "dynamic" else shape)
                  for shape in shapes}
         return {f"{spec}-{Path(shape).stem}": System(d.depth, s.build(target, part=d).verify_size,
                                                      lambda d=d: generator(s.build(target, part=d), target, None))
                 for shape, d in parts.items()}, next(iter(parts.values())).module
-    part = None if s.part is None else strategy_model(s.part, args, target)
-    adaptive = "-adaptive" if args.adaptive else ""
-    modes = SIDES[args.fused] if s.fused else [False]
+    part = None if s.part is None else strategy_model(s.part, options, target)
+    adaptive = "-adaptive" if options.adaptive else ""
+    modes = SIDES[options.fused] if s.fused else [False]
     return {f"{spec}{'-fused' if fused else ''}{adaptive}-k{k}":
             System(k, k + 1, lambda k=k, fused=fused: generator(s.build(target, part=part), target, k, fused=fused,
-                                                                adaptive=args.adaptive))
-            for k in args.ks for fused in modes}, None if part is None else part.module
+                                                                adaptive=options.adaptive))
+            for k in options.ks for fused in modes}, None if part is None else part.module
 
 
 def drafting_model(proposer):
@@ -439,12 +480,17 @@ def table(result: dict) -> str:
 print_result = partial(runtime.print_result, table=table)      # JSON to stdout (and --output), the table to stderr
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_options(argv: list[str] | None = None) -> SpecBenchOptions:
+    """``python bench/bench_speculative.py``'s arguments (``argv`` None: ``sys.argv``) as options."""
     parser = argparse.ArgumentParser(prog="bench_speculative", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    return print_result(run(args), args)
+    return options_from(SpecBenchOptions, parser.parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parse_options(argv)
+    return print_result(run(options), options.output)
 
 
 if __name__ == "__main__":
