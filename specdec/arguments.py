@@ -149,6 +149,10 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4"],
                    help="model / eagle drafts: the draft's own weight-only scheme (default: --quantization's); "
                         "a cheaper draft step, the same output distribution")
+    s.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",
+                   help="draft models (model, lookup+model, suffix+model): score only token ids [0, N) — a cheaper "
+                        "draft LM head (byte-pair ids are numbered in merge order, so the first are the frequent "
+                        "ones); the draft never proposes a later id, the output is unchanged")
     s.add_argument("--tree", default=None,
                    help="medusa: a built-in tree name (e.g. mc_sim_7b_63) or a JSON file of paths "
                         "(default: the heads' own tree); eagle-tree: DEPTHxTOPKxNODES (default 3x8x8)")

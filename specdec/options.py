@@ -161,7 +161,8 @@ class SpeculationOptions:
     draft_model: a draft model for ``model`` / ``lookup+model`` / ``suffix+model`` (``checked`` turns it into
     ``draft_path``); k: draft tokens per step (None: the strategy's default, a tree's depth); fused: one graph
     per step; adaptive_k: per-row k <= k; gate: speculate only while it pays; draft_quantization: the draft's
-    own weight-only scheme ("none", "int8", "int4"; None: the target's); tree: a Medusa tree (name or JSON
+    own weight-only scheme ("none", "int8", "int4"; None: the target's); draft_vocab: a draft model scoring
+    only token ids [0, draft_vocab) (``output_vocab_size``; None: its whole head); tree: a Medusa tree (name or JSON
     file) or an EAGLE-2 shape "DxKxN"; suffix_cache_tokens / suffix_alpha / suffix_min_prob /
     suffix_min_match: suffix decoding's cache budget (tokens), drafts per matched token, least continuation
     share and least match for the suffix chain (None: the strategy's defaults)."""
@@ -174,6 +175,7 @@ class SpeculationOptions:
     adaptive_k: bool = False
     gate: bool = False
     draft_quantization: str | None = None
+    draft_vocab: int | None = None
     tree: str | None = None
     suffix_cache_tokens: int | None = None
     suffix_alpha: float | None = None
@@ -225,6 +227,12 @@ class SpeculationOptions:
             own = [name for name in loaders if REGISTRY[name].quantizable]
             raise OptionError(f"--draft-quantization is for --draft {_or(own)} (and lookup+ / suffix+ them); Medusa "
                               "heads follow --quantization")
+        if self.draft_vocab is not None and s.part != "model":
+            raise OptionError(f"--draft-vocab restricts a draft model's LM head: it is for --draft "
+                              f"{_or(_strategies(lambda s: s.part == 'model'))}")
+        if self.draft_vocab is not None and self.draft_quantization in ("int8", "int4"):
+            raise OptionError(f"--draft-vocab keeps the draft's own LM head; --draft-quantization "
+                              f"{self.draft_quantization} re-quantizes it: use none, or the target's gguf")
         if self.tree is not None and s.tree is None:
             trees = sorted((name for name in loaders if REGISTRY[name].tree),
                            key=lambda n: REGISTRY[n].tree != "static")
@@ -263,6 +271,8 @@ class SpeculationOptions:
         options = {} if self.tree is None else {"tree": self.tree}
         if self.draft_quantization is not None:
             options["quantization"] = self.draft_quantization
+        if self.draft_vocab is not None:
+            options["output_vocab_size"] = self.draft_vocab
         return REGISTRY[self.draft].build(target, self.draft_path, suffix=self.suffix_settings(), **options)
 
     def make_generator(self, proposer, target: DecoderModel) -> SpeculativeGenerator | None:

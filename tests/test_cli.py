@@ -101,7 +101,8 @@ def test_draft_choices_give_the_targets_greedy_output(checkpoint, capsys, draft,
     assert "per-position acceptance" in err and "tokens/s" in err
 
 
-@pytest.mark.parametrize("extra", [["--draft", "model", "--adaptive-k"], ["--draft", "lookup+model"],
+@pytest.mark.parametrize("extra", [["--draft", "model", "--draft-vocab", "96"], ["--draft", "model", "--adaptive-k"],
+                                   ["--draft", "lookup+model"],
                                    ["--draft", "lookup+model", "--adaptive-k"], ["--draft", "model", "--gate"]])
 def test_adaptive_k_and_lookup_plus_model_give_the_targets_greedy_output(checkpoint, capsys, extra):
     target = checkpoint("llama").path
@@ -247,6 +248,12 @@ def test_bad_arguments_exit_2_with_one_line(checkpoint, tmp_path, capsys):
          "--draft-quantization is for --draft model, eagle, eagle-tree, eagle3 or eagle3-tree"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--draft-quantization", "int2"),
          "argument --draft-quantization: invalid choice: 'int2'"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "eagle", "--draft-vocab", "64"),
+         "--draft-vocab restricts a draft model's LM head: it is for --draft model, lookup+model or suffix+model"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--draft-vocab", "64", "--draft-quantization",
+                       "int8"), "--draft-quantization int8 re-quantizes it"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--draft-vocab", "0"),
+         "argument --draft-vocab: must be >= 1, got 0"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "lookup", "--draft-path", tmp_path),
          "--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa"),
         (generate_args(target, list(range(3, 70)), 8, 64), "the prompt has 67 tokens: --n-positions 64 leaves no room"),
