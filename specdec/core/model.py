@@ -318,8 +318,7 @@ class DecoderLM(nn.Module):
     def init_buffers(self) -> None:
         """Restore what ``to_empty``/dtype casts lose: weight tying, f32 RoPE frequencies, zero caches
         (and scales) in their storage dtypes."""
-        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear) and \
-                self.lm_head.out_features == self.config.vocab_size:   # not a quantized or restricted head
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):   # not a quantized head
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq = rope_inv_freq(self.config)[0].to(self.model.norm.weight.device)
         if self.tp.size > 1:
