@@ -36,7 +36,7 @@ from .graphs import (
     configure_compile_cache,
 )
 from .kv_quant import parse_kv_cache_dtype
-from .model import DecoderLM, check_feature_layers, split_hidden
+from .model import DecoderLM, check_feature_layers, check_output_vocab_size, split_hidden
 from .parallel import TPGroup, barrier, shard_plan, spmd_group, tp_group
 from .paths import gguf_source, resolve_model_path
 from .quant import parse_quantization, quantize_and_fuse
@@ -194,6 +194,8 @@ class DecoderModel:
         if config.sliding_window is not None and n_positions > config.sliding_window:
             raise ValueError(f"n_positions={n_positions} exceeds sliding_window={config.sliding_window}; "
                              "sliding-window attention is not implemented")
+        if output_vocab_size is not None:
+            check_output_vocab_size(output_vocab_size, config, tp.size)
         layout = head_layout(config.num_heads, config.num_kv_heads, tp_degree, gqa)
         settings.feature_layers = check_feature_layers(feature_layers, config.num_layers)
         with torch.device("meta"):

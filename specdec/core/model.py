@@ -338,20 +338,13 @@ class DecoderLM(nn.Module):
 
         from .block_linear import BlockLinear
 
-        if self.config.output_vocab_size is not None:
-            raise ValueError(f"this model already scores a reduced vocabulary of {self.config.output_vocab_size} "
-                             "tokens")
-        if not 1 <= n <= self.config.vocab_size:
-            raise ValueError(f"output_vocab_size must be in [1, {self.config.vocab_size}] (the vocabulary), got {n}")
-        if self.tp.size > 1:
-            raise ValueError("output_vocab_size is not supported with tensor parallelism (tp_degree > 1)")
+        check_output_vocab_size(n, self.config, self.tp.size)
         head = self.lm_head
         if isinstance(head, BlockLinear):
             self.lm_head = head.first_rows(n)
-        elif isinstance(head, nn.Linear):
-            self.lm_head = nn.Linear(head.in_features, n, bias=False, device=head.weight.device,
-                                     dtype=head.weight.dtype)
-            self.lm_head.weight = nn.Parameter(head.weight.detach()[:n], requires_grad=False)
+        elif isinstance(head, nn.Linear):     # a view of the first rows (of the embedding, if tied: now untied)
+            head.weight = nn.Parameter(head.weight.detach()[:n], requires_grad=False)
+            head.out_features = n
         else:
             raise ValueError(f"output_vocab_size needs a float LM head or a GGUF file's own blocks "
                              f"(quantization=None or 'gguf'); this model's head is a {type(head).__name__}")
@@ -390,6 +383,17 @@ class DecoderLM(nn.Module):
             logits = all_gather_last(logits, self.tp)[..., :self.out_vocab]   # drop the vocab padding
         logits = full_vocab_logits(logits, self.config, getattr(self, "output_token_ids", None))
         return logits, torch.cat([hidden, *aux], -1) if aux else hidden
+
+
+def check_output_vocab_size(n: int, config: ModelConfig, tp_size: int) -> None:
+    """ValueError unless ``DecoderLM.restrict_output_vocab(n)`` can apply to a model of ``config`` on ``tp_size``
+    ranks (checked before any weight loads)."""
+    if config.output_vocab_size is not None:
+        raise ValueError(f"this model already scores a reduced vocabulary of {config.output_vocab_size} tokens")
+    if not 1 <= n <= config.vocab_size:
+        raise ValueError(f"output_vocab_size must be in [1, {config.vocab_size}] (the vocabulary), got {n}")
+    if tp_size > 1:
+        raise ValueError("output_vocab_size is not supported with tensor parallelism (tp_degree > 1)")
 
 
 def check_feature_layers(layers, num_layers: int) -> tuple[int, ...]:
