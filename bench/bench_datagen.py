@@ -31,8 +31,8 @@ def main() -> None:
     ap.add_argument("--output", default=None, help="also write the JSON here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from specdec.bench import emit_json
-    from specdec.train.data import DataConfig, answer_stream, generation_model, plan_batch
+    from specdec.tools.bench import emit_json
+    from specdec.tools.train.data import DataConfig, answer_stream, generation_model, plan_batch
 
     cfg = DataConfig(num_prompts=10**6 if args.prompts != "written" else args.batches * args.batch_size,
                      batch_size=args.batch_size, prompts=args.prompts, seed=args.seed,

@@ -61,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from specdec import DecoderModel
-    from specdec.bench import emit_json
+    from specdec.tools.bench import emit_json
 
     results = []
     for shape in args.shapes.split(","):

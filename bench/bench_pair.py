@@ -13,6 +13,11 @@ draft Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF):
 - ``llamacpp-spec-k<k>``: ``llama-speculative`` with the draft GGUF, ``--spec-draft-n-max k`` (its greedy
   draft sampler gives every draft token p = 1, so each round drafts k tokens).
 
+``--temperature T`` samples (temperature T, no top-k / top-p, seed = the prompt's index) and
+``--batch-size B`` generates B prompts per call (``--num-prompts`` in groups of B; tok/s counts every row):
+both measure specdec against its own target-only, so the llama.cpp systems run only greedy at batch 1, and
+``identical_to_target`` is checked only greedy (sampled outputs differ by design; losslessness is the tests').
+
 Every system runs on every prompt, prompt after prompt (all systems on prompt 1, then on prompt 2, ...), so
 a slow spell of the machine hits every system alike. Each system first does untimed warm-up generations:
 eagerly one of ``--warmup-tokens`` on the first prompt; with ``--backend compiled`` / ``regional`` one on
@@ -42,7 +47,7 @@ Command (the full run; progress lines go to stderr, the JSON to stdout and ``--o
         --strategies none,model,lookup,lookup+model --output bench/results/pair_code.json
 
 JSON keys: ``command`` (argv), ``commit`` (short hash, ``+dirty`` with uncommitted changes), ``machine``
-(``specdec.bench.runtime.machine_info``), ``config`` (settings, model and GGUF paths, prompt ids and
+(``specdec.tools.bench.runtime.machine_info``), ``config`` (settings, model and GGUF paths, prompt ids and
 token counts, ``llamacpp_setup``: llama.cpp's build, GGUF files and env), ``systems`` (per system: medians
 over prompts of ``e2e_tok_s`` and ``decode_tok_s``, pooled ``tau`` and ``acceptance``, ``by_category``
 medians, the output checks), ``per_prompt`` (each prompt's raw numbers per system: seconds, rates, stats,
@@ -70,18 +75,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from specdec import DecoderModel, DraftModel, SpecStats, SpeculativeGenerator
-from specdec.bench import emit_json
-from specdec.bench.llamacpp import (
+from specdec.core.chat import chat_ids
+from specdec.core.named_models import is_named_model, named_model_path
+from specdec.registry import REGISTRY, name_list
+from specdec.tools.bench import emit_json
+from specdec.tools.bench.llamacpp import (
     LlamaCppRun,
     llamacpp_bin_dir,
     run_completion,
     run_speculative,
 )
-from specdec.bench.prompts import int_list, load_records, resolve_prompts
-from specdec.bench.runtime import git_commit, machine_info
-from specdec.core.chat import chat_ids
-from specdec.core.named_models import is_named_model, named_model_path
-from specdec.registry import REGISTRY, name_list
+from specdec.tools.bench.prompts import int_list, load_records, resolve_prompts
+from specdec.tools.bench.runtime import git_commit, machine_info
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -108,6 +113,8 @@ class Config:
     model: str
     draft_model: str
     draft_vocab: int | None
+    temperature: float
+    batch_size: int
     backend: str
     amp: str
     quantization: str | None
@@ -145,6 +152,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="also run every draft-model strategy with a second copy of the draft that scores only token "
                         "ids [0, N) (output_vocab_size; systems named ...-v<N>)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; T > 0: sample at temperature T (specdec systems only: implies --no-llamacpp)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="prompts per generate call (B > 1: specdec systems only, implies --no-llamacpp)")
     p.add_argument("--backend", choices=("eager", "compiled", "regional"), default="eager")
     p.add_argument("--amp", choices=("f32", "bf16"), default="f32")
     p.add_argument("--quantization", default="gguf", help="DecoderModel quantization ('none' for None)")
@@ -160,11 +171,16 @@ def parse_args(argv: list[str] | None = None) -> Config:
                    help="an environment variable for llama.cpp's runs (repeatable; default: the inherited env)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
-    if a.max_new_tokens < 2 or a.num_prompts < 1 or a.threads < 1 or a.warmup_tokens < 1 or min(a.ks) < 1:
-        p.error("--max-new-tokens must be >= 2, --num-prompts, --threads, --warmup-tokens and every k >= 1")
+    if a.max_new_tokens < 2 or min(a.num_prompts, a.threads, a.warmup_tokens, a.batch_size, *a.ks) < 1:
+        p.error("--max-new-tokens must be >= 2, --num-prompts, --threads, --warmup-tokens, --batch-size and every "
+                "k >= 1")
+    if a.temperature < 0:
+        p.error("--temperature must be >= 0 (0: greedy)")
+    if a.temperature > 0 or a.batch_size > 1:
+        a.llamacpp = False      # llama.cpp's systems are the greedy batch-1 comparison
     return Config(prompts=a.prompts, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens, threads=a.threads,
                   ks=list(dict.fromkeys(a.ks)), strategies=a.strategies, model=a.model, draft_model=a.draft_model,
-                  draft_vocab=a.draft_vocab,
+                  draft_vocab=a.draft_vocab, temperature=a.temperature, batch_size=a.batch_size,
                   backend=a.backend, amp=a.amp, quantization=None if a.quantization == "none" else a.quantization,
                   n_positions=a.n_positions, context_buckets=a.context_buckets, warmup_tokens=a.warmup_tokens,
                   llamacpp=a.llamacpp, llamacpp_env=dict(a.llamacpp_env), output=a.output)
@@ -208,7 +224,8 @@ class LlamaSystem:
 def load_target(cfg: Config) -> DecoderModel:
     """The target model, loaded once."""
     return DecoderModel.from_pretrained(cfg.model, quantization=cfg.quantization, amp=cfg.amp, backend=cfg.backend,
-                                        n_positions=cfg.n_positions, context_buckets=cfg.context_buckets)
+                                        batch_size=cfg.batch_size, n_positions=cfg.n_positions,
+                                        context_buckets=cfg.context_buckets)
 
 
 def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
@@ -257,19 +274,28 @@ class TokenClock:
         pass
 
 
-def run_ours(system: OurSystem, ids: list[int], n_new: int) -> dict:
-    """One timed generation: the new tokens, wall seconds, e2e and decode tok/s, and (speculative) the stats."""
-    x = torch.tensor([ids])
+def sampling(cfg: Config, seed: int) -> dict:
+    """The generate arguments of ``cfg``'s decoding: greedy, or temperature sampling seeded with ``seed``."""
+    if cfg.temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": cfg.temperature, "top_k": 0, "top_p": 1.0, "seed": seed}
+
+
+def run_ours(system: OurSystem, group: list[list[int]], n_new: int, decoding: dict) -> dict:
+    """One timed generation of a group of prompts (one row each): the new tokens per row, wall seconds, e2e and
+    decode tok/s over every row, and (speculative) the stats."""
     clock = TokenClock()
     start = time.perf_counter()
-    out = system.generate(x, max_new_tokens=n_new, eos_token_id=[], streamer=clock)
+    out = system.generate(group, max_new_tokens=n_new, eos_token_id=[], streamer=clock, **decoding)
     seconds = time.perf_counter() - start
-    tokens = out[0, len(ids):].tolist()
-    if len(tokens) != n_new:
-        raise RuntimeError(f"{system.name} generated {len(tokens)} tokens, not {n_new}")
+    width = max(len(ids) for ids in group)
+    tokens = [row[width:].tolist() for row in out]
+    if any(len(t) != n_new for t in tokens):
+        raise RuntimeError(f"{system.name} generated {[len(t) for t in tokens]} tokens, not {n_new} per row")
     decode_s = clock.times[-1] - clock.times[1] if len(clock.times) > 2 else 0.0
-    result = {"tokens": tokens, "seconds": seconds, "e2e_tok_s": n_new / seconds,
-              "decode_tok_s": (n_new - 1) / decode_s if decode_s > 0 else None}
+    rows = len(group)
+    result = {"tokens": tokens if rows > 1 else tokens[0], "seconds": seconds, "e2e_tok_s": rows * n_new / seconds,
+              "decode_tok_s": rows * (n_new - 1) / decode_s if decode_s > 0 else None}
     if system.last_stats is not None:
         st = system.last_stats()
         result |= {"steps": st.steps, "drafted": st.drafted, "accepted": st.accepted,
@@ -313,18 +339,18 @@ def compare_text(ours: str, theirs: str, overshoot: bool) -> dict:
     return {"text_equal_to_specdec": equal, "common_prefix_chars": prefix, "specdec_text_chars": len(ours)}
 
 
-def warm_up(ours: dict[str, OurSystem], llamas: dict[str, LlamaSystem], prompts: list[list[int]], texts: list[str],
-            cfg: Config, llama_files: tuple[Path, Path, Path | None] | None) -> None:
+def warm_up(ours: dict[str, OurSystem], llamas: dict[str, LlamaSystem], groups: list[list[list[int]]],
+            texts: list[str], cfg: Config, llama_files: tuple[Path, Path, Path | None] | None) -> None:
     """One untimed generation of every system. On a compiling backend our systems run every prompt for the
     full ``max_new_tokens``, so every graph the timed runs use (prompt bucket, KV buckets, verify widths) is
     compiled or loaded before timing starts; eagerly, one short generation warms the kernels."""
     compiling = cfg.backend != "eager"
-    warm = prompts if compiling else prompts[:1]
+    warm = groups if compiling else groups[:1]
     n_new = cfg.max_new_tokens if compiling else cfg.warmup_tokens
     for name, system in ours.items():
         start = time.perf_counter()
-        for ids in warm:
-            system.generate(torch.tensor([ids]), max_new_tokens=n_new, eos_token_id=[])
+        for i, group in enumerate(warm):
+            system.generate(group, max_new_tokens=n_new, eos_token_id=[], **sampling(cfg, i))
         log(f"warm-up {name}: {time.perf_counter() - start:.1f} s")
     for name, system in llamas.items():
         assert llama_files is not None
@@ -333,28 +359,30 @@ def warm_up(ours: dict[str, OurSystem], llamas: dict[str, LlamaSystem], prompts:
         log(f"warm-up {name}: {time.perf_counter() - start:.1f} s")
 
 
-def bench_prompt(ids: list[int], text: str, ours: dict[str, OurSystem],
-                 llamas: dict[str, LlamaSystem], cfg: Config, tokenizer, llama_files, entry: dict, where: str) -> None:
-    """Run every system on one prompt, filling ``entry["systems"]`` as results come (kept if interrupted)."""
+def bench_prompt(group: list[list[int]], text: str, ours: dict[str, OurSystem], llamas: dict[str, LlamaSystem],
+                 cfg: Config, tokenizer, llama_files, entry: dict, where: str, seed: int) -> None:
+    """Run every system on one group of prompts (one prompt at batch 1; ``text``: its templated text, for
+    llama.cpp), filling ``entry["systems"]`` as results come (kept if interrupted)."""
     n_new = cfg.max_new_tokens
     reference: list[int] | None = None
     our_text: str | None = None
     for name, system in ours.items():
-        res = run_ours(system, ids, n_new)
+        res = run_ours(system, group, n_new, sampling(cfg, seed))
         if name == SPECDEC_TARGET:
             reference = res["tokens"]
-            our_text = tokenizer.decode(reference, skip_special_tokens=True).strip("\n")
-            res["text"] = our_text
-        elif reference is not None:
+            if len(group) == 1:
+                our_text = tokenizer.decode(reference, skip_special_tokens=True).strip("\n")
+                res["text"] = our_text
+        elif reference is not None and cfg.temperature == 0:
             res["identical_to_target"] = res["tokens"] == reference
         entry["systems"][name] = res
         log(f"{where} {name}: {_describe(res)}")
-    for name, system in llamas.items():
+    for name, system in llamas.items():      # batch 1: group is one prompt
         run = run_llama(system, *llama_files, text, n_new, cfg)
         res = llama_entry(run, n_new, our_text)
-        res["prompt_tokens_match"] = run.prompt_tokens == len(ids)
+        res["prompt_tokens_match"] = run.prompt_tokens == len(group[0])
         if not res["prompt_tokens_match"]:
-            log(f"{where} WARNING: llama.cpp read {run.prompt_tokens} prompt tokens, specdec {len(ids)}")
+            log(f"{where} WARNING: llama.cpp read {run.prompt_tokens} prompt tokens, specdec {len(group[0])}")
         entry["systems"][name] = res
         log(f"{where} {name}: {_describe(res)}")
 
@@ -447,6 +475,11 @@ def llama_config(cfg: Config, bin_dir: Path, files: tuple[Path, Path, Path | Non
             "ctx": cfg.n_positions, "ignore_eos": True}
 
 
+def decoding_label(cfg: dict) -> str:
+    """"greedy" or "T = t" for a result's config (results written before sampling runs existed are greedy)."""
+    return f"T = {cfg['temperature']}" if cfg.get("temperature") else "greedy"
+
+
 def markdown_table(result: dict) -> str:
     """The README / docs table of a result JSON: one line per system, medians over prompts."""
     systems, machine = result["systems"], result["machine"]
@@ -460,13 +493,16 @@ def markdown_table(result: dict) -> str:
                            ("text_equal_to_specdec", "text = specdec-target")):
             if key in s:
                 check = f"{s[f'{key}_count']}/{s['prompts']} {label}"
-        tau = f"{s['tau']:.2f}" if s.get("tau") else "—"
-        lines.append(f"| {name} | {s['e2e_tok_s']:.2f} | {s['decode_tok_s'] or 0:.2f} | {tau} | "
-                     f"{vs_llama.get(name, 0):.2f} | {vs_ours.get(name, 0):.2f} | {check} |")
+        tau, llama, own = (f"{v:.2f}" if v else "—" for v in (s.get("tau"), vs_llama.get(name), vs_ours.get(name)))
+        lines.append(f"| {name} | {s['e2e_tok_s']:.2f} | {s['decode_tok_s'] or 0:.2f} | {tau} | {llama} | {own} | "
+                     f"{check} |")
     cfg = result["config"]
     lines.append("")
-    lines.append(f"Medians over {len(cfg['question_ids'])} prompts of `{Path(cfg['prompt_file']).stem}`, "
-                 f"{cfg['max_new_tokens']} new tokens (EOS ignored), greedy, batch 1, {cfg['threads']} threads, "
+    batch, prompts = cfg.get("batch_size", 1), len(cfg["question_ids"])
+    over = f"{prompts} prompts" if batch == 1 else f"{-(-prompts // batch)} calls of {batch} prompts ({prompts} in all)"
+    lines.append(f"Medians over {over} of `{Path(cfg['prompt_file']).stem}`, "
+                 f"{cfg['max_new_tokens']} new tokens (EOS ignored), {decoding_label(cfg)}, "
+                 f"batch {batch}, {cfg['threads']} threads, "
                  f"{cfg['backend']} {cfg['amp']} `{cfg['quantization']}`; {machine['cpu_model']} "
                  f"({machine['cpu_capability']}), commit {result['commit']}.")
     return "\n".join(lines)
@@ -493,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = target.tokenizer
     prompts = [chat_ids(tokenizer, text) for _, _, text in records]
     texts = [tokenizer.decode(ids) for ids in prompts]
+    groups = [prompts[i:i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
     needed = max(len(p) for p in prompts) + cfg.max_new_tokens + max(cfg.ks) + 1
     if needed > cfg.n_positions:
         raise SystemExit(f"--n-positions {cfg.n_positions} is too small: the longest prompt + N + a verify step "
@@ -502,8 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     config = {**asdict(cfg), "prompt_file": str(resolve_prompts(cfg.prompts)),
               "question_ids": [q for q, _, _ in records], "categories": [c for _, c, _ in records],
               "prompt_tokens": [len(p) for p in prompts], "model_path": str(target.path),
-              "systems": [*ours, *llamas], "torch_threads": torch.get_num_threads(), "batch_size": 1,
-              "decoding": "greedy, EOS ignored"}
+              "systems": [*ours, *llamas], "torch_threads": torch.get_num_threads(),
+              "decoding": f"{decoding_label(asdict(cfg))}, EOS ignored"}
     if llamas:
         bin_dir = llamacpp_bin_dir(build=False)
         draft_gguf = gguf_file(cfg.draft_model) if len(llamas) > 1 else None
@@ -513,12 +550,19 @@ def main(argv: list[str] | None = None) -> int:
     per_prompt: list[dict] = []
     interrupted = False
     try:
-        warm_up(ours, llamas, prompts, texts, cfg, llama_files)
-        for i, (record, ids, text) in enumerate(zip(records, prompts, texts)):
-            entry = {"id": record[0], "category": record[1], "prompt_tokens": len(ids), "systems": {}}
+        warm_up(ours, llamas, groups, texts, cfg, llama_files)
+        for i, group in enumerate(groups):
+            first = i * cfg.batch_size
+            batch = records[first:first + len(group)]
+            categories = {c for _, c, _ in batch}
+            entry = {"id": batch[0][0] if len(batch) == 1 else [q for q, _, _ in batch],
+                     "category": categories.pop() if len(categories) == 1 else "mixed",
+                     "prompt_tokens": len(group[0]) if len(group) == 1 else [len(ids) for ids in group],
+                     "systems": {}}
             per_prompt.append(entry)
-            where = f"[{i + 1}/{len(records)} q={record[0]} {record[1]}, {len(ids)} prompt tokens]"
-            bench_prompt(ids, text, ours, llamas, cfg, tokenizer, llama_files, entry, where)
+            where = f"[{i + 1}/{len(groups)} q={entry['id']} {entry['category']}, {entry['prompt_tokens']} prompt " \
+                    "tokens]"
+            bench_prompt(group, texts[first], ours, llamas, cfg, tokenizer, llama_files, entry, where, seed=i)
     except KeyboardInterrupt:
         interrupted = True
         log("interrupted: reporting what was measured so far")

@@ -29,7 +29,7 @@ Commands (the full runs take a while: run them on an idle machine)::
         --quantization gguf
 
 The JSON (stdout and ``--output``, default ``bench/results/suffix_<model>.json``): ``command``, ``commit``,
-``machine`` (``specdec.bench.runtime.machine_info``), ``config``, ``offline`` and ``server``
+``machine`` (``specdec.tools.bench.runtime.machine_info``), ``config``, ``offline`` and ``server``
 ({workload: {system: {tau, tok_s, ratio_to_target, new_tokens, requests, seconds, cache, ...}}}); a markdown
 table goes to stderr.
 """
@@ -51,10 +51,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from specdec import DecoderModel, Engine
-from specdec.arguments import add_suffix_arguments
-from specdec.bench import emit_json
-from specdec.bench.prompts import load_records
-from specdec.bench.runtime import git_commit, machine_info
 from specdec.core.chat import chat_ids, conversation_ids
 from specdec.generator import SpeculativeGenerator
 from specdec.options import (
@@ -67,6 +63,10 @@ from specdec.options import (
 )
 from specdec.registry import REGISTRY, name_list
 from specdec.serving.server import ServeOptions
+from specdec.tools.arguments import add_suffix_arguments
+from specdec.tools.bench import emit_json
+from specdec.tools.bench.prompts import load_records
+from specdec.tools.bench.runtime import git_commit, machine_info
 
 WORKLOADS = ("agent", "extraction", "refactor", "mt-bench", "varied")
 SUFFIX = tuple(name for name, s in REGISTRY.items() if s.suffix is not None)
@@ -79,7 +79,8 @@ class SuffixBenchOptions:
     """What the benchmark runs (the flags of ``parse_args``, same names): the target ``model`` and the
     ``draft_model`` of suffix+model (None: the shipped draft), the suffix ``strategies``, the ``workloads``,
     the ``modes`` (offline, server), ``requests`` per workload (agent: sessions of ``turns`` requests),
-    ``max_new_tokens`` per request, the server's ``concurrency``, ``k`` (None: the strategy's), the runtime
+    ``max_new_tokens`` per request, the server's ``concurrency``, ``k`` (None: the strategy's), ``gate`` (every
+    speculative system with the cost gate: ``gate=True``, ``specdec.gate``), the runtime
     (``backend``, ``amp``, ``quantization``, ``n_positions``, ``threads``), the workloads' ``seed``, ``output``
     (None: bench/results/suffix_<model>.json) and the suffix options (``SpeculationOptions``' suffix fields)."""
 
@@ -93,6 +94,7 @@ class SuffixBenchOptions:
     max_new_tokens: int = 128
     concurrency: int = 4
     k: int | None = None
+    gate: bool = False
     backend: str = "eager"
     amp: str = "f32"
     quantization: str | None = None
@@ -260,7 +262,7 @@ def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: Deco
     def engine_of(name: str) -> Engine:
         if name == TARGET:
             return Engine(target)
-        return SpeculativeGenerator(proposer(name), target, cfg.k or REGISTRY[name].default_k).engine
+        return SpeculativeGenerator(proposer(name), target, cfg.k or REGISTRY[name].default_k, gate=cfg.gate).engine
 
     result: dict[str, dict] = {}
     for system in (TARGET, *cfg.strategies):
@@ -325,7 +327,8 @@ def serve_options(cfg: SuffixBenchOptions, strategy: str) -> ServeOptions:
     s = REGISTRY[strategy]
     suffix = {name: getattr(cfg, name) for name in SUFFIX_SETTINGS} if s.suffix else {}
     speculation = SpeculationOptions(draft=strategy, draft_model=cfg.draft_model if s.part == "model" else None,
-                                     k=cfg.k if cfg.k and strategy != "none" else None, **suffix)
+                                     k=cfg.k if cfg.k and strategy != "none" else None,
+                                     gate=cfg.gate and strategy != "none", **suffix)
     model = ModelOptions(model=cfg.model, backend=cfg.backend, amp=cfg.amp, n_positions=cfg.n_positions,
                          quantization=cfg.quantization)
     return ServeOptions(model=model, speculation=speculation.checked(cfg.model), batch_size=cfg.concurrency,
@@ -417,6 +420,8 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     p.add_argument("--max-new-tokens", type=int, default=128, help="per request (a request may end at EOS first)")
     p.add_argument("--concurrency", type=int, default=4, help="server: concurrent streams = rows of the batch")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: the strategy's, 4)")
+    p.add_argument("--gate", action="store_true",
+                   help="every speculative system with the cost gate (speculate only while it pays: gate=True)")
     p.add_argument("--backend", choices=("eager", "compiled", "regional"), default="eager")
     p.add_argument("--amp", choices=("f32", "bf16"), default="f32")
     p.add_argument("--quantization", default=None, choices=("int8", "int4", "gguf"),

@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from bench_pair import markdown_table as pair_table
 from bench_suffix import table as suffix_table
 
-from specdec.bench import runtime, speculative
+from specdec.tools.bench import runtime, speculative
 
 REQUIRED_KEYS = ("command", "commit", "machine")
 MARKERS = re.compile(r"<!-- results:(?P<name>[\w.-]+) start -->\n(?P<body>.*?)<!-- results:(?P=name) end -->",
@@ -122,6 +122,8 @@ def spec(name: str) -> tuple[str, Table]:
 
 TABLES: dict[str, Table] = {
     "pair_code": Table(("pair_code",), pair_table, sources=False),
+    "pair_code_t07": Table(("pair_code_t07",), pair_table, sources=False),
+    "pair_code_b4": Table(("pair_code_b4",), pair_table, sources=False),
     "suffix_qwen": Table(("suffix_qwen2.5-coder-1.5b-instruct",), suffix_table),
     "runtime": Table(("runtime",), runtime.markdown_table),
     "decode_step": Table(("decode_step", "decode_step_autotune"), decode_step_table),

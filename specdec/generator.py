@@ -4,26 +4,26 @@
     out = gen.generate(input_ids, max_new_tokens=128)        # ``sample`` is the same call
 
 ``draft`` is any proposer (``DraftModel``, ``EagleDraft``, ``MedusaDraft`` or your own object
-implementing ``specdec.proposer.Proposer``) or a plain ``DecoderModel``, which is wrapped as a
+implementing ``specdec.speculation.proposer.Proposer``) or a plain ``DecoderModel``, which is wrapped as a
 ``DraftModel``. ``k``: draft tokens per step for chains; for trees the tree's depth (may be left out);
 with ``adaptive=True`` (chains) the most a row drafts, each row's own k following its acceptance
-(``specdec.adaptive``); with ``gate=True`` a step speculates only while speculative steps have been
-emitting tokens faster than plain ones (``specdec.gate``). The output distribution is exactly the
+(``specdec.speculation.adaptive``); with ``gate=True`` a step speculates only while speculative steps have been
+emitting tokens faster than plain ones (``specdec.speculation.gate``). The output distribution is exactly the
 target's; greedy output is token for token the target's.
 """
 from __future__ import annotations
 
 import torch
 
-from .adaptive import AdaptiveK
 from .core.decoder import DecoderModel
 from .core.engine import Engine
 from .core.stats import SpecStats
 from .draft.proposer import DraftModel
 from .fused.speculator import FusedSpeculator
-from .gate import CostGate, GateMeter
-from .proposer import Proposer, declared
-from .speculative import Speculator
+from .speculation.adaptive import AdaptiveK
+from .speculation.gate import CostGate, GateMeter
+from .speculation.proposer import Proposer, declared
+from .speculation.speculative import Speculator
 
 SAME_OBJECT = ("the draft is the target object itself: a draft keeps its own KV cache, so load the draft checkpoint "
                "as a separate DecoderModel (DraftModel.from_pretrained(path, target))")
@@ -32,8 +32,9 @@ SAME_OBJECT = ("the draft is the target object itself: a draft keeps its own KV 
 class SpeculativeGenerator:
     """Speculative decoding of ``target`` with ``draft`` proposing ``k`` tokens per step.
 
-    ``proposer`` is ``draft`` as a declared proposer (``specdec.proposer.declared``: itself, a ``DraftModel``
-    around a ``DecoderModel``, or a ``PlainProposer`` around an object that implements only the protocol).
+    ``proposer`` is ``draft`` as a declared proposer (``specdec.speculation.proposer.declared``: itself, a
+    ``DraftModel`` around a ``DecoderModel``, or a ``PlainProposer`` around an object that implements only the
+    protocol).
     ``engine`` (``specdec.core.engine.Engine``) runs the requests: ``generate`` / ``sample`` for a
     batch, or ``engine.add`` / ``engine.step`` / ``engine.release`` for rows joining and leaving a
     running batch. ``stats`` accumulates over calls; ``last_stats`` holds the latest call's numbers.
@@ -44,12 +45,12 @@ class SpeculativeGenerator:
 
     ``adaptive=True`` or an ``AdaptiveK(min_k, max_k)`` (chain drafts, unfused): each row drafts its own
     k_r <= k, grown by 2 after a step whose drafts were all accepted and shrunk by 1 otherwise (Hugging
-    Face's ``num_assistant_tokens_schedule="heuristic"``, per row); lossless (``specdec.adaptive``).
+    Face's ``num_assistant_tokens_schedule="heuristic"``, per row); lossless (``specdec.speculation.adaptive``).
 
     ``gate=True`` or a ``CostGate(probe_every, smoothing, max_probe_every, warmup)`` (unfused): each step is
     speculative or plain, whichever kind has been emitting tokens faster (measured wall time, after a
     warm-up of both kinds; the other kind is probed now and then), so speculation that does not pay
-    falls back to decoding; lossless (``specdec.gate``). ``gate_meter`` holds the measurements.
+    falls back to decoding; lossless (``specdec.speculation.gate``). ``gate_meter`` holds the measurements.
     """
 
     def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int | None = None, *,

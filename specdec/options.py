@@ -8,7 +8,7 @@ from them: the target model, the proposer and generator, the graphs a request ne
     gen = speculation.make_generator(speculation.make_proposer(target), target)
 
 The command line (``specdec.cli``) parses its arguments into these dataclasses (``options_from``); their
-flags are in ``specdec.arguments``. Errors in a combination of options are ``OptionError``s whose messages
+flags are in ``specdec.tools.arguments``. Errors in a combination of options are ``OptionError``s whose messages
 name the command-line flags.
 """
 from __future__ import annotations
@@ -316,11 +316,11 @@ def precompile(target: DecoderModel, gen: SpeculativeGenerator | None, prompt_le
     ``penalty``: the target's graphs apply a repetition penalty (drafts never do). Adaptive k verifies
     2 .. k + 1 tokens; a ``MatchOrDraft``'s (``LookupOrDraft``, ``SuffixOrDraft``) draft model re-reads up to
     k + 1 tokens after steps its source drafted."""
-    from .combined import MatchOrDraft
     from .eagle.proposer import EagleDraft
     from .eagle.tree import EagleTreeDraft
     from .fused import FusedSpeculator
-    proposer = None if gen is None else gen.proposer     # declared (specdec.proposer): its abilities are attributes
+    from .speculation.combined import MatchOrDraft
+    proposer = None if gen is None else gen.proposer     # declared (speculation.proposer): abilities are attributes
     width = 1
     if proposer is not None:    # tree proposers say how many tokens a step verifies; a chain verifies k + 1
         width = proposer.verify_size or gen.k + 1

@@ -5,7 +5,7 @@
     SpeculativeGenerator(proposer, target, REGISTRY["lookup+eagle"].default_k)
 
 The CLI (``--draft``), serving, the benchmarks (``bench-spec --strategy``, ``bench/*.py``), the sweeps
-(``specdec.experiments``) and ``shipped()`` read this table; nothing else lists strategies. Names: ``none``
+(``specdec.tools.experiments``) and ``shipped()`` read this table; nothing else lists strategies. Names: ``none``
 (target only), ``model`` (a draft model), ``eagle`` / ``eagle3`` (EAGLE heads, chains) and ``eagle-tree`` /
 ``eagle3-tree`` (the same heads drafting EAGLE-2 dynamic trees), ``medusa``, ``lookup`` (prompt lookup),
 ``lookup+X``: prompt lookup combined with X's proposals, ``suffix`` (suffix decoding: the row's text and a
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +31,15 @@ from .core.decoder import DecoderModel
 from .draft.proposer import DraftModel
 from .draft.smollm2 import embedded_draft_path
 from .eagle.proposer import EagleDraft
-from .eagle.smollm2 import SHIPPED_EAGLE, SHIPPED_EAGLE3, embedded_eagle_path
+from .eagle.smollm2 import embedded_eagle_path, shipped_eagle3_dir
 from .eagle.tree import DynamicTree, EagleTreeDraft
 from .lookup.branch import LookupBranch
 from .lookup.combined import LookupOrDraft
 from .lookup.proposer import PromptLookup
 from .medusa.draft import MedusaDraft
 from .medusa.heads import load_medusa_config
-from .medusa.smollm2 import SHIPPED_MEDUSA
-from .proposer import BaseProposer
+from .medusa.smollm2 import shipped_medusa_dir
+from .speculation.proposer import BaseProposer
 from .suffix.combined import SuffixOrDraft
 from .suffix.proposer import SuffixChain
 
@@ -173,8 +172,12 @@ def _medusa(path, target: DecoderModel, *, tree=None, depth: int | None = None, 
 
 
 def _shipped_medusa_depth() -> int:
-    tree = load_medusa_config(SHIPPED_MEDUSA).tree
+    tree = load_medusa_config(shipped_medusa_dir()).tree
     return tree.depth if tree is not None else 1
+
+
+def _embedded_eagle3_path() -> Path:
+    return embedded_eagle_path(shipped_eagle3_dir())
 
 
 def _loader(cls: type) -> Callable[..., BaseProposer]:
@@ -184,8 +187,7 @@ def _loader(cls: type) -> Callable[..., BaseProposer]:
 
 
 def _model_backed() -> list[Strategy]:
-    eagle = partial(embedded_eagle_path, SHIPPED_EAGLE)
-    eagle3 = partial(embedded_eagle_path, SHIPPED_EAGLE3)
+    eagle, eagle3 = embedded_eagle_path, _embedded_eagle3_path
     chain = dict(kind="chain", fused=True, adaptive=True, quantizable=True)
     dynamic = dict(kind="tree", tree="dynamic", quantizable=True, load=_eagle_tree)
     return [
@@ -200,7 +202,7 @@ def _model_backed() -> list[Strategy]:
         Strategy("eagle3-tree", "the EAGLE-3 head drafting EAGLE-2 dynamic trees", EagleTreeDraft, weights=eagle3,
                  **dynamic),
         Strategy("medusa", "Medusa heads and a static token tree", MedusaDraft, kind="tree", tree="static",
-                 weights=lambda: SHIPPED_MEDUSA, load=_medusa, max_depth=_shipped_medusa_depth),
+                 weights=shipped_medusa_dir, load=_medusa, max_depth=_shipped_medusa_depth),
     ]
 
 

@@ -7,8 +7,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec import acceptance as acc_mod
-from specdec.acceptance import accept, accept_greedy, accept_one_hot, accept_rejection, draw_uniforms, last_tokens
+from specdec.speculation import acceptance as acc_mod
+from specdec.speculation.acceptance import (
+    accept,
+    accept_greedy,
+    accept_one_hot,
+    accept_rejection,
+    draw_uniforms,
+    last_tokens,
+)
 
 PAD = -1
 

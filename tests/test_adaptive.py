@@ -1,11 +1,11 @@
-"""Adaptive speculation length (``specdec.adaptive``): the policy, greedy identity with target-only (draft
+"""Adaptive speculation length (``specdec.speculation.adaptive``): the policy, greedy identity with target-only (draft
 model, prompt lookup, their combination; batch 1 and 3, mixed prompt lengths), per-row k that really
 grows and shrinks, per-row drafted counts in the statistics, chi-square losslessness of capped steps
 and a broken cap that the chi-square test catches."""
 import pytest
 import torch
 
-import specdec.verify as verify_module
+import specdec.speculation.verify as verify_module
 from specdec import AdaptiveK, DraftModel, LookupOrDraft, PromptLookup, SpeculativeGenerator
 
 from conftest import load, prompt_ids
@@ -177,7 +177,7 @@ def test_a_cap_that_drops_the_correction_token_is_detected(lossless_models, monk
 
 def test_bench_spec_builds_adaptive_and_lookup_plus_model_systems(checkpoint, monkeypatch):
     import specdec
-    from specdec.bench import speculative as bench
+    from specdec.tools.bench import speculative as bench
 
     target = load(checkpoint("llama"), batch_size=1)
     draft = DraftModel(load(checkpoint("llama-draft"), batch_size=1))

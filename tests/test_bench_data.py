@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import specdec.bench
-from specdec.bench.prompts import (
+import specdec.tools.bench
+from specdec.core.config import module_bytes
+from specdec.tools.bench.prompts import (
     categories,
     default_prompts_path,
     load_prompts,
@@ -21,10 +22,9 @@ from specdec.bench.prompts import (
     resolve_prompts,
     varied_prompts_path,
 )
-from specdec.core.config import module_bytes
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = Path(specdec.bench.__file__).resolve().parent / "data"
+DATA = Path(specdec.tools.bench.__file__).resolve().parent / "data"
 
 
 def test_default_prompts_path_is_package_data():
@@ -62,7 +62,7 @@ def test_notice_and_package_data_declared():
     assert "https://github.com/lm-sys/FastChat" in text and "Apache License 2.0" in text
     tomllib = pytest.importorskip("tomllib")
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["specdec.bench"]
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["specdec.tools.bench"]
     shipped = {p.relative_to(DATA.parent).as_posix() for pat in patterns for p in DATA.parent.glob(pat)}
     assert {"data/mt_bench_questions.jsonl", "data/varied_prompts.jsonl", "data/NOTICE"} <= shipped
     assert "varied_prompts.jsonl" in text
@@ -121,7 +121,7 @@ def test_bench_cli_help():
 def test_bench_systems_default_excludes_the_optional_systems():
     import argparse
 
-    from specdec.bench import runtime
+    from specdec.tools.bench import runtime
 
     parser = argparse.ArgumentParser()
     runtime.add_arguments(parser)
@@ -142,7 +142,7 @@ def test_bench_systems_default_excludes_the_optional_systems():
 
 
 def test_llamacpp_skipped_with_a_note_when_not_importable_or_not_gguf(monkeypatch):
-    from specdec.bench import runtime
+    from specdec.tools.bench import runtime
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)   # import llama_cpp → ImportError
     res = runtime.run_worker("llamacpp-gguf", {"gguf": "m.gguf", "model": "m"}, progress=False)
@@ -160,7 +160,7 @@ def test_llamacpp_skipped_with_a_note_when_not_importable_or_not_gguf(monkeypatc
 
 
 def test_xla_skipped_with_a_note_without_torch_xla(monkeypatch):
-    from specdec.bench import runtime
+    from specdec.tools.bench import runtime
 
     monkeypatch.setitem(sys.modules, "torch_xla", None)
     res = runtime.run_worker("specdec-xla-f32", {"gguf": None, "model": "m"}, progress=False)
@@ -171,7 +171,7 @@ def test_xla_skipped_with_a_note_without_torch_xla(monkeypatch):
 
 
 def _bench_json(capsys, *args: str) -> tuple[int, dict, str]:
-    from specdec.bench import runtime
+    from specdec.tools.bench import runtime
 
     rc = runtime.main(["--num-prompts", "2", "--max-new-tokens", "4", "--threads", "1", "--bandwidth-gbps", "10",
                        "--warmup-tokens", "2", "--no-progress", *args])
@@ -206,7 +206,7 @@ def test_bench_llamacpp_decodes_exactly_max_new_tokens(embedded_model, single_th
 
 
 def test_ratios_are_taken_against_every_reference_that_ran():
-    from specdec.bench import runtime
+    from specdec.tools.bench import runtime
 
     def entry(tps, dec):
         return {"tokens_per_s": {"median": tps}, "decode_tokens_per_s": {"median": dec},
@@ -225,11 +225,11 @@ def test_ratios_are_taken_against_every_reference_that_ran():
 def test_coverage_analysis_counts_oov_prompt_lookup_and_larger_vocabularies():
     from safetensors import safe_open
 
-    from specdec.bench.coverage import analyse, shipped_vocabularies, table
-    from specdec.eagle.smollm2 import SHIPPED_EAGLE3
+    from specdec.eagle.smollm2 import shipped_eagle3_dir
+    from specdec.tools.bench.coverage import analyse, shipped_vocabularies, table
     vocabs = shipped_vocabularies()
     assert {k: len(v) for k, v in vocabs.items()} == {"draft": 8192, "eagle": 8192, "medusa": 8192, "eagle3": 12288}
-    with safe_open(str(SHIPPED_EAGLE3 / "model.safetensors"), "pt") as f:
+    with safe_open(str(shipped_eagle3_dir() / "model.safetensors"), "pt") as f:
         assert torch.equal(vocabs["eagle3"], f.get_tensor("t2d").nonzero()[:, 0])   # d2t and t2d agree
     small = {"a": torch.tensor([0, 1, 2, 3]), "b": torch.tensor([3, 2, 1, 0])}
     rows = [{"set": "s", "category": "x", "prompt": [9, 7], "output": [0, 7, 8, 7, 1, 8]},

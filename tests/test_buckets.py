@@ -63,9 +63,9 @@ def test_generation_across_kv_buckets(setup):
     assert a[0, PROMPT_LEN:].tolist() == ref
     assert b[0, PROMPT_LEN:].tolist() == ref
     # the bucketed run really used every KV bucket (and the small context bucket), the other just one
-    assert {k.kv_len for k in multi._graphs if k.n_tokens == 1} == {16, 32, 64, 128}
-    assert {k.n_tokens for k in multi._graphs if k.n_tokens > 1} == {16}
-    assert {k.kv_len for k in single._graphs} == {128}
+    assert {k.kv_len for k in multi.graphs.built if k.n_tokens == 1} == {16, 32, 64, 128}
+    assert {k.n_tokens for k in multi.graphs.built if k.n_tokens > 1} == {16}
+    assert {k.kv_len for k in single.graphs.built} == {128}
 
 
 def test_step_picks_bucket_for_length_plus_n(setup):
@@ -76,7 +76,7 @@ def test_step_picks_bucket_for_length_plus_n(setup):
     model.prefill([torch.tensor(prompt)], params)          # length 10
     model.step(torch.tensor([ref[:6]]), params)            # 10 + 6 = 16 → bucket 16
     model.step(torch.tensor([ref[6:7]]), params)           # 16 + 1 = 17 → bucket 32
-    kvs = [k.kv_len for k in model._graphs if k.n_tokens < 16]
+    kvs = [k.kv_len for k in model.graphs.built if k.n_tokens < 16]
     assert kvs == [16, 32]
 
 
@@ -88,7 +88,7 @@ def test_context_bucket_choice_does_not_change_results(setup, length):
     model = load(ckpt, context_buckets=[16, 32, 64, 128])
     out = model.generate([prompt], max_new_tokens=8, eos_token_id=[])
     assert out[0, length:].tolist() == ref
-    (ctx,) = [k.n_tokens for k in model._graphs if k.n_tokens > 1]
+    (ctx,) = [k.n_tokens for k in model.graphs.built if k.n_tokens > 1]
     assert ctx == pick_bucket([16, 32, 64, 128], length)
 
 

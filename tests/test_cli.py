@@ -194,10 +194,10 @@ def test_precompile_builds_every_graph_the_request_uses(checkpoint, eagle_models
     options.precompile(target, gen, len(SMALL), 117, progress=False)
     inner = proposer.draft if isinstance(proposer, LookupBranch) else proposer
     models = [m for m in (target, inner and inner.model) if isinstance(m, DecoderModel)]
-    built = [set(m._graphs) for m in models]
+    built = [set(m.graphs.built) for m in models]
     (gen or target).generate([SMALL], max_new_tokens=117, eos_token_id=[], seed=0)
     for m, before in zip(models, built):
-        assert set(m._graphs) <= before, sorted(k.describe() for k in set(m._graphs) - before)
+        assert set(m.graphs.built) <= before, sorted(k.describe() for k in set(m.graphs.built) - before)
 
 
 # ------------------------------------------------------------------ n_positions
@@ -365,8 +365,8 @@ def test_each_command_parses_into_its_options_with_their_defaults(monkeypatch):
     """A command's flags are its options' fields (same names; ``serve`` has no --gqa-strategy), and parsing
     no flags gives the options' defaults: a library caller and the command line mean the same by an absent
     option."""
-    from specdec.bench import coverage, quality, runtime, serving, speculative
     from specdec.serving.server import ServeOptions
+    from specdec.tools.bench import coverage, quality, runtime, serving, speculative
 
     monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
     parser = cli.build_parser()

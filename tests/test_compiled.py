@@ -49,8 +49,8 @@ def test_compiled_greedy_equals_eager_and_transformers(setup):
         assert out[0, len(p):].tolist() == ref
         assert torch.equal(out, eager.generate([p], max_new_tokens=N_NEW, eos_token_id=[]))
     # the graphs really are compiled callables, one per (context bucket, KV bucket)
-    assert sorted((k.n_tokens, k.kv_len) for k in model._graphs) == [(1, 64), (16, 16)]
-    for g in model._graphs.values():
+    assert sorted((k.n_tokens, k.kv_len) for k in model.graphs.built) == [(1, 64), (16, 16)]
+    for g in model.graphs.built.values():
         assert hasattr(g, "_torchdynamo_orig_callable")        # torch.compile's wrapper
     # step logits agree with eager to float tolerance
     params = model.sampling_params(do_sample=False)
@@ -89,7 +89,7 @@ hits = dict(counters["inductor"])
 prompts = json.loads(sys.argv[2])
 outs = [model.generate([p], max_new_tokens=int(sys.argv[3]), eos_token_id=[]).tolist() for p in prompts]
 print(json.dumps({"outs": outs, "counters": hits, "backend": model.settings.backend,
-                  "graphs": len(model._graphs), "counters_after": dict(counters["inductor"])}))
+                  "graphs": len(model.graphs.built), "counters_after": dict(counters["inductor"])}))
 """
 
 

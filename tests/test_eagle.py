@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec import DecoderModel, EagleDraft, SpeculativeGenerator
 from specdec.eagle.checkpoint import copy_lm_head, target_lm_head
-from specdec.proposer import Proposal
+from specdec.speculation.proposer import Proposal
 
 from conftest import save_checkpoint
 from test_speculative import lossless_pvalue
@@ -384,7 +384,7 @@ def test_draft_network_saves_and_loads_like_any_decoder_model(tiny, tmp_path):
     reference = SpeculativeGenerator(draft, target, 3).sample(PROMPTS, max_new_tokens=20, eos_token_id=[])
     draft.model.save(tmp_path / "saved")
     loaded = EagleModel.load(tmp_path / "saved", target, progress=False)
-    assert loaded.settings == draft.model.settings and set(loaded._graphs) == set(draft.model._graphs)
+    assert loaded.settings == draft.model.settings and set(loaded.graphs.built) == set(draft.model.graphs.built)
     gen = SpeculativeGenerator(EagleDraft(loaded), target, 3)
     assert torch.equal(gen.sample(PROMPTS, max_new_tokens=20, eos_token_id=[]), reference)
     assert gen.last_stats.steps > 0

@@ -326,8 +326,8 @@ def test_graphs_export_with_aux_outputs(tiny):
 # ---------------------------------------------------------------- training
 from dataclasses import asdict  # noqa: E402
 
-from specdec.train.distill import load_target_state  # noqa: E402
-from specdec.train.eagle import EagleTrainConfig, EagleTrainer, export_eagle, init_state, train_eagle  # noqa: E402
+from specdec.tools.train.distill import load_target_state  # noqa: E402
+from specdec.tools.train.eagle import EagleTrainConfig, EagleTrainer, export_eagle, init_state, train_eagle  # noqa: E402
 
 from test_train import data_dir, tiny_target  # noqa: E402,F401  (module fixtures)
 
@@ -379,7 +379,7 @@ def test_unrolled_training_forward_equals_runtime_drafting(tiny_target, tmp_path
 
 
 def test_training_exports_the_public_layout_and_speculates_exactly(data_dir, tiny_target, tmp_path, monkeypatch):  # noqa: F811
-    from specdec.train.data import load_dataset
+    from specdec.tools.train.data import load_dataset
     out = train_eagle(data_dir, tmp_path / "train", tiny_target, EagleTrainConfig(**TRAIN3), progress=False,
                       log=lambda m: None)
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]

@@ -5,7 +5,7 @@ import torch
 
 from specdec import EagleDraft, SpeculativeGenerator
 from specdec.eagle.tree import DynamicTree, EagleTreeDraft, _rerank
-from specdec.tree import PAD_NODE, TokenTree, row_trees, tree_buffers
+from specdec.speculation.tree import PAD_NODE, TokenTree, row_trees, tree_buffers
 
 from test_eagle import (  # noqa: F401 (fixture)
     PROMPTS,
@@ -161,7 +161,7 @@ def test_sampling_is_lossless(lossless, sample_kwargs):
 
 def test_broken_tree_acceptor_is_detected(lossless, monkeypatch):
     """Power check: accepting the root's best child whatever the target says must fail the test."""
-    import specdec.verify as verify
+    import specdec.speculation.verify as verify
     hf, target, eagle = lossless
     real = verify.accept_tree_sampled
 
@@ -206,7 +206,7 @@ def test_errors(saved):
 def test_bench_spec_builds_tree_systems_from_a_strategy_list(saved, monkeypatch):
     import specdec
     from specdec import LookupBranch
-    from specdec.bench import speculative as bench
+    from specdec.tools.bench import speculative as bench
 
     target_dir, eagle_dir = saved
     target = load_target(target_dir, batch_size=1)

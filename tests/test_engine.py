@@ -172,7 +172,7 @@ def test_compile_builds_the_graphs_of_joining_rows(checkpoint):
     running batch then builds no graph (and each single-row graph exports, static shapes)."""
     target = load(checkpoint("llama"), batch_size=2)
     target.compile(progress=False, single_row=True)
-    built = set(target._graphs)
+    built = set(target.graphs.built)
     assert any(k.single_row for k in built)
     engine = Engine(target)
     engine.add(PROMPTS[0], max_new_tokens=5)
@@ -180,6 +180,6 @@ def test_compile_builds_the_graphs_of_joining_rows(checkpoint):
     engine.add(PROMPTS[3], max_new_tokens=5)
     while engine.active_rows:
         engine.step()
-    assert set(target._graphs) == built
+    assert set(target.graphs.built) == built
     key = next(k for k in built if k.single_row)
     assert len(target.export(key).graph_signature.user_inputs) == 8   # the runtime inputs + seq_ids

@@ -1,4 +1,4 @@
-"""specdec.experiments: sweeps as DataFrames (numbers = the runs' SpecStats), resumable result files,
+"""specdec.tools.experiments: sweeps as DataFrames (numbers = the runs' SpecStats), resumable result files,
 plots, SpecStats.to_frame — on tiny random models."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 
 from specdec import DraftModel, SpecStats  # noqa: E402
 from specdec.core.engine import Engine  # noqa: E402
-from specdec.experiments import (  # noqa: E402
+from specdec.tools.experiments import (  # noqa: E402
     COLUMNS,
     Config,
     Prompt,

@@ -278,11 +278,11 @@ def test_write_safetensors_round_trip(tmp_path, capfd):
 # ---------------------------------------------------------------------- compilation progress / reuse
 def test_lazy_compile_says_so_once_per_graph(checkpoint, monkeypatch, capfd):
     """A compiled-backend graph built on first use (not by compile()) prints one line with its time."""
-    import specdec.core.decoder as decoder
+    import specdec.core.graph_cache as graph_cache
 
     from conftest import load
 
-    monkeypatch.setattr(decoder, "build_graph",
+    monkeypatch.setattr(graph_cache, "build_graph",
                         lambda graph, backend, batch_size, name, autotune: graph)   # no real compile
     model = load(checkpoint("llama"), backend="compiled", progress=True)
     p = prompt_ids(9, seed=5)
@@ -291,7 +291,7 @@ def test_lazy_compile_says_so_once_per_graph(checkpoint, monkeypatch, capfd):
     lines = [line for line in err.splitlines() if "on first use" in line]
     assert len(lines) == 2, err                           # the context graph and the decode graph
     assert all(line.startswith("specdec: compiling graph ") and line.endswith(" s") for line in lines), lines
-    assert set(model.compile_seconds) == {k.describe() for k in model._graphs}
+    assert set(model.compile_seconds) == {k.describe() for k in model.graphs.built}
     model.generate([p], max_new_tokens=4, eos_token_id=[])
     assert "on first use" not in capfd.readouterr().err   # built once
     quiet = load(checkpoint("llama"), backend="compiled", progress=False)

@@ -232,10 +232,10 @@ def test_unfusable_proposers_and_penalty(dirs):
 def test_bench_graph_clock_times_graph_calls_without_touching_the_graph_tables(dirs):
     """bench-spec's GraphClock: steps counted, graph time inside the wall time, and the speculator's and
     models' graph tables untouched (a later generator must find the graphs built under the clock)."""
-    from specdec.bench.speculative import GraphClock
+    from specdec.tools.bench.speculative import GraphClock
     target, draft = pair(dirs, "eagle")
     gen = SpeculativeGenerator(draft, target, 3, fused=True)
-    tables = (target._graphs, gen.speculator.graphs)
+    tables = (target.graphs.built, gen.speculator.graphs)
     clock = GraphClock()
     clock.watch(gen.engine, [target, gen.proposer.model, gen.speculator])
     start = time.perf_counter()
@@ -243,5 +243,5 @@ def test_bench_graph_clock_times_graph_calls_without_touching_the_graph_tables(d
     clock.add_wall(time.perf_counter() - start)
     timing = clock.per_step()
     assert 0 < timing["steps"] <= 11 and timing["graph_ms_per_step"] > 0 and timing["outside_graphs_ms_per_step"] > 0
-    assert target._graphs is tables[0] and gen.speculator.graphs is tables[1] and tables[1]
+    assert target.graphs.built is tables[0] and gen.speculator.graphs is tables[1] and tables[1]
     assert SpeculativeGenerator(draft, target, 3, fused=True).speculator.graphs is gen.speculator.graphs

@@ -1,4 +1,4 @@
-"""Speculate only while it pays (``specdec.gate``): the policy, greedy identity with target-only when the
+"""Speculate only while it pays (``specdec.speculation.gate``): the policy, greedy identity with target-only when the
 gate mixes speculative and plain steps (draft model, prompt lookup, EAGLE-2 trees with the lookup branch;
 batch 3 and 1), a gate that turns slow speculation off and keeps fast speculation on, chi-square
 losslessness of mixed steps, and the API / CLI / bench-spec boundaries."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec import CostGate, SpeculativeGenerator
-from specdec.gate import GateMeter
+from specdec.speculation.gate import GateMeter
 
 from conftest import load
 from test_adaptive import PROMPTS, proposer
@@ -166,8 +166,8 @@ def test_sampling_with_mixed_steps_is_lossless(lossless_models, kind):
 def test_bench_spec_and_cli_gate(checkpoint, monkeypatch):
     import specdec
     from specdec import DraftModel
-    from specdec.bench import speculative as bench
     from specdec.options import OptionError, SpeculationOptions
+    from specdec.tools.bench import speculative as bench
 
     target = load(checkpoint("llama"), batch_size=1)
     draft = DraftModel(load(checkpoint("llama-draft"), batch_size=1))

@@ -285,7 +285,7 @@ def test_tp2_gguf_equals_tp1_gguf(tiny):
 
 
 def test_gguf_quantization_needs_a_gguf_file_and_is_not_planned(checkpoint):
-    from specdec.plan import plan_capacity
+    from specdec.tools.plan import plan_capacity
 
     with pytest.raises(ValueError, match="quantization='gguf' keeps a GGUF file's own .* not a .gguf file"):
         load(checkpoint("llama"), quantization="gguf")

@@ -251,7 +251,7 @@ def test_unsupported_kv_cache_dtype_is_a_clear_error(checkpoint, name):
     message = f"kv_cache_dtype='{name}' is not supported: use None .*'int8' or 'fp8_e4m3' \\(alias 'fp8'\\)"
     with pytest.raises(ValueError, match=message):
         load(checkpoint("llama"), kv_cache_dtype=name)
-    from specdec.plan import plan_capacity
+    from specdec.tools.plan import plan_capacity
     with pytest.raises(ValueError, match=message):
         plan_capacity(checkpoint("llama").path, batch_size=1, n_positions=64, amp="bf16", platform="cpu:1",
                       kv_cache_dtype=name)
@@ -263,7 +263,7 @@ LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, interme
 
 
 def test_planner_counts_the_quantized_kv_bytes(checkpoint):
-    from specdec.plan import plan_capacity
+    from specdec.tools.plan import plan_capacity
     kw = dict(batch_size=4, n_positions=8192, amp="bf16", platform="gpu:80", cores=2)
     plans = {kv: plan_capacity(LLAMA_8B, kv_cache_dtype=kv, **kw) for kv in (None, "int8", "fp8_e4m3")}
     elems = 2 * 32 * 4 * 8192 * 8 * 128

@@ -1,10 +1,21 @@
-"""The package reads top-down: runtime (core) ← speculation ← strategies ← the public API ←
-tools. Every import of a ``specdec`` module (module level or inside a function) must point to the
-same or a lower layer, and a strategy never imports another strategy.
+"""The package reads top-down: runtime ← speculation ← strategies ← the public API ← tools. A module's layer
+follows from where it is (``FOLDERS``, its top folder under ``specdec/``):
+
+- ``specdec/core/``: the runtime;
+- ``specdec/speculation/`` (the proposer protocol, verification, acceptance, trees, the speculation step) and
+  ``specdec/fused/``: the speculation layer;
+- one folder per strategy (``draft``, ``eagle``, ``medusa``, ``lookup``, ``suffix``);
+- the modules at the package's top (``specdec/*.py``, ``__init__`` included): the public API;
+- ``specdec/tools/`` (training, benchmarks, experiments, the planner, the command-line flag groups),
+  ``specdec/serving/`` and ``specdec/cli/``: the tools, which nothing below them imports.
+
+A new top module is API; a new folder fails the test until ``FOLDERS`` gives it a layer. Every import of a
+``specdec`` module (module level or inside a function) must point to the same or a lower layer, a strategy
+never imports another strategy, and no import cycle runs among a layer's modules (``CYCLE_FREE``).
 
 The ``specdec`` command (``specdec/cli/``) is a leaf: no module of the package outside it, and no script of
 ``bench/`` or ``scripts/``, imports ``specdec.cli`` or a module of it; they take typed options
-(``specdec.options``, the tools' option dataclasses) instead. ``specdec.train.cli`` (and ``eagle_cli`` /
+(``specdec.options``, the tools' option dataclasses) instead. ``specdec.tools.train.cli`` (and ``eagle_cli`` /
 ``medusa_cli``) is the training tool's own command line, not the ``specdec`` command: importing it is allowed."""
 import ast
 from pathlib import Path
@@ -14,24 +25,29 @@ import specdec
 ROOT = Path(specdec.__file__).parent
 SCRIPTS = [ROOT.parent / "bench", ROOT.parent / "scripts"]   # scripts that import specdec (not a package)
 
-LAYERS = [  # lowest first: module-name prefixes (relative to the package)
-    ("runtime", ["core"]),
-    ("speculation", ["acceptance", "adaptive", "combined", "gate", "tree", "proposer", "verify", "speculative",
-                     "fused"]),
-    ("strategies", ["draft", "eagle", "medusa", "lookup", "suffix"]),
-    ("api", ["generator", "registry", "shipped", "options", "arguments", "__init__"]),
-    ("tools", ["train", "plan", "bench", "cli", "experiments", "serving"]),
-]
-STRATEGIES = {"draft", "eagle", "medusa", "lookup", "suffix"}
+LAYERS = ["runtime", "speculation", "strategies", "api", "tools"]   # lowest first
+API = "api"                                                          # the modules at the package's top
+FOLDERS = {"core": "runtime", "speculation": "speculation", "fused": "speculation",
+           "draft": "strategies", "eagle": "strategies", "medusa": "strategies", "lookup": "strategies",
+           "suffix": "strategies", "tools": "tools", "serving": "tools", "cli": "tools"}
+# The runtime is left out while specdec/core/ still has cycles through function-level imports (paths →
+# gguf_checkpoint → ... → paths; decoder ↔ engine).
+CYCLE_FREE = ["speculation", "strategies", "api", "tools"]
 
 
 def layer_of(module: str) -> int:
-    """Layer index of a module name relative to the package ('core.decoder', 'eagle', ...)."""
+    """Layer index of a module name relative to the package ('core.decoder', 'eagle', 'generator', ...): its
+    top folder's layer, the API for a module at the package's top."""
     head = module.split(".")[0]
-    for i, (_, prefixes) in enumerate(LAYERS):
-        if head in prefixes:
-            return i
-    raise AssertionError(f"specdec.{module} is in no layer: add it to LAYERS")
+    if not (ROOT / head).is_dir():
+        return LAYERS.index(API)
+    assert head in FOLDERS, f"specdec/{head}/ is in no layer: add it to FOLDERS"
+    return LAYERS.index(FOLDERS[head])
+
+
+def is_strategy(module: str) -> bool:
+    head = module.split(".")[0]
+    return (ROOT / head).is_dir() and FOLDERS.get(head) == "strategies"
 
 
 def resolve(parts: list[str], name: str) -> str:
@@ -62,7 +78,10 @@ def imports_of(path: Path) -> list[str]:
 
 
 def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    """'core.decoder' for specdec/core/decoder.py; a package is its folder's name ('cli'), the package
+    itself '__init__' (the names ``imports_of`` gives)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
 
 
 def violations() -> list[str]:
@@ -72,9 +91,9 @@ def violations() -> list[str]:
         if me == "__init__":
             continue   # the package's face re-exports the API layer
         for imported in imports_of(path):
-            if layer_of(imported) > layer_of(me):   # the package top ("__init__") is the API layer
-                bad.append(f"{me} ({LAYERS[layer_of(me)][0]}) imports {imported} ({LAYERS[layer_of(imported)][0]})")
-            elif me.split(".")[0] in STRATEGIES and imported.split(".")[0] in STRATEGIES - {me.split(".")[0]}:
+            if layer_of(imported) > layer_of(me):
+                bad.append(f"{me} ({LAYERS[layer_of(me)]}) imports {imported} ({LAYERS[layer_of(imported)]})")
+            elif is_strategy(me) and is_strategy(imported) and imported.split(".")[0] != me.split(".")[0]:
                 bad.append(f"strategy {me} imports strategy {imported}")
     return bad
 
@@ -83,20 +102,106 @@ def test_no_lower_layer_imports_a_higher_one():
     assert violations() == []
 
 
+def test_every_folder_of_the_package_has_a_layer():
+    folders = {p.parent.relative_to(ROOT).parts[0] for p in ROOT.glob("*/**/*.py")}
+    assert folders - set(FOLDERS) == set() and set(FOLDERS) - folders == set(), folders ^ set(FOLDERS)
+    assert set(FOLDERS.values()) <= set(LAYERS) and set(CYCLE_FREE) <= set(LAYERS)
+
+
 def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
-    """The walker sees relative and absolute, module-level and function-level imports."""
+    """The walker sees relative and absolute, module-level and function-level imports; a module's layer
+    comes from its folder, the package's top being the API."""
     fake = tmp_path / "specdec"
-    (fake / "core").mkdir(parents=True)
+    for folder in ("core", "speculation", "eagle", "medusa", "tools/train"):
+        (fake / folder).mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "core" / "__init__.py").write_text("")
-    (fake / "core" / "bad.py").write_text("def f():\n    from ..speculative import Speculator\n")
-    (fake / "eagle").mkdir()
-    (fake / "eagle" / "x.py").write_text("import specdec.medusa.draft\nfrom specdec.train import cli\n")
+    (fake / "core" / "bad.py").write_text("def f():\n    from ..speculation.speculative import Speculator\n")
+    (fake / "speculation" / "speculative.py").write_text("from ..registry import strategy\n")
+    (fake / "registry.py").write_text("")
+    (fake / "eagle" / "x.py").write_text("import specdec.medusa.draft\nfrom specdec.tools.train import cli\n")
+    (fake / "tools" / "train" / "cli.py").write_text("")
     monkeypatch.setattr(__import__(__name__), "ROOT", fake)
     found = violations()
-    assert any("core.bad (runtime) imports speculative" in v for v in found), found
-    assert any("eagle.x (strategies) imports train" in v for v in found), found
+    assert any("core.bad (runtime) imports speculation.speculative (speculation)" in v for v in found), found
+    assert any("speculation.speculative (speculation) imports registry (api)" in v for v in found), found
+    assert any("eagle.x (strategies) imports tools.train.cli (tools)" in v for v in found), found
     assert any("strategy eagle.x imports strategy medusa.draft" in v for v in found), found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package → the package's modules it imports (module level or in a function)."""
+    return {module_name(path): set(imports_of(path)) - {module_name(path)} for path in sorted(ROOT.rglob("*.py"))}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of more than one module (Tarjan's
+    algorithm, iterative), each sorted."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next((m for m in edges if m in graph), None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+def layer_cycles() -> list[str]:
+    """The import cycles among modules of a layer of ``CYCLE_FREE`` (with the layering rule, every cycle
+    lies within one layer)."""
+    return [f"{LAYERS[layer_of(c[0])]}: {' -> '.join(c)}" for c in cycles(import_graph())
+            if LAYERS[layer_of(c[0])] in CYCLE_FREE]
+
+
+def test_no_import_cycle_within_a_layer():
+    assert layer_cycles() == []
+
+
+def test_the_check_catches_an_import_cycle(tmp_path, monkeypatch):
+    """A cycle through a function-level import inside the tools layer (across its folders too) or inside a
+    strategy is found; imports one way only are not a cycle."""
+    fake = tmp_path / "specdec"
+    for folder in ("tools/train", "serving", "cli", "lookup"):
+        (fake / folder).mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "tools" / "train" / "data.py").write_text("from .distill import save\n")
+    (fake / "tools" / "train" / "distill.py").write_text("def f():\n    from .data import load\n")
+    (fake / "tools" / "train" / "store.py").write_text("from . import data\n")
+    (fake / "serving" / "server.py").write_text("from ..tools.train import store\n")
+    (fake / "cli" / "__init__.py").write_text("def main():\n    from .serve import run\n")
+    (fake / "cli" / "serve.py").write_text("from ..serving import server\nfrom specdec.cli import main\n")
+    (fake / "lookup" / "a.py").write_text("import specdec.lookup.b\n")
+    (fake / "lookup" / "b.py").write_text("def f():\n    from . import a\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", fake)
+    assert layer_cycles() == ["tools: cli -> cli.serve", "strategies: lookup.a -> lookup.b",
+                              "tools: tools.train.data -> tools.train.distill"], layer_cycles()
 
 
 def cli_importers() -> list[str]:
@@ -114,19 +219,20 @@ def test_no_module_imports_the_command_line():
 
 def test_the_check_catches_an_import_of_the_command_line(tmp_path, monkeypatch):
     """Relative and absolute imports of ``specdec.cli`` are found in the package and in scripts;
-    ``specdec.train.cli`` and the command's own modules are not."""
+    ``specdec.tools.train.cli`` and the command's own modules are not."""
     fake = tmp_path / "specdec"
-    for folder in ("cli", "serving", "train"):
+    for folder in ("cli", "serving", "tools/train"):
         (fake / folder).mkdir(parents=True)
     (fake / "cli" / "__init__.py").write_text("from .generate import run\nfrom ..serving import server\n")
     (fake / "cli" / "generate.py").write_text("")
     (fake / "serving" / "server.py").write_text("def f():\n    from ..cli import build_parser\n")
-    (fake / "train" / "cli.py").write_text("")
-    (fake / "train" / "eagle_cli.py").write_text("from .cli import run\nfrom specdec.train import cli\n")
+    (fake / "tools" / "train" / "cli.py").write_text("")
+    (fake / "tools" / "train" / "eagle_cli.py").write_text("from .cli import run\n"
+                                                           "from specdec.tools.train import cli\n")
     (fake / "options.py").write_text("from . import cli\n")
     scripts = tmp_path / "bench"
     scripts.mkdir()
-    (scripts / "bench_x.py").write_text("import specdec.cli.generate\nfrom specdec.train.cli import run\n")
+    (scripts / "bench_x.py").write_text("import specdec.cli.generate\nfrom specdec.tools.train.cli import run\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", fake)
     monkeypatch.setattr(__import__(__name__), "SCRIPTS", [scripts])
     found = cli_importers()

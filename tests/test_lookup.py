@@ -5,9 +5,9 @@ elsewhere), plus both sources really used and the draft model's cache tracking v
 import pytest
 import torch
 
-import specdec.verify as verify_module
+import specdec.speculation.verify as verify_module
 from specdec import DraftModel, EagleDraft, LookupOrDraft, PromptLookup, SpeculativeGenerator
-from specdec.combined import MatchOrDraft
+from specdec.speculation.combined import MatchOrDraft
 
 from conftest import load, prompt_ids
 from test_eagle import load_target, saved_target_and_eagle

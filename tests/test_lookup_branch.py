@@ -7,7 +7,7 @@ from specdec import PromptLookup, SpeculativeGenerator
 from specdec.eagle import copy_lm_head
 from specdec.eagle.tree import DynamicTree, EagleTreeDraft
 from specdec.lookup.branch import LookupBranch, graft
-from specdec.tree import row_trees
+from specdec.speculation.tree import row_trees
 
 from test_eagle import load_target, lossless_setup, random_eagle, saved_target_and_eagle, tiny_target, write_eagle
 from test_speculative import lossless_pvalue
@@ -99,7 +99,7 @@ def test_errors(saved):
 def test_bench_clock_times_the_draft_graphs_behind_the_lookup_branch(saved):
     """bench-spec's graph clock finds the EAGLE network behind a LookupBranch (its draft graphs count as
     graph time, not host time) and nothing behind prompt lookup alone."""
-    from specdec.bench.speculative import GraphClock, drafting_model
+    from specdec.tools.bench.speculative import GraphClock, drafting_model
     target_dir, eagle_dir = saved
     target = load_target(target_dir)
     gen = branch_generator(target, eagle_dir)

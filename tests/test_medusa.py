@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec import DecoderModel, SpeculativeGenerator, shipped
 from specdec.medusa import MedusaHeads, load_tree, save_heads
 from specdec.medusa.draft import MedusaDraft
-from specdec.tree import TokenTree
+from specdec.speculation.tree import TokenTree
 
 from test_quantization import dequantized_hf
 from test_speculative import lossless_pvalue
@@ -258,12 +258,12 @@ def test_shipped_smollm2_medusa_is_exact():
     pytest.importorskip("gguf")
     from specdec.core.chat import chat_ids
     from specdec.core.paths import embedded_gguf_path
-    from specdec.medusa.smollm2 import SHIPPED_MEDUSA
+    from specdec.medusa.smollm2 import shipped_medusa_dir
     try:
         embedded_gguf_path()
     except FileNotFoundError:
         pytest.skip("embedded model not installed")
-    size = sum(f.stat().st_size for f in SHIPPED_MEDUSA.iterdir())
+    size = sum(f.stat().st_size for f in shipped_medusa_dir().iterdir())
     assert size <= 15 * 2**20, size
     # f32: bf16 near-ties flip between the decode and verify graphs (rounding, not speculation)
     target = DecoderModel.from_pretrained(None, batch_size=3, n_positions=256, amp="f32", backend="eager",

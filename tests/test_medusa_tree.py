@@ -16,7 +16,7 @@ from specdec.medusa.tree import (
     measure_head_accuracy,
     save_tree,
 )
-from specdec.tree import PAD_NODE, TokenTree, tree_buffers
+from specdec.speculation.tree import PAD_NODE, TokenTree, tree_buffers
 
 SMALL = [[0], [1], [0, 0], [0, 1], [1, 0]]
 

@@ -126,10 +126,11 @@ def test_stale_tmp_removed(fake):
 def test_hooks(fake, capsys):
     """A named model is a GGUF source (what DecoderModel.from_pretrained and the bench read) and a valid
     --model / --draft-path; the server names it by its name."""
-    from specdec import arguments, cli
+    from specdec import cli
     from specdec.cli.generate import checked_options
     from specdec.options import EMBEDDED_NAME, ModelOptions, OptionError
     from specdec.serving.server import ServeOptions, served_name
+    from specdec.tools import arguments
 
     assert is_named_model(NAME) and is_named_model("qwen2.5-coder-1.5b-instruct") and not is_named_model(None)
     assert not is_named_model("qwen2.5-coder-1.5b")

@@ -216,7 +216,7 @@ def test_save_load_reuses_the_compiled_program(ckpt, recorder, tmp_path):
     loaded = DecoderModel.load(tmp_path, progress=False)
     assert recorder.loaded_from == [str(tmp_path / "neuron.pt")]
     assert len(recorder.traced) == traced and recorder.started == 2   # nothing traced again; started
-    assert set(loaded._graphs) == set(model._graphs) and set(loaded._compactions) == {2}
+    assert set(loaded.graphs.built) == set(model.graphs.built) and set(loaded.graphs.compactions) == {2}
 
 
 # ----------------------------------------------------------------------------- tensor parallelism
@@ -298,9 +298,9 @@ def test_tp_save_load_hands_every_rank_its_weights_again(checkpoint, recorder, t
     model.save(tmp_path)
     from specdec import DecoderModel
     loaded = DecoderModel.load(tmp_path, progress=False)
-    assert len(recorder.traced) == len(model._graphs) and recorder.world_sizes == [2, 2]   # nothing traced again
+    assert len(recorder.traced) == len(model.graphs.built) and recorder.world_sizes == [2, 2]   # nothing traced again
     first, again = recorder.weights
-    assert loaded.tp.size == 2 and loaded._neuron.tp_degree == 2 and len(again) == 2
+    assert loaded.tp.size == 2 and loaded.graphs.neuron.tp_degree == 2 and len(again) == 2
     assert all(sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a) for a, b in zip(first, again))
     prompts = [p[:5] for p in TP_PROMPTS]
     assert loaded.generate(prompts, max_new_tokens=3, eos_token_id=[]).shape == (2, 8)

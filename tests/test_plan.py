@@ -1,4 +1,4 @@
-"""Capacity planner (``specdec.plan`` / ``specdec plan``).
+"""Capacity planner (``specdec.tools.plan`` / ``specdec plan``).
 
 Every model config is written here from its published dimensions (model cards / config.json on the
 Hub). Expected figures are derived independently of the planner: parameter counts by hand-written
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from specdec.plan import GB, NoFitError, plan_capacity, resolve_platform
+from specdec.tools.plan import GB, NoFitError, plan_capacity, resolve_platform
 
 PUBLISHED_TOL = 0.10      # the published figures are "≈ N GB"; we accept ±10 %
 USABLE = 0.9 * 16 * GB    # default capacity rule on Inf2 / Trn1: 90 % of 16 GB per NeuronCore

@@ -246,7 +246,7 @@ def test_bytes_a_step_reads_are_the_weights_but_the_embedding_table(checkpoint, 
 
 
 def test_planner_counts_quantized_bytes_as_the_runtime_holds_them(checkpoint):
-    from specdec.plan import plan_capacity
+    from specdec.tools.plan import plan_capacity
     ckpt = checkpoint("llama")
     for tp in (1, 2):
         plans = {q: plan_capacity(ckpt.path, batch_size=1, n_positions=64, amp="f32", platform="cpu:1",
@@ -259,7 +259,7 @@ def test_planner_counts_quantized_bytes_as_the_runtime_holds_them(checkpoint):
 
 
 def test_quality_benchmark_perplexity_equals_transformers_loss(checkpoint):
-    from specdec.bench.quality import perplexity
+    from specdec.tools.bench.quality import perplexity
     ckpt = checkpoint("llama")
     ids = prompt_ids(40, 9)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The strategy registry (``specdec.registry``) and the declared proposer protocol (``specdec.proposer``):
+"""The strategy registry (``specdec.registry``) and the declared proposer protocol (``specdec.speculation.proposer``):
 the table's invariants, renamed names refused with their new name, every proposer class declaring its
 abilities, the error for a missing ability naming it, and every strategy of the registry giving the
 target-only greedy output on the embedded model (with ``fused`` / ``adaptive`` / ``gate`` exactly where the
@@ -24,8 +24,8 @@ from specdec import (
     shipped,
 )
 from specdec.core.chat import chat_ids
-from specdec.proposer import ABILITIES, BaseProposer, MissingAbility, PlainProposer
 from specdec.registry import REGISTRY, RENAMED, SHIPPED, names, strategy
+from specdec.speculation.proposer import ABILITIES, BaseProposer, MissingAbility, PlainProposer
 from specdec.suffix import SuffixCache, SuffixChain, SuffixDraft, SuffixOrDraft
 
 from conftest import load, prompt_ids
@@ -62,7 +62,7 @@ def test_the_table_holds_its_invariants():
 
 
 def test_renamed_names_are_refused_with_the_new_one():
-    from specdec.bench import speculative as bench
+    from specdec.tools.bench import speculative as bench
     for old, new in RENAMED.items():
         with pytest.raises(ValueError, match=re.escape(f"strategy '{old}' is called '{new}' now")):
             strategy(old)

@@ -45,7 +45,7 @@ def test_greedy_equals_transformers(ckpt, model3, penalty):
         assert new == hf_generate(ckpt.hf, prompt, N_NEW, penalty)
         plain = model3.generate([prompt], max_new_tokens=N_NEW, eos_token_id=[])[0, len(prompt):].tolist()
         assert new != plain                          # the penalty changes the output
-    assert any(k.penalty for k in model3._graphs)
+    assert any(k.penalty for k in model3.graphs.built)
 
 
 def test_penalty_one_runs_the_plain_graphs(ckpt):
@@ -53,7 +53,7 @@ def test_penalty_one_runs_the_plain_graphs(ckpt):
     prompt = prompt_ids(9, seed=1)
     out = model.generate([prompt], max_new_tokens=N_NEW, eos_token_id=[], repetition_penalty=1.0)
     assert out[0, len(prompt):].tolist() == hf_generate(ckpt.hf, prompt, N_NEW, 1.0)
-    assert model._graphs and not any(k.penalty for k in model._graphs)
+    assert model.graphs.built and not any(k.penalty for k in model.graphs.built)
 
 
 def test_mixed_per_row_penalties_match_single_runs(model3):
@@ -140,7 +140,7 @@ def test_greedy_speculation_equals_target_only(strategies, strategy, batch):
     assert torch.equal(gen.generate(prompts, repetition_penalty=penalty, **kw), reference)
     stats = gen.last_stats                       # drafts were verified under the penalty: some accepted,
     assert 0 < stats.accepted < stats.drafted    # some rejected where the penalty changed the target's choice
-    assert any(key.penalty and key.n_tokens > 1 and key.n_logits > 1 for key in target._graphs)
+    assert any(key.penalty and key.n_tokens > 1 and key.n_logits > 1 for key in target.graphs.built)
 
 
 # ---------------------------------------------------------------- speculation: lossless sampling

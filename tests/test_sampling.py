@@ -178,7 +178,7 @@ def test_graph_without_top_filter_is_chosen_and_exact(wide):
     wide.prefill([torch.tensor(prompt_ids(5, seed=2))] * ROWS, params, gen)
     token = torch.full((ROWS, 1), 17)
     samples = torch.stack([wide.step(token, params, gen, advance=False).tokens[:, 0] for _ in range(STEPS)], 1)
-    assert any(k.do_sample and not k.top_filter for k in wide._graphs)
+    assert any(k.do_sample and not k.top_filter for k in wide.graphs.built)
     ref_logits = wide.step(token, params, gen, advance=False).logits[0, 0]
     assert chi2_pvalue(samples[:half], hf_warped(ref_logits, 0.7, 0, 1.0)) > P_MIN
     assert chi2_pvalue(samples[half:], hf_warped(ref_logits, 1.3, 0, 1.0)) > P_MIN

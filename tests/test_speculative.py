@@ -7,7 +7,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-import specdec.verify as verify_module
+import specdec.speculation.verify as verify_module
 from specdec import DecoderModel, SpeculativeGenerator
 from specdec.core.sampling import full_probs, warp
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec import SpecStats
-from specdec.acceptance import accept_rejection, draw_uniforms
+from specdec.speculation.acceptance import accept_rejection, draw_uniforms
 
 
 def _random_steps(seed, steps=30, B=8, k=5):

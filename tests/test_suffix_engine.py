@@ -266,8 +266,8 @@ def test_sweeps_and_bench_spec_run_suffix(checkpoint, monkeypatch):
     second configuration's first prompt drafts as from scratch); bench-spec runs suffix and suffix+model."""
     pytest.importorskip("pandas")
     import specdec
-    from specdec.bench import speculative as bench
-    from specdec.experiments import Config, Prompt, sweep
+    from specdec.tools.bench import speculative as bench
+    from specdec.tools.experiments import Config, Prompt, sweep
 
     target = load(checkpoint("llama"), batch_size=1, amp="f32")
     p = prompt_ids(9, 11)

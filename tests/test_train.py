@@ -1,4 +1,4 @@
-"""Draft training pipeline (specdec.train) end to end on a tiny random Llama target with a tiny
+"""Draft training pipeline (specdec.tools.train) end to end on a tiny random Llama target with a tiny
 word-level tokenizer, plus the shipped SmolLM2 draft (skipped when the embedded model is absent)."""
 import json
 
@@ -9,9 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdec import DecoderModel, SpeculativeGenerator
 from specdec.draft.assemble import assemble
-from specdec.train.data import DataConfig, generate_data, load_dataset
-from specdec.train.distill import DraftSpec, TrainConfig, split_rows, train_draft
-from specdec.train.export import export_draft
+from specdec.tools.train.data import DataConfig, generate_data, load_dataset
+from specdec.tools.train.distill import DraftSpec, TrainConfig, split_rows, train_draft
+from specdec.tools.train.export import export_draft
 
 VOCAB = 160
 CHAT = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
@@ -144,12 +144,12 @@ def test_shipped_smollm2_draft_is_exact():
     pytest.importorskip("gguf")
     from specdec import shipped
     from specdec.core.paths import embedded_gguf_path
-    from specdec.draft.smollm2 import SHIPPED_DRAFT
+    from specdec.draft.smollm2 import shipped_draft_dir
     try:
         embedded_gguf_path()
     except FileNotFoundError:
         pytest.skip("embedded model not installed")
-    size = sum(f.stat().st_size for f in SHIPPED_DRAFT.iterdir())
+    size = sum(f.stat().st_size for f in shipped_draft_dir().iterdir())
     assert size <= 15 * 2**20, size
     # f32: in bf16 this model has near-ties (top-3 logits within 0.05) that flip between the 1-token
     # decode graph and the (k+1)-token verify graph, which is rounding, not a speculation bug

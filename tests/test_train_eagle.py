@@ -1,4 +1,4 @@
-"""EAGLE training (specdec.train.eagle): the unrolled training forward equals the runtime's drafting,
+"""EAGLE training (specdec.tools.train.eagle): the unrolled training forward equals the runtime's drafting,
 training reduces the loss and resumes exactly, the export loads and speculates exactly; plus the
 shipped SmolLM2 EAGLE head (skipped when the embedded model is absent)."""
 import json
@@ -9,10 +9,17 @@ import torch
 from specdec import DecoderModel, EagleDraft, SpeculativeGenerator
 from specdec.core.chat import chat_ids
 from specdec.eagle.checkpoint import copy_lm_head
-from specdec.train.data import load_dataset
-from specdec.train.distill import load_target_state
-from specdec.train.eagle import EagleTrainConfig, EagleTrainer, export_eagle, init_state, train_eagle, unrolled_mask
-from specdec.train.features import compute_features
+from specdec.tools.train.data import load_dataset
+from specdec.tools.train.distill import load_target_state
+from specdec.tools.train.eagle import (
+    EagleTrainConfig,
+    EagleTrainer,
+    export_eagle,
+    init_state,
+    train_eagle,
+    unrolled_mask,
+)
+from specdec.tools.train.features import compute_features
 
 from test_train import data_dir, tiny_target  # noqa: F401  (module fixtures)
 
@@ -170,12 +177,12 @@ def test_shipped_smollm2_eagle_is_exact(kind):
     pytest.importorskip("gguf")
     from specdec import shipped
     from specdec.core.paths import embedded_gguf_path
-    from specdec.eagle.smollm2 import SHIPPED_EAGLE, SHIPPED_EAGLE3
+    from specdec.eagle.smollm2 import shipped_eagle3_dir, shipped_eagle_dir
     try:
         embedded_gguf_path()
     except FileNotFoundError:
         pytest.skip("embedded model not installed")
-    ship = SHIPPED_EAGLE3 if kind == "eagle3" else SHIPPED_EAGLE
+    ship = shipped_eagle3_dir() if kind == "eagle3" else shipped_eagle_dir()
     size = sum(f.stat().st_size for f in ship.iterdir())
     assert size <= 15 * 2**20, size
     # f32: bf16 near-ties flip between the decode and verify graphs (rounding, not speculation)
@@ -198,7 +205,7 @@ def test_a_run_from_init_reads_a_token_store_without_labels(data_dir, tiny_targe
     """With ``init``, the rows come straight from the token store (``store_rows``: load_dataset's rows and
     order, no labels): the same step-0 scores as from the labelled batches; a new run on an unlabelled
     store is refused (it chooses its vocabulary from labels)."""
-    from specdec.train.data import store_rows
+    from specdec.tools.train.data import store_rows
     quiet = dict(progress=False, log=lambda m: None)
     store = data_dir / "tokens"
     labelled, unlabelled = load_dataset(data_dir), store_rows(store)
@@ -222,7 +229,7 @@ def test_generation_features_and_training_run_on_a_device(data_dir, tiny_target,
     """``device``: the target generates the tokens and computes the features there and the draft trains
     there; the features are the CPU's (f32), the loss falls, and the checkpoint holds CPU tensors (a run
     resumes and exports anywhere)."""
-    from specdec.train.data import DataConfig, generate_data
+    from specdec.tools.train.data import DataConfig, generate_data
 
     from test_train import DATA
     store = tmp_path / "tokens"

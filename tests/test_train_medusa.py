@@ -1,4 +1,4 @@
-"""Medusa-1 head training (specdec.train.medusa): batches, training on a learnable toy data set, exact
+"""Medusa-1 head training (specdec.tools.train.medusa): batches, training on a learnable toy data set, exact
 resumption, export/load round trip, calibration, tree construction (``specdec build-tree``) and clear
 errors; plus the shipped SmolLM2 heads (skipped when absent)."""
 import contextlib
@@ -12,9 +12,9 @@ from specdec.cli import main as specdec_main
 from specdec.core.checkpoint import target_lm_head
 from specdec.medusa.heads import WEIGHTS_NAME, load_heads, load_medusa_config
 from specdec.medusa.tree import build_tree, expected_accept_length, load_tree
-from specdec.train.distill import split_rows
-from specdec.train.features import training_rows
-from specdec.train.medusa import (
+from specdec.tools.train.distill import split_rows
+from specdec.tools.train.features import training_rows
+from specdec.tools.train.medusa import (
     ACCURACY_FILE,
     MedusaTrainConfig,
     build_heads,
@@ -251,12 +251,12 @@ def test_train_medusa_command(toy_data, tiny_target, tmp_path):  # noqa: F811
 
 @pytest.mark.slow
 def test_shipped_smollm2_heads():
-    from specdec.medusa.smollm2 import SHIPPED_MEDUSA
-    if not (SHIPPED_MEDUSA / WEIGHTS_NAME).is_file():
+    from specdec.medusa.smollm2 import shipped_medusa_dir
+    if not (shipped_medusa_dir() / WEIGHTS_NAME).is_file():
         pytest.skip("no shipped Medusa heads")
-    size = sum(f.stat().st_size for f in SHIPPED_MEDUSA.iterdir())
+    size = sum(f.stat().st_size for f in shipped_medusa_dir().iterdir())
     assert size <= 15 * 2**20, size
-    config = load_medusa_config(SHIPPED_MEDUSA)
-    accuracy = torch.tensor(json.loads((SHIPPED_MEDUSA / ACCURACY_FILE).read_text())["head_accuracy"])
+    config = load_medusa_config(shipped_medusa_dir())
+    accuracy = torch.tensor(json.loads((shipped_medusa_dir() / ACCURACY_FILE).read_text())["head_accuracy"])
     assert config.tied_lm_head and config.tree.paths == build_tree(accuracy, config.tree.num_nodes).paths
     assert accuracy[0, 0] > 0.2   # head 0 (token t+2) does predict

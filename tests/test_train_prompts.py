@@ -1,4 +1,4 @@
-"""The request mixes of draft training data (specdec.train.prompts) and their use in generate_tokens."""
+"""The request mixes of draft training data (specdec.tools.train.prompts) and their use in generate_tokens."""
 import random
 import re
 from collections import Counter
@@ -7,30 +7,30 @@ import pytest
 import torch
 
 from specdec import DecoderModel
-from specdec.bench.prompts import load_records, resolve_prompts
 from specdec.core.chat import chat_ids
-from specdec.train.data import DataConfig, fit_request, generate_data, generate_tokens, token_settings
-from specdec.train.prompts import (
+from specdec.tools.bench.prompts import load_records, resolve_prompts
+from specdec.tools.train.data import DataConfig, fit_request, generate_data, generate_tokens, token_settings
+from specdec.tools.train.prompts import (
     KIND_WEIGHTS,
     LANGUAGES,
     TASKS,
-    WRITTEN,
     build_requests,
     math_problem,
     plan_rows,
     written_digest,
+    written_file,
     written_requests,
 )
-from specdec.train.store import EMBEDDED_STORE, read_shard, shard_files
+from specdec.tools.train.store import embedded_store, read_shard, shard_files
 
 from test_train import tiny_target  # noqa: F401  (module fixture)
 
 
-@pytest.mark.skipif(not shard_files(EMBEDDED_STORE), reason="the repository's token store is absent")
+@pytest.mark.skipif(not shard_files(embedded_store()), reason="the repository's token store is absent")
 def test_topics_mix_replans_the_repository_store_and_its_settings_still_match():
     """The first store was made before the "tasks" mix existed: the "topics" plan of a batch draws the
     categories its shard recorded, and its settings equal those of a default DataConfig today."""
-    for f in shard_files(EMBEDDED_STORE):
+    for f in shard_files(embedded_store()):
         shard = read_shard(f)
         if shard.meta["seed"] != 0:
             continue
@@ -136,8 +136,8 @@ def test_written_requests_stay_apart_from_the_evaluation_prompts():
     for name in ("mt-bench", "varied"):
         for _, _, text in load_records(resolve_prompts(name)):
             evaluation |= shingles(text)
-    files = sorted(WRITTEN.parent.glob("requests*.jsonl"))
-    assert WRITTEN in files
+    files = sorted(written_file().parent.glob("requests*.jsonl"))
+    assert written_file() in files
     shared = [(f.name, t[:60]) for f in files for _, t in written_requests(f) if shingles(t) & evaluation]
     assert not shared, shared
     texts = [t for f in files for _, t in written_requests(f)]

@@ -1,4 +1,4 @@
-"""The token store (specdec.train.store), labelling by prefill (label_sequences / label_store) and the
+"""The token store (specdec.tools.train.store), labelling by prefill (label_sequences / label_store) and the
 large-batch decode attention, on the tiny random target of test_train."""
 import argparse
 import json
@@ -9,10 +9,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from specdec import DecoderModel
-from specdec.train import data as data_mod
-from specdec.train.cli import prepare_data
-from specdec.train.data import DataConfig, generate_data, label_sequences, label_store, load_dataset
-from specdec.train.store import Shard, is_store, read_shard, read_store, shard_files, write_shard
+from specdec.tools.train import data as data_mod
+from specdec.tools.train.cli import prepare_data
+from specdec.tools.train.data import DataConfig, generate_data, label_sequences, label_store, load_dataset
+from specdec.tools.train.store import Shard, is_store, read_shard, read_store, shard_files, write_shard
 
 from test_train import VOCAB, tiny_target  # noqa: F401  (module fixture)
 
@@ -171,7 +171,7 @@ def test_answer_stream_refills_rows_and_each_answer_is_the_rows_own(tiny_target,
 def test_train_draft_tokens_only_grows_the_store_and_stops(tiny_target, tmp_path, capsys):  # noqa: F811
     """``train-draft --tokens-only``: the store gets the missing shards (refilled generation), nothing is
     labelled or trained, and the printed summary counts the store."""
-    from specdec.train.cli import main
+    from specdec.tools.train.cli import main
     store = tmp_path / "store"
     argv = ["--out", str(tmp_path / "run"), "--model", str(tiny_target), "--store", str(store), "--tokens-only",
             "--num-prompts", "5", "--gen-batch-size", "3", "--max-new-tokens", "6", "--max-question-tokens", "4",

@@ -9,9 +9,14 @@ import torch
 from scipy.stats import chisquare
 from torch import nn
 
-from specdec.acceptance import accept_tree_greedy, accept_tree_sampled, accept_tree_typical, draw_tree_uniforms
 from specdec.medusa.tree import load_tree
-from specdec.tree import TokenTree, tree_buffers
+from specdec.speculation.acceptance import (
+    accept_tree_greedy,
+    accept_tree_sampled,
+    accept_tree_typical,
+    draw_tree_uniforms,
+)
+from specdec.speculation.tree import TokenTree, tree_buffers
 
 PAD = -1
 SMALL = TokenTree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])

@@ -34,12 +34,12 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from specdec import DecoderModel, SpeculativeGenerator, shipped
-    from specdec.bench.prompts import default_prompts_path, load_prompts
     from specdec.core.chat import chat_ids
     from specdec.core.paths import resolve_model_path
     from specdec.eagle.smollm2 import embedded_eagle_path
-    from specdec.train.distill import load_target_state
-    from specdec.train.eagle import EagleTrainer
+    from specdec.tools.bench.prompts import default_prompts_path, load_prompts
+    from specdec.tools.train.distill import load_target_state
+    from specdec.tools.train.eagle import EagleTrainer
 
     target = DecoderModel.from_pretrained(None, batch_size=1, n_positions=768, amp=args.amp, backend=args.backend,
                                           progress=False)

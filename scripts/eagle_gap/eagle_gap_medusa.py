@@ -18,11 +18,11 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from specdec import DecoderModel
-    from specdec.medusa.smollm2 import SHIPPED_MEDUSA
+    from specdec.medusa.smollm2 import shipped_medusa_dir
     target = DecoderModel.from_pretrained(None, batch_size=1, n_positions=768, amp="f32", backend="eager",
                                           progress=False)
     head = target.lm.lm_head.weight.float()
-    med = load_file(str(SHIPPED_MEDUSA / "medusa_lm_head.safetensors"))
+    med = load_file(str(shipped_medusa_dir() / "medusa_lm_head.safetensors"))
     ids = med["token_ids"].long()
     W, b = med["0.0.linear.weight"].float(), med["0.0.linear.bias"].float()
     mt = json.loads(Path(sys.argv[1]).read_text())["records"]

@@ -1,5 +1,5 @@
 """EAGLE gap, part 2: the training metric vs the runtime on fresh synthesised prompts (the training data's
-generator, ``specdec.train.data.generate_batch``, at a batch index the training never used).
+generator, ``specdec.tools.train.data.generate_batch``, at a batch index the training never used).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/eagle_gap/eagle_gap_synth.py --rows 24 --index 777 --runtime-rows 8
 """
@@ -28,10 +28,10 @@ def main() -> None:
     from specdec.core.paths import resolve_model_path
     from specdec.core.sampling import SamplingConfig
     from specdec.eagle.smollm2 import embedded_eagle_path
-    from specdec.train.data import DataConfig, generate_batch
-    from specdec.train.distill import load_target_state
-    from specdec.train.eagle import EagleTrainConfig, EagleTrainer, evaluate
-    from specdec.train.features import compute_features
+    from specdec.tools.train.data import DataConfig, generate_batch
+    from specdec.tools.train.distill import load_target_state
+    from specdec.tools.train.eagle import EagleTrainConfig, EagleTrainer, evaluate
+    from specdec.tools.train.features import compute_features
 
     out = Path(args.out)
     cfg = DataConfig(batch_size=args.rows, num_prompts=10**6, max_new_tokens=args.max_new_tokens, backend="eager")

@@ -4,8 +4,8 @@ planning), ``train-draft`` / ``train-eagle`` / ``train-medusa``, ``build-tree`` 
 (EAGLE checkpoints).
 
 One module per command or family of commands (``MODULES``: generate, serve, the benchmarks, plan, training,
-eagle-lm-head), each listing its ``Command``s: a command parses its arguments into the typed options of the
-library (``specdec.options``, ``specdec.serving.server.ServeOptions``, the benchmarks' options dataclasses)
+eagle-lm-head), each listing its ``Command``s (``command``): a command parses its arguments into the typed options
+of the library (``specdec.options``, ``specdec.serving.server.ServeOptions``, the benchmarks' options dataclasses)
 and calls the library. No module outside this package imports it. ``build_parser`` assembles the commands;
 ``main`` runs one (bad arguments: one ``specdec: error:`` line, exit code 2)."""
 from __future__ import annotations
@@ -14,23 +14,11 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
 MODULES = ("generate", "bench", "serve", "plan", "train", "eagle_lm_head")
 """The command modules of this package, in the order ``specdec --help`` lists their commands."""
-
-
-class Command(NamedTuple):
-    """One command: its name, help (one line, also its description), ``add_arguments(parser)`` and
-    ``run(args) -> exit status``. A command module lists its commands in ``COMMANDS``."""
-
-    name: str
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
 
 
 class Parser(argparse.ArgumentParser):

@@ -1,15 +1,15 @@
-"""The benchmark commands: ``specdec bench`` (:mod:`specdec.bench.runtime`), ``bench-spec``
-(:mod:`specdec.bench.speculative`), ``bench-quality`` (:mod:`specdec.bench.quality`), ``bench-coverage``
-(:mod:`specdec.bench.coverage`) and ``bench-serve`` (:mod:`specdec.bench.serving`). Each benchmark module is
+"""The benchmark commands: ``specdec bench`` (:mod:`specdec.tools.bench.runtime`), ``bench-spec``
+(:mod:`specdec.tools.bench.speculative`), ``bench-quality`` (:mod:`specdec.tools.bench.quality`), ``bench-coverage``
+(:mod:`specdec.tools.bench.coverage`) and ``bench-serve`` (:mod:`specdec.tools.bench.serving`). Each benchmark module is
 also a script of its own, so it keeps its flags (``add_arguments``); a command parses them into the module's
 options dataclass, runs it and prints the result (JSON to stdout and ``--output``, a table to stderr)."""
 from __future__ import annotations
 
 import argparse
 
-from ..bench import coverage, quality, runtime, serving, speculative
 from ..options import options_from
-from . import Command
+from ..tools.bench import coverage, quality, runtime, serving, speculative
+from .command import Command
 
 BENCHMARKS = (
     ("bench", "target-only decoding benchmark vs transformers (prints JSON)", runtime, runtime.RuntimeBenchOptions),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import Command
+from .command import Command
 
 NAME = "eagle-lm-head"
 HELP = "copy the target's lm_head.weight into an EAGLE draft checkpoint"

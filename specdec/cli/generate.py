@@ -11,16 +11,6 @@ from pathlib import Path
 
 import torch
 
-from ..arguments import (
-    add_model_arguments,
-    add_speculation_arguments,
-    non_negative_int,
-    positive_int,
-    repetition_penalty_value,
-    temperature_value,
-    token_ids,
-    top_p_value,
-)
 from ..core.graphs import COMPILING
 from ..options import (
     ModelOptions,
@@ -32,7 +22,17 @@ from ..options import (
     options_from,
     precompile,
 )
-from . import Command
+from ..tools.arguments import (
+    add_model_arguments,
+    add_speculation_arguments,
+    non_negative_int,
+    positive_int,
+    repetition_penalty_value,
+    temperature_value,
+    token_ids,
+    top_p_value,
+)
+from .command import Command
 
 NAME = "generate"
 HELP = "generate from a prompt (chat template applied), target-only or speculative"

@@ -1,11 +1,11 @@
-"""``specdec plan``: the capacity planner (:mod:`specdec.plan`)."""
+"""``specdec plan``: the capacity planner (:mod:`specdec.tools.plan`)."""
 from __future__ import annotations
 
 import argparse
 
-from .. import plan as capacity
 from ..options import options_from
-from . import Command
+from ..tools import plan as capacity
+from .command import Command
 
 NAME = "plan"
 HELP = "capacity planner: memory per core and the smallest tp_degree that fits"

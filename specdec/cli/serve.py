@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..arguments import add_model_arguments, add_speculation_arguments, positive_int
 from ..options import EMBEDDED_NAME, options_from
 from ..serving import server
-from . import Command
+from ..tools.arguments import add_model_arguments, add_speculation_arguments, positive_int
+from .command import Command
 
 NAME = "serve"
 HELP = ("serve the model over HTTP: OpenAI-compatible completions and chat, /generate, /health, /metrics "

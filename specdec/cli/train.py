@@ -1,9 +1,9 @@
-"""The training commands: ``specdec train-draft`` (:mod:`specdec.train.cli`), ``train-eagle``
-(:mod:`specdec.train.eagle_cli`), ``train-medusa`` and ``build-tree`` (:mod:`specdec.train.medusa_cli`). The
+"""The training commands: ``specdec train-draft`` (:mod:`specdec.tools.train.cli`), ``train-eagle``
+(:mod:`specdec.tools.train.eagle_cli`), ``train-medusa`` and ``build-tree`` (:mod:`specdec.tools.train.medusa_cli`). The
 training tool has its own command line (those modules: flags and ``run``); these commands are its entries."""
-from ..train import cli as draft_cli
-from ..train import eagle_cli, medusa_cli
-from . import Command
+from ..tools.train import cli as draft_cli
+from ..tools.train import eagle_cli, medusa_cli
+from .command import Command
 
 COMMANDS = [
     Command("train-draft", "train a draft for the target: data -> distillation -> export (resumable)",

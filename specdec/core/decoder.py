@@ -9,37 +9,30 @@ sequence, which the repetition penalty reads). Graph-level API used by the strat
 - ``step(tokens [B, n], ...)``: n new tokens per row at slots ``lengths + i`` with an explicit
   mask among them (causal by default) → tokens/logits/hidden for all n;
 - ``set_lengths(lengths)``: rollback (or commit) by moving each row's length.
+
+The model is composed of one object per responsibility, each in its own module: building the decoder from
+a checkpoint (``loading``), its graphs and their cache (``graph_cache.GraphCache``, ``graphs``), the KV
+bookkeeping (``kv_state.KVState``, ``kv``), save / load (``persistence``) and prompt checks (``prompts``).
+What stays here is running graphs: sampling parameters, the graph key of a call, prefill and step.
 """
 from __future__ import annotations
 
-import json
-import sys
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from .buckets import check_buckets, pick_bucket
-from .checkpoint import load_weights
 from .config import ModelConfig, amp_dtype
-from .gguf_weights import load_gguf_blocks
-from .graphs import (
-    BACKENDS,
-    COMPILING,
-    CacheCompaction,
-    GraphKey,
-    StepGraph,
-    backend_device,
-    build_graph,
-    configure_compile_cache,
-)
-from .kv_quant import parse_kv_cache_dtype
-from .model import DecoderLM, check_feature_layers, check_output_vocab_size, split_hidden
-from .parallel import TPGroup, barrier, shard_plan, spmd_group, tp_group
-from .paths import gguf_source, resolve_model_path
-from .quant import parse_quantization, quantize_and_fuse
+from .graph_cache import GraphCache
+from .graphs import COMPILING, GraphKey, StepGraph
+from .kv_state import KVState
+from .loading import RuntimeSettings, load_decoder, rank_weights
+from .model import DecoderLM, check_feature_layers, split_hidden
+from .parallel import TPGroup
+from .persistence import load_compiled, read_saved, save_compiled
+from .prompts import prompt_rows
 from .sampling import (
     TEMPERATURE,
     RowGenerators,
@@ -49,28 +42,6 @@ from .sampling import (
     needs_filter,
     sampling_params,
 )
-from .tp_layout import head_layout, parse_gqa
-
-
-@dataclass
-class RuntimeSettings:
-    """Everything that fixes the compiled shapes (saved with compiled artifacts)."""
-
-    batch_size: int = 1
-    n_positions: int = 2048
-    amp: str = "f32"
-    tp_degree: int = 1
-    gqa_strategy: str | None = None
-    context_buckets: list[int] | None = None
-    kv_buckets: list[int] | None = None
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    backend: str = "compiled"
-    device: str = "cpu"
-    quantization: str | None = None
-    kv_cache_dtype: str | None = None      # None: the compute dtype; "int8" / "fp8_e4m3" (``kv_quant``)
-    feature_layers: tuple[int, ...] = ()   # layers whose input hidden states graphs also return (EAGLE-3)
-    autotune: bool = False                 # compiled, CPU: weights frozen in, kernels chosen by timing
-    output_vocab_size: int | None = None   # score only token ids [0, n) (``DecoderLM.restrict_output_vocab``)
 
 
 @dataclass
@@ -90,23 +61,20 @@ class StepOutput:
 
 
 class DecoderModel:
+    """A decoder (``lm``) on fixed shapes (``settings``): ``graphs`` (``GraphCache``) builds and holds its
+    compiled graphs, ``kv`` (``KVState``) its rows' lengths and token presence."""
+
     def __init__(self, path: Path, config: ModelConfig, lm: DecoderLM, settings: RuntimeSettings):
         self.path, self.config, self.lm, self.settings = path, config, lm, settings
         self.source = path      # what ``load`` reloads from: the checkpoint directory, or the GGUF file
         self.context_buckets = check_buckets("context_buckets", settings.context_buckets, settings.n_positions)
         self.kv_buckets = check_buckets("kv_buckets", settings.kv_buckets, settings.n_positions)
         self.device = torch.device(settings.device)
-        self.lengths = torch.zeros(settings.batch_size, dtype=torch.long)
-        # [batch_size, V] bool on the device: the tokens in each row's sequence (prompt + emitted), read
-        # by the repetition penalty; None = not tracked (draft models), so no graph applies the penalty
-        self.presence: torch.Tensor | None = None
-        self._graphs: dict[GraphKey, object] = {}
-        self._compactions: dict[int, object] = {}     # KV compaction graphs by slots moved per row
-        self._neuron = None                           # backend 'neuron': the program holding every graph
+        self.graphs = GraphCache(lm, settings, partial(rank_weights, lm, path, config))
+        self.kv = KVState(settings.batch_size, settings.n_positions, config.vocab_size, self.device,
+                          self.graphs.compaction)
         self._tokenizer = None
-        self.compile_seconds: dict[str, float] = {}
         self.progress = True                   # progress output: lazy compiles of graphs on first use
-        self._ran: set[GraphKey] = set()       # graphs run at least once (compiled: code generated)
         if self.device.type == "xla":
             from .xla import materialize
             materialize()
@@ -150,70 +118,12 @@ class DecoderModel:
         (see docs/backends.md, "Autotuned graphs"). ``output_vocab_size`` n: score only the token ids [0, n)
         (``DecoderLM.restrict_output_vocab``; a cheaper LM head for a draft, which then never proposes a later
         id; quantization None or "gguf")."""
-        gqa = parse_gqa(gqa_strategy)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")
-        device = backend_device(backend, device)
-        if not isinstance(autotune, bool):
-            raise ValueError(f"autotune must be True or False, got {autotune!r}")
-        if autotune and (backend != "compiled" or torch.device(device).type != "cpu"):
-            raise ValueError(f"autotune=True tunes the 'compiled' backend's CPU kernels; this model is "
-                             f"backend={backend!r} on device={device!r}: use backend='compiled' on the CPU, "
-                             "or autotune=False")
-        quantization = parse_quantization(quantization)
-        if output_vocab_size is not None and quantization not in (None, "gguf"):
-            raise ValueError(f"output_vocab_size restricts a float LM head or a GGUF file's own blocks; "
-                             f"quantization={quantization!r} re-quantizes the head: use None or 'gguf'")
-        kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
-        settings = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa and gqa.value, context_buckets,
-                                   kv_buckets, sampling or SamplingConfig(), backend, device, quantization,
-                                   kv_cache_dtype, autotune=autotune, output_vocab_size=output_vocab_size)
-        # feature_layers: set once the config is read
-        dtype = amp_dtype(amp)
-        if backend == "neuron":   # one process traces for every NeuronCore (SPMD)
-            from .neuron import check_tp_degree
-            tp = spmd_group(tp_degree)
-            check_tp_degree(tp_degree)
-            if tp.size > 1 and quantization is not None:
-                raise ValueError(f"quantization={quantization!r} with backend='neuron' runs at tp_degree=1 only "
-                                 f"(got {tp_degree}): the row-parallel scales of int8 / int4 are not built per "
-                                 "rank for the Neuron program yet")
-        else:
-            tp = tp_group(tp_degree, device)   # validates tp_degree against the running processes
-        if batch_size < 1 or n_positions < 2:
-            raise ValueError(f"batch_size must be >= 1 and n_positions >= 2 (got {batch_size}, {n_positions})")
-        gguf = gguf_source(path, progress=progress and tp.rank == 0)
-        if quantization == "gguf" and gguf is None:
-            raise ValueError(f"quantization='gguf' keeps a GGUF file's own quantized tensors, but {path} is a "
-                             "checkpoint directory, not a .gguf file: use 'int8' or 'int4'")
-        path = resolve_model_path(path, progress=progress and tp.rank == 0)
-        config = ModelConfig.from_dir(path)
-        if n_positions > config.max_position_embeddings:
-            raise ValueError(f"n_positions={n_positions} exceeds the model's max_position_embeddings="
-                             f"{config.max_position_embeddings}")
-        if config.sliding_window is not None and n_positions > config.sliding_window:
-            raise ValueError(f"n_positions={n_positions} exceeds sliding_window={config.sliding_window}; "
-                             "sliding-window attention is not implemented")
-        if output_vocab_size is not None:
-            check_output_vocab_size(output_vocab_size, config, tp.size)
-        layout = head_layout(config.num_heads, config.num_kv_heads, tp_degree, gqa)
-        settings.feature_layers = check_feature_layers(feature_layers, config.num_layers)
-        with torch.device("meta"):
-            lm = DecoderLM(config, batch_size, n_positions, dtype, tp, layout, kv_cache_dtype,
-                           settings.feature_layers)
-        lm = lm.to_empty(device=device).to(dtype)
-        lm.init_buffers()
-        shards = shard_plan(config, layout, tp.rank)
-        load_weights(lm, path, progress=progress and tp.rank == 0, shards=shards, optional=RANK)
-        if quantization is not None and gguf is not None:
-            load_gguf_blocks(lm, gguf, quantization, shards)
-        quantize_and_fuse(lm, quantization, backend, tp)
-        if output_vocab_size is not None:
-            lm.restrict_output_vocab(output_vocab_size)
-            config = lm.config
-        lm.eval().requires_grad_(False)
-        model = cls(path, config, lm, settings)
-        model.source = gguf or path
+        requested = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa_strategy, context_buckets, kv_buckets,
+                                    sampling or SamplingConfig(), backend, device, quantization, kv_cache_dtype,
+                                    feature_layers, autotune, output_vocab_size)
+        loaded = load_decoder(path, requested, progress)
+        model = cls(loaded.path, loaded.config, loaded.lm, loaded.settings)
+        model.source = loaded.source
         model.progress = progress
         return model
 
@@ -253,29 +163,28 @@ class DecoderModel:
         layers = check_feature_layers(layers, self.config.num_layers)
         if layers == self.lm.feature_layers:
             return
-        if self._neuron is not None:
+        if self.graphs.neuron is not None:
             raise ValueError(f"the Neuron program was compiled without feature layers {list(layers)}: set them "
                              "(load the EAGLE-3 draft) before to_neuron()")
         self.lm.feature_layers = self.settings.feature_layers = layers
-        self._graphs.clear()
-        self._ran.clear()
+        self.graphs.clear()
 
-    # ------------------------------------------------------------------ graphs
+    # ------------------------------------------------------------------ graphs (``GraphCache``)
+    @property
+    def compile_seconds(self) -> dict[str, float]:
+        """Seconds each graph took to build and first run, by ``GraphKey.describe()`` (or compaction name)."""
+        return self.graphs.compile_seconds
+
     def graph_module(self, key: GraphKey) -> StepGraph:
         """The graph module of ``key`` (over this model's decoder): what every backend runs or traces."""
-        return StepGraph(self.lm, key, self.settings.sampling.global_topk)
+        return self.graphs.module(key)
 
     def graph(self, key: GraphKey):
         """The callable for ``key``, built (and for ``compiled`` / ``xla``, traced on first call) once;
-        ``neuron`` graphs exist only as ``compile()`` / ``to_neuron()`` built them (ahead of time)."""
-        if key not in self._graphs:
-            if self.settings.backend == "neuron":
-                raise ValueError(f"graph {key.describe()} was not compiled: backend='neuron' compiles ahead of "
-                                 "time, so call to_neuron() with the shapes the run needs (spec_tokens, "
-                                 "prompt_length, max_length, single_row, compaction_slots)")
-            self._graphs[key] = build_graph(self.graph_module(key), self.settings.backend, self.batch_size,
-                                            key.describe(), autotune=self.settings.autotune)
-        return self._graphs[key]
+        ``neuron`` graphs exist only as ``compile()`` / ``to_neuron()`` built them (ahead of time). Every
+        graph call of the model goes through it (timing tools wrap it)."""
+        built = self.graphs.built.get(key)     # the hot path: one look-up, no further call
+        return self.graphs.graph(key) if built is None else built
 
     def graph_keys(self, do_sample: bool | None = None, spec_tokens: tuple[int, ...] = (),
                    prompt_length: int | None = None, max_length: int | None = None,
@@ -311,186 +220,75 @@ class DecoderModel:
                                single_row=single_row)
         return self._warm(keys, f"compiling ({self.settings.backend})", progress, compaction_slots)
 
-    def _to_neuron(self, keys: list[GraphKey], compaction_slots: tuple[int, ...] | list[int], progress: bool,
-                   program=None) -> DecoderModel:
-        """Trace and compile ``keys`` and the compaction graphs into one Neuron program (or take
-        ``program``, loaded by ``load``), load it with this model's weights and route the graphs to it."""
-        from .neuron import NeuronProgram
-        modules = {key.describe(): self.graph_module(key) for key in keys}
-        modules |= {_compaction_name(m): CacheCompaction(self.lm, m) for m in compaction_slots}
-        if program is None:
-            program = NeuronProgram.create(self.tp.size)
-            for name, module in tqdm(modules.items(), desc="compiling (neuron)", unit="graph",
-                                     disable=not progress or self.tp.rank > 0):
-                start = time.perf_counter()
-                program.add(name, module, self.batch_size)
-                self.compile_seconds[name] = time.perf_counter() - start
-        program.start(self.rank_weights(next(iter(modules.values()))))
-        self._graphs.update({key: program.runner(key.describe()) for key in keys})
-        self._compactions.update({m: program.runner(_compaction_name(m)) for m in compaction_slots})
-        self._ran.update(keys)
-        self._neuron = program
+    to_neuron = compile
+
+    def _warm(self, keys: list[GraphKey], desc: str, progress: bool,
+              compaction_slots: tuple[int, ...] | list[int] = ()) -> DecoderModel:
+        """Build and run once each of ``keys`` and the compaction graphs of ``compaction_slots``
+        (``GraphCache.warm``), then clear the KV cache."""
+        self.graphs.warm(keys, desc, progress, compaction_slots)
         self.reset()
         return self
 
     def rank_weights(self, graph: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
         """What the Neuron program of ``graph`` (a graph module over this model's decoder) loads: one
-        ``neuron_weights`` state dict per rank. Rank r's holds the shards ``shard_plan`` gives rank r (the
-        tensors a torch.distributed rank r loads) and ``tp_rank = [r]``; each rank is read from the
-        checkpoint into this process's module in turn, which ends holding rank 0's again."""
-        from .neuron import neuron_weights
-        if self.tp.size == 1:
-            return [neuron_weights(graph)]
-        weights = []
-        for rank in [*range(1, self.tp.size), 0]:
-            load_weights(self.lm, self.path, progress=False, shards=shard_plan(self.config, self.lm.layout, rank),
-                         optional=RANK)
-            with torch.no_grad():
-                self.lm.tp_rank.fill_(rank)
-            weights.append({name: t.clone() for name, t in neuron_weights(graph).items()})
-        return weights[-1:] + weights[:-1]
-
-    def _warm(self, keys: list[GraphKey], desc: str, progress: bool,
-              compaction_slots: tuple[int, ...] | list[int] = ()) -> DecoderModel:
-        """Build each graph (and the compaction graphs of ``compaction_slots``) and run it once on
-        example inputs (timed); then clear the KV cache. The bar counts the graphs whose compiled code
-        came from the on-disk cache. ``neuron``: one program of all of them (``_to_neuron``)."""
-        if self.settings.backend == "neuron":
-            return self._to_neuron(keys, compaction_slots, progress)
-        cached = 0
-        bar = tqdm(keys, desc=desc, unit="graph", disable=not progress or not keys or self.tp.rank > 0)
-        for key in bar:
-            start, hits = time.perf_counter(), _cache_hits()
-            with torch.no_grad():
-                self.graph(key)(*StepGraph(self.lm, key, None).example_inputs(self.batch_size))
-            self.compile_seconds[key.describe()] = time.perf_counter() - start
-            self._ran.add(key)
-            if self.settings.backend in COMPILING:
-                cached += _cache_hits() > hits
-                bar.set_postfix_str(f"{cached} from cache")
-        for m in compaction_slots:
-            with torch.no_grad():
-                self._compaction(m)(*CacheCompaction(self.lm, m).example_inputs(self.batch_size))
-        self.reset()
-        return self
-
-    def _first_run(self, key: GraphKey, inputs: list[torch.Tensor]):
-        """Run a compiled graph that ``compile()`` did not build: torch.compile generates (or loads from
-        the on-disk cache) its code now, so say so (one line on stderr) and time it."""
-        say = self.progress and self.tp.rank == 0
-        if say:
-            print(f"specdec: compiling graph {key.describe()} on first use (cached on disk for later runs; "
-                  f"compile() builds graphs ahead of time) ...", end="", file=sys.stderr, flush=True)
-        start, hits = time.perf_counter(), _cache_hits()
-        with torch.no_grad():
-            out = self.graph(key)(*inputs)
-        self.compile_seconds[key.describe()] = seconds = time.perf_counter() - start
-        self._ran.add(key)
-        if say:
-            print(f" {seconds:.1f} s{' (from the cache)' if _cache_hits() > hits else ''}", file=sys.stderr,
-                  flush=True)
-        return out
-
-    to_neuron = compile
+        state dict per rank (``loading.rank_weights``); the module ends holding rank 0's weights."""
+        return self.graphs.rank_weights(graph)
 
     def export(self, key: GraphKey) -> torch.export.ExportedProgram:
         """``torch.export`` (strict, static shapes) of one graph: the check that it is trace-clean."""
-        module = self.graph_module(key)
-        return torch.export.export(module, module.example_inputs(self.batch_size), strict=True)
+        return self.graphs.export(key)
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ state (``KVState``)
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[batch_size] long (host): each row's sequence length, i.e. its filled cache slots."""
+        return self.kv.lengths
+
+    @property
+    def presence(self) -> torch.Tensor | None:
+        """[batch_size, V] bool (device): the tokens in each row's sequence (prompt + emitted), read by the
+        repetition penalty; None = not tracked (draft models), so no graph applies the penalty."""
+        return self.kv.presence
+
+    @presence.setter
+    def presence(self, presence: torch.Tensor | None) -> None:
+        self.kv.presence = presence
+
     def reset(self) -> None:
-        self.lengths.zero_()
+        self.kv.reset()
 
     def set_lengths(self, lengths: torch.Tensor) -> None:
         """Roll rows back (or forward over already-written slots): lengths [batch_size]."""
-        lengths = torch.as_tensor(lengths, dtype=torch.long).cpu()
-        if lengths.shape != self.lengths.shape or bool((lengths < 0).any()) or \
-                bool((lengths > self.n_positions).any()):
-            raise ValueError(f"lengths must be [{self.batch_size}] in [0, {self.n_positions}], got {lengths.tolist()}")
-        self.lengths.copy_(lengths)
+        self.kv.set_lengths(lengths)
 
     def track_presence(self) -> None:
         """Start tracking ``presence`` (every row empty; a no-op when already tracking), so graphs apply
         the repetition penalty of rows that ask for one. The request loop (``Engine``) keeps it equal to
         each row's prompt + emitted tokens."""
-        if self.presence is None:
-            self.presence = torch.zeros(self.batch_size, self.vocab_size, dtype=torch.bool, device=self.device)
+        self.kv.track_presence()
 
     def reset_presence(self, row: int, tokens: torch.Tensor | list[int]) -> None:
         """Row ``row``'s sequence restarts as ``tokens`` (ids, 1-D): one copy to the device."""
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        mask[torch.as_tensor(tokens, dtype=torch.long)] = True
-        self.presence[row] = mask.to(self.device)
+        self.kv.reset_presence(row, tokens)
 
     def mark_presence(self, rows: torch.Tensor | list[int], tokens: torch.Tensor | list[int]) -> None:
         """Token tokens[i] was appended to row rows[i]'s sequence (rows, tokens: 1-D, same length):
         one index_put on the device."""
-        index = (torch.as_tensor(rows, dtype=torch.long).to(self.device),
-                 torch.as_tensor(tokens, dtype=torch.long).to(self.device))
-        self.presence.index_put_(index, torch.ones((), dtype=torch.bool, device=self.device))
+        self.kv.mark_presence(rows, tokens)
 
     def copy_cache_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """KV compaction, on device: in every layer, row b's cache slot src[b, i] (K, V and, quantized,
         their scales) is copied to slot dst[b, i] (src, dst [B, m]; all slots are read before any is written).
         One ``CacheCompaction`` graph per m, on the model's backend."""
-        with torch.no_grad():
-            self._compaction(src.shape[1])(src.to(self.device).contiguous(), dst.to(self.device).contiguous())
-
-    def _compaction(self, m: int):
-        """The KV-compaction graph moving m slots per row, built once (``neuron``: by ``to_neuron``)."""
-        if m not in self._compactions:
-            if self.settings.backend == "neuron":
-                raise ValueError(f"the KV-compaction graph for {m} slots was not compiled: call "
-                                 f"to_neuron(compaction_slots=({m},), ...) (tree verification: the tree's depth)")
-            self._compactions[m] = build_graph(CacheCompaction(self.lm, m), self.settings.backend, self.batch_size,
-                                               _compaction_name(m))
-        return self._compactions[m]
+        self.kv.copy_slots(src, dst)
 
     # ------------------------------------------------------------------ input checks
     def prepare_prompts(self, input_ids, attention_mask=None) -> list[torch.Tensor]:
         """Validate prompts and strip padding: a [b, L] tensor (+ optional attention mask, left or
         right padding), a 1-D tensor, or a list of token lists → list of 1-D LongTensors."""
-        if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, torch.Tensor)):
-            if attention_mask is not None:
-                raise ValueError("attention_mask is only accepted with a [batch, length] tensor")
-            rows = []
-            for i, r in enumerate(input_ids):
-                r = torch.as_tensor(r)
-                if r.dim() > 1 or (r.is_floating_point() and r.numel()):
-                    raise ValueError(f"prompt {i} must be a flat sequence of integer token ids, "
-                                     f"got dtype {r.dtype} and shape {tuple(r.shape)}")
-                rows.append(r.long().flatten())
-        else:
-            ids = torch.as_tensor(input_ids)
-            if ids.dim() == 1:
-                ids = ids.unsqueeze(0)
-            if ids.dim() != 2:
-                raise ValueError(f"input_ids must be [batch, length], got shape {tuple(ids.shape)}")
-            if ids.is_floating_point() and ids.numel():  # `[]` is an empty prompt, reported below
-                raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
-            ids = ids.long().cpu()
-            if attention_mask is None:
-                rows = list(ids)
-            else:
-                mask = torch.as_tensor(attention_mask).cpu()
-                if mask.shape != ids.shape:
-                    raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(ids.shape)}")
-                rows = [r[m.bool()] for r, m in zip(ids, mask)]
-        if not rows:
-            raise ValueError("input_ids is empty: give at least one prompt")
-        if len(rows) > self.batch_size:
-            raise ValueError(f"batch of {len(rows)} prompts exceeds the compiled batch_size={self.batch_size}")
-        for i, r in enumerate(rows):
-            if r.numel() == 0:
-                raise ValueError(f"prompt {i} is empty: every row needs at least one token")
-            if bool((r < 0).any()) or bool((r >= self.vocab_size).any()):
-                bad = r[(r < 0) | (r >= self.vocab_size)][0].item()
-                raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {self.vocab_size})")
-            if r.numel() > self.context_buckets[-1]:
-                raise ValueError(f"prompt {i} has {r.numel()} tokens; the largest context bucket is "
-                                 f"{self.context_buckets[-1]} (n_positions={self.n_positions})")
-        return rows
+        return prompt_rows(input_ids, attention_mask, self.batch_size, self.vocab_size, self.context_buckets[-1],
+                           self.n_positions)
 
     def sampling_params(self, top_k=None, top_p=None, temperature=None, do_sample=None,
                         repetition_penalty=None) -> torch.Tensor:
@@ -514,7 +312,7 @@ class DecoderModel:
         graph when ``presence`` is tracked and some row has a repetition penalty)."""
         do_sample = any_sampled(params)
         top_filter = do_sample and needs_filter(params, self.settings.sampling.global_topk)
-        penalty = self.presence is not None and any_penalised(params)
+        penalty = self.kv.presence is not None and any_penalised(params)
         return GraphKey(n, m, kv, do_sample, return_probs, top_filter, penalty=penalty, top_k=top_k)
 
     def _run(self, key: GraphKey, input_ids, position_ids, cache_lengths, token_mask, logit_index,
@@ -533,18 +331,19 @@ class DecoderModel:
             uniform = rng.uniform(key.n_logits, None if seq_ids is None else seq_ids.tolist())
         extra = ()
         if key.penalty:
-            extra += (self.presence if seq_ids is None else self.presence[seq_ids.to(dev)],)
+            presence = self.kv.presence
+            extra += (presence if seq_ids is None else presence[seq_ids.to(dev)],)
         extra += () if seq_ids is None else (seq_ids,)
         extra += () if features is None else (features.to(dtype=self.dtype),)
         # inputs on the device with standard strides (also on size-1 dims: slices such as tail[:, 1:]
         # keep their parent's stride there), since a compiled graph is specialised on its inputs' strides
         inputs = [t.to(dev).clone(memory_format=torch.contiguous_format)
                   for t in (input_ids, position_ids, cache_lengths, token_mask, logit_index, params, uniform, *extra)]
-        if key in self._ran or self.settings.backend not in COMPILING:
+        if key in self.graphs.ran or self.settings.backend not in COMPILING:
             with torch.no_grad():
                 out = self.graph(key)(*inputs)
         else:
-            out = self._first_run(key, inputs)
+            out = self.graphs.first_run(key, inputs, self.progress, self.graph)
         tokens, probs, logits, hidden = out if key.return_probs else (out[0], None, *out[1:])
         hidden, aux = split_hidden(hidden, self.config.hidden_size)
         return StepOutput(tokens, logits, hidden, probs, aux)
@@ -578,7 +377,7 @@ class DecoderModel:
         out = self._run(key, ids, torch.arange(bucket).expand(b, bucket), torch.zeros(b, dtype=torch.long),
                         torch.ones(bucket, bucket, dtype=torch.bool).tril().expand(b, bucket, bucket),
                         (lens - 1).unsqueeze(1), params, rng, _fit(features, bucket))
-        self.lengths.copy_(lens)
+        self.kv.lengths.copy_(lens)
         return out
 
     def _prefill_row(self, row: int, prompt: torch.Tensor, params: torch.Tensor, rng: RowGenerators | None,
@@ -595,7 +394,7 @@ class DecoderModel:
         out = self._run(key, ids, torch.arange(bucket).unsqueeze(0), torch.zeros(1, dtype=torch.long),
                         torch.ones(bucket, bucket, dtype=torch.bool).tril().unsqueeze(0),
                         torch.tensor([[n - 1]]), row_params, rng, _fit(features, bucket), torch.tensor([row]))
-        self.lengths[row] = n
+        self.kv.lengths[row] = n
         return out
 
     def step(self, tokens: torch.Tensor, params: torch.Tensor, rng: RowGenerators | torch.Generator | None = None,
@@ -618,7 +417,8 @@ class DecoderModel:
                              "(sampling_params(do_sample=False)) and return_probs=False")
         if b != self.batch_size:
             raise ValueError(f"step expects {self.batch_size} rows, got {b}")
-        needed = int(self.lengths.max()) + n
+        lengths = self.kv.lengths
+        needed = int(lengths.max()) + n
         if needed > self.n_positions:
             raise ValueError(f"a row would reach {needed} positions; n_positions={self.n_positions}")
         kv = pick_bucket(self.kv_buckets, needed, "KV length")
@@ -627,17 +427,17 @@ class DecoderModel:
         if token_mask.dim() == 2:
             token_mask = token_mask.expand(b, n, n)
         if position_ids is None:
-            position_ids = self.lengths.unsqueeze(1) + torch.arange(n)
+            position_ids = lengths.unsqueeze(1) + torch.arange(n)
         if logit_index is None:
             logit_index = torch.arange(n).expand(b, n)
         key = self._key(n, logit_index.shape[1], kv, params, return_probs, top_k)
-        out = self._run(key, tokens.long(), position_ids, self.lengths.clone(), token_mask,
+        out = self._run(key, tokens.long(), position_ids, lengths.clone(), token_mask,
                         logit_index, params, rng, features)
         if advance:
-            self.lengths += n if rows is None else rows.long().cpu() * n
+            lengths += n if rows is None else rows.long().cpu() * n
         return out
 
-    # ------------------------------------------------------------------ generation / persistence
+    # ------------------------------------------------------------------ generation / persistence (``persistence``)
     def generate(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
         """Target-only generation: the request loop of ``specdec.core.engine`` with no proposer
         (arguments: ``Engine.generate``)."""
@@ -649,67 +449,22 @@ class DecoderModel:
         built so far, or (``neuron``) the compiled program, so ``load`` in a fresh process skips code
         generation. At ``tp_degree > 1`` every rank calls it: rank 0 writes the settings, each rank its
         artifacts."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.tp.rank == 0:
-            meta = {"checkpoint": str(Path(self.source).resolve()), "settings": asdict(self.settings),
-                    "graphs": [asdict(k) for k in self._graphs], "compactions": list(self._compactions)}
-            (directory / "specdec.json").write_text(json.dumps(meta, indent=2))
-            if self._neuron is not None:
-                self._neuron.save(directory / NEURON_FILE)
-        if self.settings.backend in COMPILING:
-            artifacts = torch.compiler.save_cache_artifacts()
-            if artifacts is not None:
-                self._compile_cache_file(directory).write_bytes(artifacts[0])
-        barrier(self.tp)
-
-    def _compile_cache_file(self, directory: Path) -> Path:
-        return directory / ("compile_cache.bin" if self.tp.size == 1 else f"compile_cache.rank{self.tp.rank}.bin")
+        save_compiled(self.graphs, self.source, directory)
 
     @classmethod
     def load(cls, directory: str | Path, progress: bool = True) -> DecoderModel:
         """Re-create a saved model: weights from its checkpoint, compiled graphs from the cache."""
-        directory = Path(directory)
-        meta_file = directory / "specdec.json"
-        if not meta_file.is_file():
-            raise FileNotFoundError(f"{directory} holds no saved specdec model (specdec.json missing)")
-        meta = json.loads(meta_file.read_text())
-        s = meta["settings"]
-        s["sampling"] = SamplingConfig(**s["sampling"])
-        s["feature_layers"] = tuple(s.get("feature_layers", ()))
-        model = cls.from_pretrained(meta["checkpoint"], progress=progress, **s)
-        return model._load_compiled(directory, [GraphKey(**k) for k in meta["graphs"]], progress,
-                                    meta.get("compactions", []))
+        saved = read_saved(directory)
+        model = cls.from_pretrained(saved.checkpoint, progress=progress, **saved.settings)
+        return model._load_compiled(directory, saved.keys, progress, saved.compaction_slots)
 
-    def _load_compiled(self, directory: Path, keys: list[GraphKey], progress: bool,
+    def _load_compiled(self, directory: str | Path, keys: list[GraphKey], progress: bool,
                        compaction_slots: tuple[int, ...] | list[int] = ()) -> DecoderModel:
         """Unpack the saved compile cache (if any) and warm ``keys`` from it (``neuron``: load the saved
-        program with ``keys`` and the compaction graphs of ``compaction_slots``)."""
-        if self.settings.backend == "neuron":
-            from .neuron import NeuronProgram
-            names = [k.describe() for k in keys] + [_compaction_name(m) for m in compaction_slots]
-            return self._to_neuron(keys, compaction_slots, progress,
-                                   NeuronProgram.load(directory / NEURON_FILE, names, self.tp.size))
-        cache = self._compile_cache_file(directory)
-        if cache.is_file():
-            configure_compile_cache()  # unpack into the cache directory the graphs will read
-            torch.compiler.load_cache_artifacts(cache.read_bytes())
-        return self._warm(keys, "loading graphs", progress)
-
-
-
-RANK = frozenset({"tp_rank"})   # the rank as a parameter (neuron, tp > 1): not in checkpoints
-NEURON_FILE = "neuron.pt"      # ``save``: the compiled Neuron program (NEFFs, no weights)
-
-
-def _compaction_name(m: int) -> str:
-    return f"kv-compaction m={m}"
-
-
-def _cache_hits() -> int:
-    """Graphs Inductor has loaded from its on-disk FX-graph cache in this process so far."""
-    from torch._dynamo.utils import counters
-    return counters["inductor"]["fxgraph_cache_hit"]
+        program with ``keys`` and the compaction graphs of ``compaction_slots``); then clear the KV cache."""
+        load_compiled(self.graphs, directory, keys, progress, compaction_slots)
+        self.reset()
+        return self
 
 
 def _fit(features: torch.Tensor | None, n: int) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ sampled but not yet fed). A step returns, per row, the number of accepted drafts
 emitted tokens (the accepted drafts, then the target's correction or bonus token):
 
 - no speculator: one decode step (k = 0): n_r = 0, the target's next token;
-- a ``Speculator`` (``specdec.speculative``): its proposer proposes, its verifier runs the target over
+- a ``Speculator`` (``specdec.speculation.speculative``): its proposer proposes, its verifier runs the target over
   the proposal and applies the shared acceptance rules.
 
 The engine appends the emitted tokens one position at a time, so EOS, the row's budget and stopping
@@ -66,7 +66,7 @@ def decode_step(target: DecoderModel, tail: torch.Tensor, params: torch.Tensor, 
 
 
 class Speculator(Protocol):
-    """What the loop needs from speculation (``specdec.speculative.Speculator`` implements it)."""
+    """What the loop needs from speculation (``specdec.speculation.speculative.Speculator`` implements it)."""
 
     def start(self, rows: list[int] | None, prompts: list[torch.Tensor], params: torch.Tensor,
               rng: RowGenerators, target_out: StepOutput) -> None:

@@ -52,7 +52,7 @@ COMPILER_ARGS = "--enable-saturate-infinity --auto-cast=none --model-type=transf
 
 
 # Tensor-parallel degrees per platform (Neuron docs: transformers-neuronx developer guide
-# "Tensor-parallelism support", NxD Inference, Trn2 LNC pages); ``specdec.plan`` reports the same lists.
+# "Tensor-parallelism support", NxD Inference, Trn2 LNC pages); ``specdec.tools.plan`` reports the same lists.
 TP_DEGREES: dict[tuple[str, int], tuple[int, ...]] = {
     ("inf2", 1): (1, 2, 4, 8, 24),
     ("trn1", 1): (1, 2, 8, 16, 32),

@@ -208,7 +208,7 @@ class SpecStats:
         """``to_dict()`` as a one-row pandas DataFrame (list values stay lists: one cell each).
 
         Needs pandas (``pip install 'specdec[experiments]'``); ``pd.concat`` of several frames compares
-        runs, ``specdec.experiments`` sweeps them."""
+        runs, ``specdec.tools.experiments`` sweeps them."""
         try:
             import pandas as pd
         except ImportError as e:

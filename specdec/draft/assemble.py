@@ -4,7 +4,7 @@ A ship directory holds only what cannot be recomputed from the target: ``config.
 Llama config with ``draft_vocab_size``) and ``draft.safetensors`` (decoder layers + final norm,
 ``output_token_ids``). ``assemble`` adds the target's input embedding, the target's embedding / LM-head
 rows of ``output_token_ids`` as ``lm_head.weight`` and the target's tokenizer files, and writes a full
-checkpoint directory ``DecoderModel.from_pretrained`` loads (``specdec.train.export`` writes ship
+checkpoint directory ``DecoderModel.from_pretrained`` loads (``specdec.tools.train.export`` writes ship
 directories).
 """
 from __future__ import annotations

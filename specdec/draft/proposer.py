@@ -25,7 +25,7 @@ from ..core.decoder import DecoderModel
 from ..core.paths import gguf_source
 from ..core.sampling import any_sampled
 from ..fused.step import FusedKey
-from ..proposer import BaseProposer, Proposal
+from ..speculation.proposer import BaseProposer, Proposal
 from .fused import DraftLoop
 
 

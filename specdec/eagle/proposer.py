@@ -32,13 +32,13 @@ import torch
 from ..core.decoder import DecoderModel, StepOutput
 from ..core.sampling import RowGenerators, any_sampled
 from ..fused.step import FusedKey
-from ..proposer import BaseProposer, Proposal
+from ..speculation.proposer import BaseProposer, Proposal
 from .draft import EagleModel
 from .fused import EagleLoop
 
 
 class EagleDraft(BaseProposer):
-    """EAGLE chain drafting (a ``specdec.proposer.Proposer``) with the draft network ``model``; it fuses
+    """EAGLE chain drafting (a ``specdec.speculation.proposer.Proposer``) with the draft network ``model``; it fuses
     (``fused_drafter``, re-reading ``reread_width(k)`` positions first)."""
 
     abilities = frozenset({"check_target", "fused_drafter", "reread_width", "model"})
@@ -121,7 +121,7 @@ class EagleDraft(BaseProposer):
         token).
 
         Rows whose cache lacks true pairs before the window (tokens emitted by plain decode steps,
-        ``specdec.gate``) first re-read them in windows of the same shape (a slot's KV depends on its own
+        ``specdec.speculation.gate``) first re-read them in windows of the same shape (a slot's KV depends on its own
         pair only, so re-reading a slot that holds its true pair already leaves it unchanged)."""
         W = self.reread_width(k)
         n_host = n.cpu()            # the catch-up is decided on the host (no device-to-host sync in a graph)

@@ -1,14 +1,15 @@
 """The trained EAGLE draft for the embedded SmolLM2-135M-Instruct.
 
-The package ships the draft (``specdec/eagle/weights/smollm2-135m-instruct/``) either in the public
-EAGLE-1 layout (``fc``, ``layers.0`` with its input norm, the reduced vocabulary's ``output_token_ids``,
-config.json; no embedding, no LM head) or in the public EAGLE-3 layout with its matrices packed as int8
-with per-row scales (``specdec.core.ship``; the draft's own LM head makes a bf16 file too large to ship).
+specdec ships the draft in the specdec-assets distribution (``assets/specdec_assets/eagle/smollm2-135m-instruct/``)
+either in the public EAGLE-1 layout (``fc``, ``layers.0`` with its input norm, the reduced vocabulary's
+``output_token_ids``, config.json; no embedding, no LM head) or in the public EAGLE-3 layout with its matrices
+packed as int8 with per-row scales (``specdec.core.ship``; the draft's own LM head makes a bf16 file too large to
+ship).
 ``embedded_eagle_path()`` writes a loadable checkpoint once into ``$SPECDEC_CACHE/eagle/``: packed
 matrices expanded to bf16, and for EAGLE-1 the target's LM-head rows added with ``copy_lm_head`` (the
 NxD Inference layout); the embedding is shared with the target at load time.
 
-Reproduce the shipped weights with ``specdec train-eagle`` (see ``specdec.train.eagle_cli``).
+Reproduce the shipped weights with ``specdec train-eagle`` (see ``specdec.tools.train.eagle_cli``).
 """
 from __future__ import annotations
 
@@ -22,17 +23,25 @@ from safetensors.torch import load_file, save_file
 
 from ..core.paths import cache_dir, resolve_model_path
 from ..core.ship import is_packed, unpack_int8
+from ..speculation.assets import asset_path
 from .checkpoint import copy_lm_head, tensor_names
 
-SHIPPED_EAGLE = Path(__file__).parent / "weights" / "smollm2-135m-instruct"
-SHIPPED_EAGLE3 = Path(__file__).parent / "weights" / "smollm2-135m-instruct-eagle3"
+
+def shipped_eagle_dir() -> Path:
+    """The shipped EAGLE-1 head's directory (in the installed specdec-assets distribution)."""
+    return asset_path("eagle", "smollm2-135m-instruct")
+
+
+def shipped_eagle3_dir() -> Path:
+    """The shipped EAGLE-3 head's directory (in the installed specdec-assets distribution)."""
+    return asset_path("eagle", "smollm2-135m-instruct-eagle3")
 
 
 def embedded_eagle_path(ship_dir: str | Path | None = None) -> Path:
     """A loadable EAGLE checkpoint directory for the embedded model, written once into the cache from
     ``ship_dir`` (default: the shipped head): packed int8 matrices expanded to the config's dtype, the
     target's LM-head rows added when the draft has no LM head."""
-    ship_dir = Path(ship_dir) if ship_dir is not None else SHIPPED_EAGLE
+    ship_dir = Path(ship_dir) if ship_dir is not None else shipped_eagle_dir()
     weights = ship_dir / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"no EAGLE weights at {weights}; "

@@ -2,7 +2,7 @@
 the best N nodes in one target forward.
 
 Per row, S = prompt + emitted tokens, n = len(S). The tree is rebuilt every step from the draft's own
-scores (EAGLE-2, Li et al. 2024), so each row verifies its own tree (``specdec.tree.RowTrees``):
+scores (EAGLE-2, Li et al. 2024), so each row verifies its own tree (``specdec.speculation.tree.RowTrees``):
 
   1. the (D+1)-position re-read (as chain drafting, ``EagleDraft``) gives the draft's distribution of
      the token after S[-1] and its feature f^; the top K tokens are the depth-1 candidates, scored
@@ -35,9 +35,9 @@ import torch
 
 from ..core.decoder import DecoderModel
 from ..core.graphs import GraphKey
-from ..proposer import Proposal, Verified
-from ..tree import RowTrees, row_trees
-from ..verify import TreeVerifier
+from ..speculation.proposer import Proposal, Verified
+from ..speculation.tree import RowTrees, row_trees
+from ..speculation.verify import TreeVerifier
 from .draft import EagleModel
 from .proposer import EagleDraft
 
@@ -79,7 +79,7 @@ class DynamicTree:
 
 
 class EagleTreeDraft(EagleDraft):
-    """EAGLE drafting with dynamic trees (a tree ``specdec.proposer.Proposer``; k = ``tree.depth``); its
+    """EAGLE drafting with dynamic trees (a tree ``specdec.speculation.proposer.Proposer``; k = ``tree.depth``); its
     step's trees wait in ``pending`` for ``accepted`` (``LookupBranch`` replaces them); not fused."""
 
     abilities = frozenset({"depth", "verifier", "verify_size", "check_target", "reread_width", "model", "pending"})

@@ -20,7 +20,7 @@ width) on the target's backend (``eager``; ``compiled``: ``torch.compile`` fullg
 ``xla``: one ``torch_xla.compile`` full-graph program; not ``neuron`` yet)
 and kept as long as the proposer lives (``_GRAPHS``), so every speculator over the same proposer and
 target reuses them, as a ``DecoderModel`` keeps its own graphs. Chain proposers qualify by declaring
-the ability ``fused_drafter(key)`` (``DraftModel``, ``EagleDraft``; ``specdec.proposer``), with ``model``
+the ability ``fused_drafter(key)`` (``DraftModel``, ``EagleDraft``; ``specdec.speculation.proposer``), with ``model``
 (the draft network: its KV buckets) and ``reread_width(k)``; tree proposers (Medusa) and prompt lookup run
 unfused (``MissingAbility`` names "fused_drafter").
 """
@@ -40,8 +40,8 @@ from ..core.engine import StepResult
 from ..core.graphs import build_graph
 from ..core.sampling import RowGenerators, any_penalised, any_sampled, needs_filter
 from ..core.stats import SpecStats
-from ..proposer import Proposer
-from ..speculative import Speculator
+from ..speculation.proposer import Proposer
+from ..speculation.speculative import Speculator
 from .step import FusedKey, FusedStep
 
 # proposer -> {FusedKey: (FusedStep, callable)}: the fused graphs built for that proposer (and its target)

@@ -23,7 +23,7 @@ host work between the draft and the target:
 
 A drafter (``ChainDrafter``) is the proposer's k draft steps unrolled as an ``nn.Module``; each chain
 strategy supplies its own (``DraftModel.fused_drafter``, ``EagleDraft.fused_drafter``). Acceptance is
-the shared rule set (``specdec.acceptance.accept``: greedy, lossless rejection sampling with the
+the shared rule set (``specdec.speculation.acceptance.accept``: greedy, lossless rejection sampling with the
 draft's probabilities), so fused and unfused speculation decide identically.
 """
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..acceptance import accept
 from ..core.graphs import GraphKey, StepGraph
 from ..core.sampling import TEMPERATURE
+from ..speculation.acceptance import accept
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..proposer import BaseProposer, Proposal, Proposer, Verified, declared
-from ..tree import row_trees
+from ..speculation.proposer import BaseProposer, Proposal, Proposer, Verified, declared
+from ..speculation.tree import row_trees
 from .proposer import PromptLookup
 
 

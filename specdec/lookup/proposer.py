@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from ..core.decoder import DecoderModel
-from ..proposer import BaseProposer, Proposal
+from ..speculation.proposer import BaseProposer, Proposal
 
 
 class PromptLookup(BaseProposer):
-    """Prompt-lookup drafting for ``target`` (a ``specdec.proposer.Proposer``): a chain proposer with no
+    """Prompt-lookup drafting for ``target`` (a ``specdec.speculation.proposer.Proposer``): a chain proposer with no
     optional ability (no network, nothing to check, unfused)."""
 
     abilities = frozenset()

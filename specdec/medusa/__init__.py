@@ -1,8 +1,9 @@
 """Medusa speculation: heads (``heads``), Medusa's trees (``tree``: built-in trees, tree construction)
 and ``MedusaDraft`` (``draft``: heads + tree bound to a target, a tree proposer).
 
-The tree structure (``specdec.tree``), tree verification (``specdec.verify.TreeVerifier``) and the
-acceptance rules over trees (``specdec.acceptance``) are shared with other tree strategies.
+The tree structure (``specdec.speculation.tree``), tree verification
+(``specdec.speculation.verify.TreeVerifier``) and the acceptance rules over trees
+(``specdec.speculation.acceptance``) are shared with other tree strategies.
 """
 from .draft import MedusaDraft
 from .heads import MedusaConfig, MedusaHeads, load_heads, load_medusa_config, save_heads

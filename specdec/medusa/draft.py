@@ -23,9 +23,9 @@ import torch
 
 from ..core.decoder import DecoderModel
 from ..core.quant import computed_weight
-from ..proposer import BaseProposer, Proposal
-from ..tree import TokenTree, tree_buffers
-from ..verify import TREE_ACCEPTANCE, TreeVerifier
+from ..speculation.proposer import BaseProposer, Proposal
+from ..speculation.tree import TokenTree, tree_buffers
+from ..speculation.verify import TREE_ACCEPTANCE, TreeVerifier
 from .heads import MedusaHeads, load_heads, load_medusa_config
 from .tree import gather_tree_tokens, load_tree
 

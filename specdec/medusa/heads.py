@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..core.quant import compute_dtype, quantize_linears
-from ..tree import TokenTree
+from ..speculation.tree import TokenTree
 
 __all__ = [
     "CONFIG_NAME",

@@ -2,7 +2,7 @@
 the greedy tree construction of the Medusa paper from measured head accuracy.
 
 The tree structure itself (``TokenTree``, ``TreeBuffers``) is shared by every tree strategy and lives
-in ``specdec.tree``.
+in ``specdec.speculation.tree``.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..tree import TokenTree, TreePath
+from ..speculation.tree import TokenTree, TreePath
 
 __all__ = [
     "build_tree",

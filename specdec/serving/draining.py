@@ -7,7 +7,7 @@ import signal
 
 import uvicorn
 
-from .server import log, log_event
+from .logs import log, log_event
 
 
 class DrainingServer(uvicorn.Server):

@@ -19,7 +19,7 @@ Counters, gauges and histograms (names prefixed ``specdec_``):
     suffix_cache_added_total, suffix_cache_evicted_total   finished outputs added, evicted (LRU)
 
 The speculation values are read from the engine's ``SpecStats`` at scrape time (vLLM's definitions), the
-suffix cache's from its ``stats()`` (a proposer declaring "cache": ``specdec.proposer``).
+suffix cache's from its ``stats()`` (a proposer declaring "cache": ``specdec.speculation.proposer``).
 """
 from __future__ import annotations
 

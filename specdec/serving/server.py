@@ -9,12 +9,9 @@ with an error) and it exits with status 0; a second signal stops it at once.
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,35 +24,9 @@ from ..core.decoder import DecoderModel
 from ..core.engine import Engine
 from ..core.graphs import COMPILING
 from ..options import EMBEDDED_NAME, ModelOptions, SpeculationOptions, default_threads, precompile
+from .logs import configure_logging, log_event
 
-log = logging.getLogger("specdec.serving")
 TP_SERVE_TIMEOUT_S = 365 * 24 * 3600.0    # a server's ranks wait for rank 0's next call as long as it runs
-
-
-class JSONFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger and the record's message / ``fields``."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created)),
-                 "level": record.levelname.lower(), "logger": record.name}
-        entry.update(getattr(record, "fields", None) or {"message": record.getMessage()})
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def log_event(event: str, **fields) -> None:
-    log.info(event, extra={"fields": {"event": event, **fields}})
-
-
-def configure_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JSONFormatter())
-    for name in ("specdec.serving", "uvicorn", "uvicorn.error", "uvicorn.access"):
-        logger = logging.getLogger(name)
-        logger.handlers[:] = [handler]
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from collections.abc import Sequence
 import torch
 
 from ..core.decoder import DecoderModel
-from ..proposer import BaseProposer, Proposal, Verified
-from ..tree import row_trees
-from ..verify import TreeVerifier
+from ..speculation.proposer import BaseProposer, Proposal, Verified
+from ..speculation.tree import row_trees
+from ..speculation.verify import TreeVerifier
 from .cache import SuffixCache
 from .index import SuffixIndex
 from .speculate import Draft, speculate

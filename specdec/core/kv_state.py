@@ -1,0 +1,62 @@
+"""``KVState``: the per-row bookkeeping of a decoder's KV cache (the cache tensors live in the module).
+
+- ``lengths`` [batch_size] long, on the host: row b's sequence fills cache slots [0, lengths[b]); the
+  authority for bucket choice. Rolling back = moving a length back (stale slots are masked, later
+  overwritten); always updated in place, so the tensor object never changes.
+- ``presence`` [batch_size, V] bool on the device, or None (not tracked, e.g. draft models): the tokens in
+  each row's sequence (prompt + emitted), which the repetition penalty reads.
+- slot copies (``copy_slots``): the compaction of accepted tree paths, one graph call on the device.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class KVState:
+    """Lengths and presence of ``batch_size`` rows of up to ``n_positions`` tokens over a ``vocab_size``
+    vocabulary; ``compaction(m)``: the decoder's KV-compaction graph moving m slots per row."""
+
+    def __init__(self, batch_size: int, n_positions: int, vocab_size: int, device: torch.device,
+                 compaction: Callable[[int], Callable]):
+        self.n_positions, self.vocab_size, self.device, self.compaction = n_positions, vocab_size, device, compaction
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        self.presence: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        """Every row empty."""
+        self.lengths.zero_()
+
+    def set_lengths(self, lengths: torch.Tensor) -> None:
+        """Roll rows back (or forward over already-written slots): lengths [batch_size]."""
+        lengths = torch.as_tensor(lengths, dtype=torch.long).cpu()
+        if lengths.shape != self.lengths.shape or bool((lengths < 0).any()) or \
+                bool((lengths > self.n_positions).any()):
+            raise ValueError(f"lengths must be [{self.lengths.shape[0]}] in [0, {self.n_positions}], "
+                             f"got {lengths.tolist()}")
+        self.lengths.copy_(lengths)
+
+    def track_presence(self) -> None:
+        """Start tracking ``presence`` (every row empty; a no-op when already tracking)."""
+        if self.presence is None:
+            self.presence = torch.zeros(self.lengths.shape[0], self.vocab_size, dtype=torch.bool, device=self.device)
+
+    def reset_presence(self, row: int, tokens: torch.Tensor | list[int]) -> None:
+        """Row ``row``'s sequence restarts as ``tokens`` (ids, 1-D): one copy to the device."""
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[torch.as_tensor(tokens, dtype=torch.long)] = True
+        self.presence[row] = mask.to(self.device)
+
+    def mark_presence(self, rows: torch.Tensor | list[int], tokens: torch.Tensor | list[int]) -> None:
+        """Token tokens[i] was appended to row rows[i]'s sequence (rows, tokens: 1-D, same length):
+        one index_put on the device."""
+        index = (torch.as_tensor(rows, dtype=torch.long).to(self.device),
+                 torch.as_tensor(tokens, dtype=torch.long).to(self.device))
+        self.presence.index_put_(index, torch.ones((), dtype=torch.bool, device=self.device))
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """In every layer, row b's cache slot src[b, i] (K, V and, quantized, their scales) is copied to
+        slot dst[b, i] (src, dst [B, m]; all slots are read before any is written)."""
+        with torch.no_grad():
+            self.compaction(src.shape[1])(src.to(self.device).contiguous(), dst.to(self.device).contiguous())

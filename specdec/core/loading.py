@@ -1,0 +1,151 @@
+"""Loading: ``RuntimeSettings`` and a decoder built from a checkpoint (``load_decoder``), or one rank's
+weights read again for the Neuron program (``rank_weights``).
+
+``load_decoder`` takes the settings as a caller asked for them, validates and normalizes them (backend
+device, quantization / KV-cache dtype / GQA names, feature layers checked against the config) and returns
+them with the module: a ``DecoderLM`` in eval mode, without gradients, on ``settings.device`` in ``amp``'s
+dtype, holding this rank's shards (tp_degree > 1), with a KV cache of [batch_size, kv heads per rank,
+n_positions, head_dim] per layer and no graph built yet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from .checkpoint import load_weights
+from .config import ModelConfig, amp_dtype
+from .gguf_weights import load_gguf_blocks
+from .graphs import BACKENDS, backend_device
+from .kv_quant import parse_kv_cache_dtype
+from .model import DecoderLM, check_feature_layers, check_output_vocab_size
+from .parallel import shard_plan, spmd_group, tp_group
+from .paths import gguf_source, resolve_model_path
+from .quant import parse_quantization, quantize_and_fuse
+from .sampling import SamplingConfig
+from .tp_layout import head_layout, parse_gqa
+
+RANK = frozenset({"tp_rank"})   # the rank as a parameter (neuron, tp > 1): not in checkpoints
+
+
+@dataclass
+class RuntimeSettings:
+    """Everything that fixes the compiled shapes (saved with compiled artifacts). The field names are
+    ``DecoderModel.from_pretrained``'s keyword arguments (``asdict`` of them reloads a model)."""
+
+    batch_size: int = 1
+    n_positions: int = 2048
+    amp: str = "f32"
+    tp_degree: int = 1
+    gqa_strategy: str | None = None
+    context_buckets: list[int] | None = None
+    kv_buckets: list[int] | None = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    backend: str = "compiled"
+    device: str = "cpu"
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None      # None: the compute dtype; "int8" / "fp8_e4m3" (``kv_quant``)
+    feature_layers: tuple[int, ...] = ()   # layers whose input hidden states graphs also return (EAGLE-3)
+    autotune: bool = False                 # compiled, CPU: weights frozen in, kernels chosen by timing
+    output_vocab_size: int | None = None   # score only token ids [0, n) (``DecoderLM.restrict_output_vocab``)
+
+
+class LoadedDecoder(NamedTuple):
+    """What ``load_decoder`` built: the checkpoint directory (a GGUF file's converted one), what a saved
+    model reloads from (that directory, or the GGUF file), the config (its output vocabulary restricted
+    when asked), the module and the normalized settings."""
+
+    path: Path
+    source: Path
+    config: ModelConfig
+    lm: DecoderLM
+    settings: RuntimeSettings
+
+
+def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: bool) -> LoadedDecoder:
+    """Build the decoder of ``path`` (see ``DecoderModel.from_pretrained``) with the ``requested`` settings
+    (as the caller gave them: ``device`` None = the backend's default, ``feature_layers`` any sequence).
+    ValueError for settings the backend, the checkpoint or the process group cannot run."""
+    gqa = parse_gqa(requested.gqa_strategy)
+    backend, tp_degree, autotune = requested.backend, requested.tp_degree, requested.autotune
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; use one of {', '.join(BACKENDS)}")
+    device = backend_device(backend, requested.device)
+    if not isinstance(autotune, bool):
+        raise ValueError(f"autotune must be True or False, got {autotune!r}")
+    if autotune and (backend != "compiled" or torch.device(device).type != "cpu"):
+        raise ValueError(f"autotune=True tunes the 'compiled' backend's CPU kernels; this model is "
+                         f"backend={backend!r} on device={device!r}: use backend='compiled' on the CPU, "
+                         "or autotune=False")
+    quantization = parse_quantization(requested.quantization)
+    output_vocab_size = requested.output_vocab_size
+    if output_vocab_size is not None and quantization not in (None, "gguf"):
+        raise ValueError(f"output_vocab_size restricts a float LM head or a GGUF file's own blocks; "
+                         f"quantization={quantization!r} re-quantizes the head: use None or 'gguf'")
+    kv_cache_dtype = parse_kv_cache_dtype(requested.kv_cache_dtype)
+    dtype = amp_dtype(requested.amp)
+    if backend == "neuron":   # one process traces for every NeuronCore (SPMD)
+        from .neuron import check_tp_degree
+        tp = spmd_group(tp_degree)
+        check_tp_degree(tp_degree)
+        if tp.size > 1 and quantization is not None:
+            raise ValueError(f"quantization={quantization!r} with backend='neuron' runs at tp_degree=1 only "
+                             f"(got {tp_degree}): the row-parallel scales of int8 / int4 are not built per "
+                             "rank for the Neuron program yet")
+    else:
+        tp = tp_group(tp_degree, device)   # validates tp_degree against the running processes
+    batch_size, n_positions = requested.batch_size, requested.n_positions
+    if batch_size < 1 or n_positions < 2:
+        raise ValueError(f"batch_size must be >= 1 and n_positions >= 2 (got {batch_size}, {n_positions})")
+    gguf = gguf_source(path, progress=progress and tp.rank == 0)
+    if quantization == "gguf" and gguf is None:
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's own quantized tensors, but {path} is a "
+                         "checkpoint directory, not a .gguf file: use 'int8' or 'int4'")
+    path = resolve_model_path(path, progress=progress and tp.rank == 0)
+    config = ModelConfig.from_dir(path)
+    if n_positions > config.max_position_embeddings:
+        raise ValueError(f"n_positions={n_positions} exceeds the model's max_position_embeddings="
+                         f"{config.max_position_embeddings}")
+    if config.sliding_window is not None and n_positions > config.sliding_window:
+        raise ValueError(f"n_positions={n_positions} exceeds sliding_window={config.sliding_window}; "
+                         "sliding-window attention is not implemented")
+    if output_vocab_size is not None:
+        check_output_vocab_size(output_vocab_size, config, tp.size)
+    layout = head_layout(config.num_heads, config.num_kv_heads, tp_degree, gqa)
+    settings = replace(requested, gqa_strategy=gqa and gqa.value, device=device, quantization=quantization,
+                       kv_cache_dtype=kv_cache_dtype,
+                       feature_layers=check_feature_layers(requested.feature_layers, config.num_layers))
+    with torch.device("meta"):
+        lm = DecoderLM(config, batch_size, n_positions, dtype, tp, layout, kv_cache_dtype, settings.feature_layers)
+    lm = lm.to_empty(device=device).to(dtype)
+    lm.init_buffers()
+    shards = shard_plan(config, layout, tp.rank)
+    load_weights(lm, path, progress=progress and tp.rank == 0, shards=shards, optional=RANK)
+    if quantization is not None and gguf is not None:
+        load_gguf_blocks(lm, gguf, quantization, shards)
+    quantize_and_fuse(lm, quantization, backend, tp)
+    if output_vocab_size is not None:
+        lm.restrict_output_vocab(output_vocab_size)
+        config = lm.config
+    lm.eval().requires_grad_(False)
+    return LoadedDecoder(path, gguf or path, config, lm, settings)
+
+
+def rank_weights(lm: DecoderLM, path: Path, config: ModelConfig,
+                 graph: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """What the Neuron program of ``graph`` (a graph module over ``lm``, read from checkpoint ``path``)
+    loads: one ``neuron_weights`` state dict per rank. Rank r's holds the shards ``shard_plan`` gives rank r
+    (the tensors a torch.distributed rank r loads) and ``tp_rank = [r]``; each rank is read from the
+    checkpoint into ``lm`` in turn, which ends holding rank 0's again."""
+    from .neuron import neuron_weights
+    if lm.tp.size == 1:
+        return [neuron_weights(graph)]
+    weights = []
+    for rank in [*range(1, lm.tp.size), 0]:
+        load_weights(lm, path, progress=False, shards=shard_plan(config, lm.layout, rank), optional=RANK)
+        with torch.no_grad():
+            lm.tp_rank.fill_(rank)
+        weights.append({name: t.clone() for name, t in neuron_weights(graph).items()})
+    return weights[-1:] + weights[:-1]

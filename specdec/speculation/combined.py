@@ -1,0 +1,105 @@
+"""``MatchOrDraft``: per row and step, a text source's chain where it matches, a model draft's chain elsewhere.
+
+The base of ``LookupOrDraft`` (prompt lookup, ``specdec.lookup``) and ``SuffixOrDraft`` (suffix decoding,
+``specdec.suffix``). A *source* is a chain proposer that drafts by matching the row's sequence against text
+seen before and says how long the match is:
+
+    source.matches(tail, lengths, k) → tokens [B, k] long (padded with S[-1]), matched [B] long (0: no match)
+
+Per row and step: when ``matched >= min_match`` the row's proposal is the source's k tokens; otherwise it is
+the model proposer's (``DraftModel``, ``EagleDraft`` or any chain ``Proposer``, given to the constructor:
+strategies never import each other). The choice is made before verification from the sequence (and, for a
+cache, what earlier requests left) alone.
+
+Both proposers run ``start`` / ``propose`` / ``accepted`` / ``finished`` for every row, every step, so each
+keeps its own state on the row's real sequence whichever proposal was verified: the source appends the
+emitted tokens; EAGLE stores the target's verified features and the emitted tokens (true whoever proposed
+them); the draft model finds the first emitted token that differs from its own drafts and re-reads the
+sequence from there (``specdec.draft.proposer``).
+
+Sampling: source rows' proposals are deterministic (q one-hot on the proposed token), model rows' are
+sampled from the model's q. In a batch that mixes them, source rows get q = onehot(x) (a scatter into
+zeros [B, k, V]): the rejection rule with a one-hot q *is* the one-hot rule (accept x with probability
+min(1, p(x)/1) = p(x); on rejection draw from max(p - onehot(x), 0) = p without x), so every row is
+verified losslessly by its own proposal's rule. When the model proposes deterministically too (greedy
+rows, argmax drafts: no q), no q is built.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from .proposer import BaseProposer, Proposal, Proposer, Verified, declared
+
+
+class MatchSource(Proposer, Protocol):
+    """A chain proposer that drafts from matches of the row's sequence (``PromptLookup``, ``SuffixChain``)."""
+
+    def matches(self, tail: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's k drafts [B, k] and the length of the match behind them [B] (0: none)."""
+        ...
+
+    def finished(self, rows: Sequence[int], lengths: Sequence[int] | None = None) -> None:
+        """The requests in ``rows`` ended (``BaseProposer.finished``)."""
+        ...
+
+
+class MatchOrDraft(BaseProposer):
+    """Per row, ``source``'s proposal when its match is at least ``min_match`` tokens, else ``draft``'s (a
+    chain ``specdec.speculation.proposer.Proposer``, declared: ``specdec.speculation.proposer.declared``); itself a
+    chain proposer.
+    ``from_source`` [B] bool: which rows the last proposal took from the source. Subclasses name the source
+    (``LookupOrDraft.lookup``, ``SuffixOrDraft.suffix``) and check ``min_match`` against it."""
+
+    abilities = frozenset({"check_target", "draft", "finished"})
+
+    def __init__(self, source: MatchSource, draft: Proposer, min_match: int):
+        draft = declared(draft)
+        if isinstance(min_match, bool) or not isinstance(min_match, int) or min_match < 1:
+            raise ValueError(f"min_match must be an int >= 1 (tokens of the match), got {min_match!r}")
+        name = type(self).__name__
+        if draft.depth is not None or draft.verifier is not None:
+            raise ValueError(f"{name} combines chain proposals; {type(draft).__name__} proposes trees")
+        if (draft.batch_size, draft.vocab_size) != (source.batch_size, source.vocab_size):
+            raise ValueError(f"draft (batch {draft.batch_size}, vocab {draft.vocab_size}) and {type(source).__name__} "
+                             f"(batch {source.batch_size}, vocab {source.vocab_size}) must serve the same target")
+        self.source, self.draft, self.min_match = source, draft, min_match
+        self.vocab_size, self.batch_size = draft.vocab_size, draft.batch_size
+        self.from_source = torch.zeros(self.batch_size, dtype=torch.bool)
+
+    def check_target(self, target) -> None:
+        """The model proposer's own check (``SpeculativeGenerator`` calls it)."""
+        self.draft.check_target(target)
+
+    def start(self, rows, prompts, params, rng, target_out) -> None:
+        self.source.start(rows, prompts, params, rng, target_out)
+        self.draft.start(rows, prompts, params, rng, target_out)
+
+    def max_draft_tokens(self, length: int) -> int:
+        return min(self.source.max_draft_tokens(length), self.draft.max_draft_tokens(length))
+
+    def propose(self, tail, lengths, k, params, rng) -> Proposal:
+        model = self.draft.propose(tail, lengths, k, params, rng)    # every row: the model tracks the sequence
+        tokens, matched = self.source.matches(tail, lengths, k)
+        self.from_source = matched >= self.min_match
+        use = self.from_source.to(model.tokens.device)
+        tokens = torch.where(use.unsqueeze(1), tokens.to(model.tokens.device), model.tokens)
+        probs = None if model.probs is None else self.one_hot_rows(model.probs, tokens, use)
+        return Proposal(tokens, probs)
+
+    @staticmethod
+    def one_hot_rows(probs: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``probs`` [B, k, V] with the ``rows`` [B] bool replaced by one-hot distributions on ``tokens`` [B, k]."""
+        one_hot = torch.zeros_like(probs).scatter_(-1, tokens.unsqueeze(-1), 1.0)
+        return torch.where(rows.view(-1, 1, 1), one_hot, probs)
+
+    def accepted(self, lengths, verified: Verified) -> None:
+        self.source.accepted(lengths, verified)
+        self.draft.accepted(lengths, verified)
+
+    def finished(self, rows: Sequence[int], lengths: Sequence[int] | None = None) -> None:
+        """Both proposers hear that the requests in ``rows`` ended."""
+        self.source.finished(rows, lengths)
+        self.draft.finished(rows, lengths)

@@ -1,0 +1,112 @@
+"""One speculation step, for every strategy: propose → verify → accept → the proposer's update.
+
+Convention: ``k`` = draft tokens proposed per step for a chain, the tree's depth for a tree; the
+target verifies the drafts plus S[-1], so a step emits between 1 and k + 1 tokens.
+(transformers-neuronx's ``speculation_length`` counts verified tokens, i.e. our k + 1.)
+
+``Speculator`` plugs into the request loop (``specdec.core.engine.Engine``), which owns the rows,
+emission, EOS / budget / stopping criteria and statistics. Per step, for every row (S = prompt +
+emitted tokens, the target's cache holds S[:-1]):
+  1. the proposer proposes a chain x_1..x_k or a tree continuing S (``specdec.speculation.proposer``);
+  2. its verifier runs the target once over [S[-1], drafts] and applies the shared acceptance rules
+     (``specdec.speculation.verify``, ``specdec.speculation.acceptance``): n accepted drafts, then the correction /
+     bonus token;
+  3. the target's length moves to len(S) + n (rolling back rejected slots is just that);
+  4. the proposer updates its own state (its KV rollback; EAGLE / Medusa read the target's outputs).
+When a request ends the engine tells the proposer (``finished``: a suffix cache learns the output).
+Near ``n_positions`` the step's k shrinks so no graph writes past a cache; at k = 0 the step is a plain
+decode step. With an ``AdaptiveK`` policy (``specdec.speculation.adaptive``) each row has its own k_r: the step
+drafts the largest k_r of the active rows and caps every row at its own (``Proposal.num_drafts``).
+With a ``GateMeter`` (``specdec.speculation.gate``) a step is plain (k = 0) whenever plain steps have been
+emitting tokens faster than speculative ones.
+The loop never asks which strategy it runs.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..core.decoder import DecoderModel
+from ..core.engine import StepResult
+from ..core.sampling import RowGenerators
+from ..core.stats import SpecStats
+from .adaptive import AdaptiveK
+from .gate import GateMeter
+from .proposer import Proposer, Verified, declared
+from .verify import ChainVerifier
+
+
+class Speculator:
+    """A proposer, the verifier of its proposals and k, bound to ``target`` (``Engine``'s speculator).
+
+    ``proposer``: any ``Proposer``, checked once here (``specdec.speculation.proposer.declared``); ``self.proposer`` is
+    the declared one (a ``BaseProposer``), whose optional abilities the step reads as plain attributes.
+
+    ``adaptive``: an ``AdaptiveK`` policy (chain proposers): per-row k within its bounds, ``row_k`` [B].
+    ``gate``: a ``GateMeter`` choosing between speculative and plain steps (``specdec.speculation.gate``)."""
+
+    def __init__(self, proposer: Proposer, target: DecoderModel, k: int, adaptive: AdaptiveK | None = None,
+                 gate: GateMeter | None = None):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"k must be an integer >= 0 (draft tokens per step), got {k!r}")
+        if k + 1 > target.kv_buckets[-1] or k + 1 > target.n_positions - 1:
+            raise ValueError(f"k={k} is too large: a verify step needs k+1={k + 1} slots but the target's "
+                             f"largest KV bucket is {target.kv_buckets[-1]} (n_positions={target.n_positions})")
+        proposer = declared(proposer)
+        if proposer.batch_size != target.batch_size:
+            raise ValueError(f"draft batch_size={proposer.batch_size} != target batch_size={target.batch_size}: "
+                             "compile both for the same batch size")
+        if proposer.vocab_size != target.vocab_size:
+            raise ValueError(f"draft vocab_size={proposer.vocab_size} != target vocab_size={target.vocab_size}: "
+                             "draft and target must share the tokenizer")
+        self.proposer, self.target, self.k = proposer, target, k
+        self.verifier = proposer.verifier or ChainVerifier()
+        self.adaptive, self.gate = adaptive, gate
+        if adaptive is not None:
+            self.row_k = torch.full((target.batch_size,), adaptive.bounds(k)[1], dtype=torch.long)
+
+    def start(self, rows: list[int] | None, prompts: list[torch.Tensor], params: torch.Tensor,
+              rng: RowGenerators, target_out) -> None:
+        if self.adaptive is not None:    # (re)started rows begin at max_k
+            self.row_k[slice(None) if rows is None else rows] = self.adaptive.bounds(self.k)[1]
+        self.proposer.start(rows, prompts, params, rng, target_out)
+
+    def finished(self, rows: list[int], lengths: list[int]) -> None:
+        """The requests in ``rows`` ended with len(S) = ``lengths``: the proposer's "finished" (no-op default)."""
+        self.proposer.finished(rows, lengths)
+
+    def step(self, tail: torch.Tensor, lengths: torch.Tensor, active: torch.Tensor, params: torch.Tensor,
+             rng: RowGenerators, stats: SpecStats) -> StepResult:
+        """One step for every row (see the module docstring); the target's lengths are len(S) - 1."""
+        started = self.gate.clock() if self.gate is not None else 0.0
+        longest = int(lengths[active].max())
+        k = max(0, min(self.k, self.target.n_positions - longest, self.proposer.max_draft_tokens(longest)))
+        if self.gate is not None and not self.gate.speculate():
+            k = 0
+        drafted = None     # per-row caps (adaptive k), else k for every row
+        if self.adaptive is not None and k > 0:
+            k = min(k, int(self.row_k[active].max()))
+            drafted = self.row_k.clamp(max=k)
+        if k == 0:   # no room to draft (or the gate): a plain decode step; the proposer still reads its outputs
+            with stats.timer("verify"):
+                out = self.target.step(tail[:, 1:], params, rng, advance=False)
+                none = torch.zeros_like(out.tokens[:, 0])
+                verified = Verified(none, out.tokens, out, none)
+        else:
+            with stats.timer("draft"):
+                proposal = self.proposer.propose(tail, lengths, k, params, rng)
+                if drafted is not None:
+                    proposal = replace(proposal, num_drafts=drafted)
+            with stats.timer("verify"):
+                verified = self.verifier.verify(self.target, proposal, tail, lengths, params, rng)
+        with stats.timer("other"):
+            self.proposer.accepted(lengths, verified)
+            n, emitted = verified.num_accepted.cpu(), verified.emitted.cpu()
+            if drafted is None:
+                drafted = torch.full_like(n, k)
+            else:
+                self.row_k = torch.where(active, self.adaptive.next_k(self.row_k, drafted, n, self.k), self.row_k)
+        if self.gate is not None:
+            self.gate.record(k > 0, int((n + 1)[active.cpu()].sum()), self.gate.clock() - started)
+        return StepResult(n, emitted, drafted)
