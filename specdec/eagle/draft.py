@@ -21,6 +21,7 @@ from ..core.checkpoint import load_weights
 from ..core.config import ModelConfig
 from ..core.decoder import DecoderModel, StepOutput
 from ..core.graphs import GraphKey
+from ..core.persistence import read_saved
 from ..core.quant import parse_quantization, quantize_and_fuse
 from .checkpoint import aux_layer_ids, check_layout, eagle3_token_ids, eagle_key, is_eagle3, tensor_names
 from .model import Eagle3LM, EagleLM
@@ -123,12 +124,7 @@ class EagleModel(DecoderModel):
     def load(cls, directory: str | Path, target: DecoderModel, progress: bool = True) -> EagleModel:
         """Re-create a draft written by ``save`` (the inherited ``DecoderModel.save``: checkpoint path,
         runtime settings, compiled graphs) for ``target``, whose runtime settings it shares."""
-        directory = Path(directory)
-        meta_file = directory / "specdec.json"
-        if not meta_file.is_file():
-            raise FileNotFoundError(f"{directory} holds no saved specdec model (specdec.json missing)")
-        meta = json.loads(meta_file.read_text())
-        draft = cls.from_pretrained(meta["checkpoint"], target, backend=meta["settings"]["backend"],
-                                    progress=progress)
-        draft._load_compiled(directory, [GraphKey(**k) for k in meta["graphs"]], progress)
+        saved = read_saved(directory)
+        draft = cls.from_pretrained(saved.checkpoint, target, backend=saved.settings["backend"], progress=progress)
+        draft._load_compiled(directory, saved.keys, progress)
         return draft
