@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .core.decoder import DecoderModel
+from .core.graph_cache import GraphCache
 from .core.sampling import SamplingConfig
+from .core.saved_graphs import is_saved
 from .generator import SpeculativeGenerator
 from .registry import REGISTRY
 
@@ -97,7 +99,8 @@ class ModelOptions:
     weight-only projections ("int8", "int4", "gguf") or None; kv_cache_dtype: an 8-bit KV cache ("int8",
     "fp8_e4m3") or None (the amp dtype); autotune: compiled graphs with frozen weights and timed kernel choice;
     tp_degree: tensor-parallel processes (NeuronCores with the neuron backend); gqa_strategy: how KV heads are
-    sharded when they do not divide tp_degree (None: automatic)."""
+    sharded when they do not divide tp_degree (None: automatic); saved_graphs: compiled graphs kept as files
+    that later processes load (``DecoderModel.from_pretrained``)."""
 
     model: str | None = None
     amp: str = "bf16"
@@ -108,6 +111,7 @@ class ModelOptions:
     autotune: bool = False
     tp_degree: int = 1
     gqa_strategy: str | None = None
+    saved_graphs: bool = True
 
     @property
     def name(self) -> str:
@@ -121,7 +125,8 @@ class ModelOptions:
                                             amp=self.amp, backend=self.backend, sampling=sampling,
                                             tp_degree=self.tp_degree, gqa_strategy=self.gqa_strategy,
                                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
-                                            autotune=self.autotune, progress=progress)
+                                            autotune=self.autotune, saved_graphs=self.saved_graphs,
+                                            progress=progress)
 
     def threads_per_process(self, threads: int) -> int:
         """Intra-op threads of each of the ``tp_degree`` processes sharing ``threads`` (the neuron backend
@@ -308,10 +313,15 @@ class SamplingOptions:
 # graphs
 
 def precompile(target: DecoderModel, gen: SpeculativeGenerator | None, prompt_length: int, max_new_tokens: int,
-               progress: bool = True, single_row: bool = False, penalty: bool = False) -> None:
+               progress: bool = True, single_row: bool = False, penalty: bool = False,
+               defer: bool = False) -> list[GraphCache]:
     """Build the graphs a request needs before it runs (and is timed): the target's context, decode
     and verify graphs and a draft network's (``gen.proposer``'s, as declared; ``gen`` None: target only).
     For the compiling backends (compiled: graphs cached on disk).
+    ``defer``: a model whose graphs are saved (``GraphCache.saves_graphs``) loads the saved ones now and runs
+    the others eagerly until ``GraphCache.compile_deferred`` (a first run answers without waiting for the
+    compiler); the ``GraphCache``s with deferred graphs are returned. Otherwise everything is built now and
+    the list is empty.
     ``single_row``: also the context graphs of requests joining a running batch (serving).
     ``penalty``: the target's graphs apply a repetition penalty (drafts never do). Adaptive k verifies
     2 .. k + 1 tokens; a ``MatchOrDraft``'s (``LookupOrDraft``, ``SuffixOrDraft``) draft model re-reads up to
@@ -357,9 +367,18 @@ def precompile(target: DecoderModel, gen: SpeculativeGenerator | None, prompt_le
                                              max_length=max_length, single_row=single_row), ()))
     elif isinstance(draft, DecoderModel):  # a draft model re-reads the last two tokens, then drafts one at a time
         todo.append((draft, keys(draft, tuple(range(2, gen.k + 2)) if combined else (2,), True), ()))
+    deferred = []
     for model, graph_keys, compaction_slots in todo:
-        model._warm(list(dict.fromkeys(graph_keys)), f"compiling ({model.settings.backend})", progress,
-                    compaction_slots)
+        graph_keys = list(dict.fromkeys(graph_keys))
+        later, verb = [], "compiling"
+        if defer and not fused and model.graphs.saves_graphs:
+            later = [k for k in graph_keys if not is_saved(model.graph_module(k), model.batch_size)]
+            graph_keys, verb = [k for k in graph_keys if k not in later], "loading saved graphs"
+        model._warm(graph_keys, f"{verb} ({model.settings.backend})", progress, compaction_slots)
+        if later:
+            model.graphs.defer(later)
+            deferred.append(model.graphs)
     if fused:
         gen.speculator.compile(prompt_length + max_new_tokens, penalty=penalty, progress=progress)
+    return deferred
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from ..core.graphs import COMPILING
 from ..options import (
     ModelOptions,
     OptionError,
@@ -150,12 +149,13 @@ def generate_on_rank(options: GenerateOptions) -> int:
                           f"(give --n-positions > {len(ids)})")
     max_new = min(options.max_new_tokens, n_pos - len(ids))
     gen = options.speculation.make_generator(options.speculation.make_proposer(target), target)
+    deferred = []
     if model.backend != "eager":
-        if rank0:
-            print("compiling the graphs this request needs"
-                  f"{' (cached on disk after the first run)' if model.backend in COMPILING else ''} ...",
-                  file=sys.stderr)
-        precompile(target, gen, len(ids), max_new, penalty=sampling.repetition_penalty != 1)
+        deferred = precompile(target, gen, len(ids), max_new, penalty=sampling.repetition_penalty != 1,
+                              progress=rank0, defer=True)
+        if rank0 and deferred:
+            print(f"specdec: {sum(len(g.pending) for g in deferred)} graphs are not compiled yet: this run generates "
+                  "eagerly, then compiles them for later runs", file=sys.stderr)
     text = options.prompt_ids is None
     streamer = TextStreamer(target.tokenizer, skip_prompt=True, skip_special_tokens=True) if rank0 and text else None
     eos = [] if options.ignore_eos else None
@@ -164,8 +164,21 @@ def generate_on_rank(options: GenerateOptions) -> int:
                                    eos_token_id=eos, repetition_penalty=sampling.repetition_penalty)
     elapsed = time.perf_counter() - start
     new = out[0, len(ids):].tolist()
-    if not rank0:
-        return 0
+    if rank0:
+        report(options, target, gen, ids, new, max_new, elapsed,
+               f"{model.backend} (eager this run)" if deferred else model.backend)
+    for graphs in deferred:
+        graphs.compile_deferred(progress=rank0)
+    return 0
+
+
+def report(options: GenerateOptions, target, gen, ids: list[int], new: list[int], max_new: int,
+           elapsed: float, backend: str) -> None:
+    """Rank 0's output after generating: the new ids (``--prompt-ids``), a warning when ``n_positions``
+    cut the output, the one-line summary (``backend``: how the run ran) and (``--stats``) the speculation
+    statistics."""
+    model, n_pos = options.model, options.model.n_positions
+    text = options.prompt_ids is None
     if not text:
         print(",".join(str(t) for t in new), flush=True)
     n = len(new)
@@ -175,13 +188,12 @@ def generate_on_rank(options: GenerateOptions) -> int:
               f"before --max-new-tokens {options.max_new_tokens}: give a larger --n-positions for longer outputs",
               file=sys.stderr)
     strategy = "target only" if gen is None else f"--draft {options.speculation.draft} k={gen.k}"
-    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, {strategy}, {model.backend} {model.amp}, "
+    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, {strategy}, {backend} {model.amp}, "
           f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)}, "
           f"OMP_WAIT_POLICY={wait_policy()}, tp_degree {model.tp_degree}]",
           file=sys.stderr)
     if options.stats:
         print(format_stats(gen, n, elapsed), file=sys.stderr)
-    return 0
 
 
 def format_stats(gen, n: int, elapsed: float) -> str:

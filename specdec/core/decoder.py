@@ -87,7 +87,8 @@ class DecoderModel:
                         sampling: SamplingConfig | None = None, backend: str = "compiled", device: str | None = None,
                         quantization: str | None = None, kv_cache_dtype: str | None = None,
                         feature_layers: tuple[int, ...] | list[int] = (), autotune: bool = False,
-                        output_vocab_size: int | None = None, progress: bool = True) -> DecoderModel:
+                        output_vocab_size: int | None = None, saved_graphs: bool = False,
+                        progress: bool = True) -> DecoderModel:
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, a named model (e.g.
         ``"qwen2.5-coder-1.5b-instruct"``, ``named_models.NAMED_MODELS``: a GGUF file assembled once from
         its packages), or (``None``) the embedded SmolLM2-135M-Instruct. Graphs are built lazily on first
@@ -117,10 +118,13 @@ class DecoderModel:
         longer first compile and, for bf16 and int8 weights, a re-blocked copy of the weights per graph
         (see docs/backends.md, "Autotuned graphs"). ``output_vocab_size`` n: score only the token ids [0, n)
         (``DecoderLM.restrict_output_vocab``; a cheaper LM head for a draft, which then never proposes a later
-        id; quantization None or "gguf")."""
+        id; quantization None or "gguf"). ``saved_graphs`` (``compiled`` backend on the CPU, without
+        ``autotune``; ignored otherwise): each graph is compiled ahead of time into a file under
+        ``$SPECDEC_CACHE/graphs`` that later processes load in about a second instead of re-tracing it
+        (``saved_graphs``); ``graphs.compile_in_background`` can then compile while the model runs eagerly."""
         requested = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa_strategy, context_buckets, kv_buckets,
                                     sampling or SamplingConfig(), backend, device, quantization, kv_cache_dtype,
-                                    feature_layers, autotune, output_vocab_size)
+                                    feature_layers, autotune, output_vocab_size, saved_graphs)
         loaded = load_decoder(path, requested, progress)
         model = cls(loaded.path, loaded.config, loaded.lm, loaded.settings)
         model.source = loaded.source

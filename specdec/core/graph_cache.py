@@ -5,9 +5,14 @@ least once, i.e. whose compiled code exists), the KV-compaction graphs by the nu
 row (``compactions``), on ``neuron`` the one program holding all of them (``neuron``), and the seconds each
 graph took to compile (``compile_seconds``, by ``GraphKey.describe()`` / compaction name).
 
-Invariants: ``ran`` ⊆ ``built``; on ``neuron`` nothing is built lazily: ``built`` and ``compactions`` hold what
-``to_neuron`` routed to the program. Running graphs writes the decoder's KV cache; the caller (``DecoderModel``)
-owns the row lengths and resets them after ``warm`` / ``to_neuron``.
+With ``settings.saved_graphs`` (the ``compiled`` backend on the CPU, without autotune) a graph is compiled
+ahead of time into a file and loaded from it by later processes (``saved_graphs``); its compilation can be
+deferred (``defer``): a ``pending`` graph runs eagerly until ``compile_deferred`` builds it.
+
+Invariants: ``ran`` ⊆ ``built``; ``pending`` ∩ ``built`` is empty; on ``neuron`` nothing is built lazily:
+``built`` and ``compactions`` hold what ``to_neuron`` routed to the program. Running graphs writes the
+decoder's KV cache; the caller (``DecoderModel``) owns the row lengths and resets them after ``warm`` /
+``to_neuron``. Compiling ahead of time never writes it.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from tqdm.auto import tqdm
 from .graphs import COMPILING, CacheCompaction, GraphKey, StepGraph, build_graph
 from .loading import RuntimeSettings
 from .model import DecoderLM
+from .saved_graphs import load_or_compile
 
 
 class GraphCache:
@@ -35,6 +41,14 @@ class GraphCache:
         self.compactions: dict[int, Callable] = {}
         self.neuron = None                     # backend 'neuron': the program holding every graph
         self.compile_seconds: dict[str, float] = {}
+        self.pending: set[GraphKey] = set()          # deferred (``defer``): run eagerly until compiled
+
+    @property
+    def saves_graphs(self) -> bool:
+        """Whether graphs are compiled ahead of time into files (``saved_graphs``): ``settings.saved_graphs``
+        on the ``compiled`` backend on the CPU without autotune."""
+        s = self.settings
+        return s.saved_graphs and s.backend == "compiled" and not s.autotune and torch.device(s.device).type == "cpu"
 
     def module(self, key: GraphKey) -> StepGraph:
         """The graph module of ``key`` (over the decoder): what every backend runs or traces."""
@@ -43,14 +57,43 @@ class GraphCache:
     def graph(self, key: GraphKey) -> Callable:
         """The callable for ``key``, built (and for ``compiled`` / ``xla``, traced on first call) once;
         ``neuron`` graphs exist only as ``to_neuron`` built them (ahead of time)."""
+        if key in self.pending:
+            return self.module(key)
         if key not in self.built:
             if self.settings.backend == "neuron":
                 raise ValueError(f"graph {key.describe()} was not compiled: backend='neuron' compiles ahead of "
                                  "time, so call to_neuron() with the shapes the run needs (spec_tokens, "
                                  "prompt_length, max_length, single_row, compaction_slots)")
-            self.built[key] = build_graph(self.module(key), self.settings.backend, self.settings.batch_size,
-                                          key.describe(), autotune=self.settings.autotune)
+            self.built[key] = self._build(self.module(key), key.describe())
         return self.built[key]
+
+    def _build(self, module: torch.nn.Module, name: str) -> Callable:
+        """``module`` on the backend: loaded or compiled ahead of time (``saves_graphs``), else ``build_graph``."""
+        if self.saves_graphs:
+            return load_or_compile(module, self.settings.batch_size)
+        return build_graph(module, self.settings.backend, self.settings.batch_size, name,
+                           autotune=self.settings.autotune)
+
+    def defer(self, keys: list[GraphKey]) -> None:
+        """Run ``keys`` eagerly until ``compile_deferred`` builds them (``saves_graphs`` only: the first run
+        of a request answers at once, and the graphs compiled after it are saved for later runs)."""
+        if not self.saves_graphs:
+            raise ValueError("deferred compilation needs saved graphs: backend='compiled' on the CPU, "
+                             "saved_graphs=True, autotune=False")
+        self.pending.update(key for key in keys if key not in self.built)
+
+    def compile_deferred(self, progress: bool) -> None:
+        """Compile (ahead of time, saving each file) the graphs ``defer`` left to run eagerly, with a bar
+        when ``progress``. Ctrl-C stops after the graphs saved so far (the rest run eagerly) and re-raises."""
+        todo = list(self.pending)
+        bar = tqdm(todo, desc="compiling for later runs (saved; Ctrl-C stops)", unit="graph",
+                   disable=not progress or not todo or self.lm.tp.rank > 0)
+        for key in bar:
+            start = time.perf_counter()
+            self.built[key] = self._build(self.module(key), key.describe())
+            self.ran.add(key)
+            self.pending.discard(key)
+            self.compile_seconds[key.describe()] = time.perf_counter() - start
 
     def compaction(self, m: int) -> Callable:
         """The KV-compaction graph moving m slots per row, built once (``neuron``: by ``to_neuron``)."""
@@ -58,8 +101,7 @@ class GraphCache:
             if self.settings.backend == "neuron":
                 raise ValueError(f"the KV-compaction graph for {m} slots was not compiled: call "
                                  f"to_neuron(compaction_slots=({m},), ...) (tree verification: the tree's depth)")
-            self.compactions[m] = build_graph(CacheCompaction(self.lm, m), self.settings.backend,
-                                              self.settings.batch_size, compaction_name(m))
+            self.compactions[m] = self._build(CacheCompaction(self.lm, m), compaction_name(m))
         return self.compactions[m]
 
     def clear(self) -> None:
@@ -95,6 +137,9 @@ class GraphCache:
         """Run a compiled graph that ``warm`` did not build, got through ``graph`` (the model's ``graph``):
         torch.compile generates (or loads from the on-disk cache) its code now, so say so (one line on
         stderr, when ``progress``) and time it."""
+        if key in self.pending:    # deferred: eager until compile_deferred
+            with torch.no_grad():
+                return graph(key)(*inputs)
         say = progress and self.lm.tp.rank == 0
         if say:
             print(f"specdec: compiling graph {key.describe()} on first use (cached on disk for later runs; "

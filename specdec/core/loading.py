@@ -50,6 +50,7 @@ class RuntimeSettings:
     feature_layers: tuple[int, ...] = ()   # layers whose input hidden states graphs also return (EAGLE-3)
     autotune: bool = False                 # compiled, CPU: weights frozen in, kernels chosen by timing
     output_vocab_size: int | None = None   # score only token ids [0, n) (``DecoderLM.restrict_output_vocab``)
+    saved_graphs: bool = False             # compiled, CPU: graphs compiled ahead of time into files (``saved_graphs``)
 
 
 class LoadedDecoder(NamedTuple):
