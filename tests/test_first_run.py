@@ -20,8 +20,9 @@ from safetensors.torch import load_file
 
 gguf = pytest.importorskip("gguf")
 
-from specdec.core import paths  # noqa: E402
-from specdec.core.paths import HASH_INDEX, convert_gguf, file_sha256, gguf_cache_path, write_safetensors  # noqa: E402
+from specdec.core import cache_files, paths  # noqa: E402
+from specdec.core.cache_files import HASH_INDEX, file_sha256  # noqa: E402
+from specdec.core.paths import convert_gguf, gguf_cache_path, write_safetensors  # noqa: E402
 
 from conftest import prompt_ids  # noqa: E402
 
@@ -184,7 +185,7 @@ def test_hash_is_memoised_by_path_size_and_mtime(tiny_gguf, cache, tmp_path, mon
 
     def no_hashing(*a, **k):
         raise AssertionError("hashed again")
-    monkeypatch.setattr(paths.hashlib, "sha256", no_hashing)
+    monkeypatch.setattr(cache_files.hashlib, "sha256", no_hashing)
     assert file_sha256(copy) == sha                          # memo hit: the file is not read
     os.utime(copy, (1_750_000_000, 1_750_000_000))           # a new version of the file: hashed again
     with pytest.raises(AssertionError, match="hashed again"):
@@ -240,7 +241,7 @@ def test_leftovers_are_cleaned(tiny_gguf, cache, capfd):
     root = cache / "gguf"
     host, now = socket.gethostname(), time.time()
     dead = 2 ** 22 + 12345                               # above the default pid_max: never a live process
-    assert not paths._pid_alive(dead)
+    assert not cache_files.pid_alive(dead)
     hour_ago, two_days_ago = now - 3600, now - 2 * 86400
     stale = {root / f".tiny-llama.Q0-0123456789abcdef.tmp-{host}-{dead}": now,
              root / ".tiny-llama.Q0-0123456789abcdef.tmp-other-host-7": two_days_ago,

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdec.core import named_models, paths
+from specdec.core import cache_files, named_models, paths
 from specdec.core.named_models import NAMED_MODELS, NamedModel, is_named_model, named_model_path
 
 PREFIX = "specdec_fake_model_part"
@@ -48,13 +48,14 @@ def test_assembles_once(fake, monkeypatch):
     out = named_model_path(NAME, progress=False)
     assert out == fake.out and out.read_bytes() == fake.whole
     assert leftovers(out.parent) == [out.name]                       # no temporary file left
-    assert paths.file_sha256(out) == fake.model.sha256
+    assert cache_files.file_sha256(out) == fake.model.sha256
     mtime = out.stat().st_mtime_ns
 
     def no_assembly(*args, **kwargs):
         raise AssertionError("reassembled a verified file")
     monkeypatch.setattr(named_models, "assemble", no_assembly)
-    monkeypatch.setattr(paths, "hashlib", SimpleNamespace(sha256=no_assembly))   # the SHA-256 memo hits: no reading
+    # the SHA-256 memo hits: no reading
+    monkeypatch.setattr(cache_files, "hashlib", SimpleNamespace(sha256=no_assembly))
     assert named_model_path(NAME, progress=False) == out
     assert out.stat().st_mtime_ns == mtime
 
@@ -195,7 +196,7 @@ def _real(name: str) -> Path:
 @pytest.mark.parametrize("name", list(REAL))
 def test_real_pair_assembled(name):
     path, model = _real(name), NAMED_MODELS[name]
-    assert path.stat().st_size == model.size and paths.file_sha256(path) == model.sha256
+    assert path.stat().st_size == model.size and cache_files.file_sha256(path) == model.sha256
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"
 

@@ -64,8 +64,6 @@ class BlockLinear(nn.Module):
         if len({layer.layout for layer in layers}) != 1:
             raise ValueError("BlockLinear.cat_rows needs layers of one layout (GGML type family, group, "
                              "superblock, in features)")
-        from .quant import cat_biases
-
         first = layers[0]
         if all(layer.out_features % LANES == 0 for layer in layers[:-1]):    # whole tiles: concatenate them
             parts = [torch.cat([getattr(layer, name) for layer in layers]) for name in ("qs", "d", "dmin", "sc", "mn")]
@@ -96,3 +94,13 @@ class BlockLinear(nn.Module):
                                        layout.group, layout.superblock, layout.kind, layout.offset, layout.mins)
         y = y.to(self._dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def cat_biases(layers: list[nn.Module]) -> torch.Tensor | None:
+    """The layers' biases concatenated (None when none has one; a missing one counts as zeros)."""
+    biases = [layer.bias for layer in layers]
+    if all(b is None for b in biases):
+        return None
+    like = next(b for b in biases if b is not None)
+    return torch.cat([like.new_zeros(layer.out_features) if b is None else b.detach()
+                      for layer, b in zip(layers, biases)])

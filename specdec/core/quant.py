@@ -37,12 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .block_linear import BlockLinear
+from .block_linear import BlockLinear, cat_biases
+from .config import INT4_GROUP
 from .parallel import TPGroup, all_reduce_max
 
 ALIASES = {"int8": "int8", "s8": "int8", "per_channel_symmetric": "int8", "int8_weight_only": "int8",
            "int4": "int4", "s4": "int4", "int4_weight_only": "int4", "gguf": "gguf"}
-INT4_GROUP = 32
 INT4_PACK_ROWS = 64       # the CPU int4 packing's row blocks (``Int4Linear.cat_rows``)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")     # sharded along K (their input dimension) at tp > 1
@@ -56,13 +56,6 @@ def parse_quantization(name: str | None) -> str | None:
         return ALIASES[name]
     raise ValueError(f"quantization={name!r} is not supported: use None, 'int8', 'int4' or 'gguf' "
                      f"(aliases: {', '.join(a for a in ALIASES if a not in ('int8', 'int4', 'gguf'))})")
-
-
-def quantized_bytes(elems: int, rows: int, nbytes: int, scheme: str) -> int:
-    """Bytes of ``elems`` quantized weights in ``rows`` output rows, scales / zeros at ``nbytes`` each."""
-    if scheme == "int8":
-        return elems + rows * nbytes
-    return elems // 2 + 2 * (elems // INT4_GROUP) * nbytes
 
 
 def quantize_int8(weight: torch.Tensor, row_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,16 +171,6 @@ class Int4Linear(nn.Module):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP, self.scales_and_zeros)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
-
-
-def cat_biases(layers: list[nn.Module]) -> torch.Tensor | None:
-    """The layers' biases concatenated (None when none has one; a missing one counts as zeros)."""
-    biases = [layer.bias for layer in layers]
-    if all(b is None for b in biases):
-        return None
-    like = next(b for b in biases if b is not None)
-    return torch.cat([like.new_zeros(layer.out_features) if b is None else b.detach()
-                      for layer, b in zip(layers, biases)])
 
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -83,7 +83,7 @@ def fingerprint(graph: nn.Module, batch_size: int) -> str | None:
 
 def graphs_dir() -> Path:
     """Where saved graphs live: ``$SPECDEC_CACHE/graphs``."""
-    from .paths import cache_dir
+    from .cache_files import cache_dir
     return cache_dir() / "graphs"
 
 

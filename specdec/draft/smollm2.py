@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ..core.paths import cache_dir, resolve_model_path
+from ..core.cache_files import cache_dir
+from ..core.paths import resolve_model_path
 from ..speculation.assets import asset_path
 from .assemble import SHIP_WEIGHTS, assemble
 

@@ -19,10 +19,11 @@ import torch
 
 from ..core.checkpoint import load_weights
 from ..core.config import ModelConfig
-from ..core.decoder import DecoderModel, StepOutput
+from ..core.decoder import DecoderModel
 from ..core.graphs import GraphKey
 from ..core.persistence import read_saved
 from ..core.quant import parse_quantization, quantize_and_fuse
+from ..core.target import StepOutput
 from .checkpoint import aux_layer_ids, check_layout, eagle3_token_ids, eagle_key, is_eagle3, tensor_names
 from .model import Eagle3LM, EagleLM
 

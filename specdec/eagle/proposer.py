@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.decoder import DecoderModel, StepOutput
+from ..core.decoder import DecoderModel
 from ..core.sampling import RowGenerators, any_sampled
+from ..core.target import StepOutput
 from ..fused.step import FusedKey
 from ..speculation.proposer import BaseProposer, Proposal
 from .draft import EagleModel

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..core.paths import cache_dir, resolve_model_path
+from ..core.cache_files import cache_dir
+from ..core.paths import resolve_model_path
 from ..core.ship import is_packed, unpack_int8
 from ..speculation.assets import asset_path
 from .checkpoint import copy_lm_head, tensor_names

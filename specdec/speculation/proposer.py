@@ -40,8 +40,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from ..core.decoder import StepOutput
 from ..core.sampling import RowGenerators
+from ..core.target import StepOutput
 from .tree import RowTrees
 
 

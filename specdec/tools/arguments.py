@@ -107,6 +107,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "kernel by timing (Inductor's C++ GEMM templates vs ATen): faster decoding at every "
                         "precision, a longer first compile, and with bf16 / int8 weights a copy of the weights "
                         "per graph (docs/backends.md: Autotuned graphs)")
+    p.add_argument("--saved-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="--backend compiled on the CPU: keep each compiled graph as a file under $SPECDEC_CACHE/graphs "
+                        "that later runs load without re-tracing; `generate` runs eagerly while a graph it needs is "
+                        "not saved yet and compiles it after answering (default: on)")
 
 
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:

@@ -276,8 +276,8 @@ class ModelFootprint:
         total = self.weight_elems_per_core(tp_degree, q_heads, kv_heads, replicate_embeddings=replicate_embeddings)
         if quantization is None:
             return total * nbytes
+        from ..core.config import quantized_bytes
         from ..core.parallel import per_rank
-        from ..core.quant import quantized_bytes
         quantized = q_heads * self.q_elems_per_head + kv_heads * self.kv_elems_per_head + \
             sum(per_rank(rows, tp_degree) * rest for rows, rest in self.matrix_shapes)
         out_rows = self.num_layers * ((q_heads + 2 * kv_heads) * self.head_dim + self.hidden_size) + \

@@ -63,7 +63,7 @@ def load_block_mm() -> None:
 def _build() -> None:
     from torch.utils import cpp_extension
 
-    from ..paths import cache_dir
+    from ..cache_files import cache_dir
 
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
     directory = cache_dir() / "kernels" / f"block_mm-{key}"

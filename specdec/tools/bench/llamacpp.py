@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
-from specdec.core.paths import cache_dir
+from specdec.core.cache_files import cache_dir
 
 PACKAGE = "llama-cpp-python"
 ENV_DIR = "SPECDEC_LLAMACPP_DIR"          # an existing bin directory: no download, no build
