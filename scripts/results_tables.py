@@ -127,6 +127,7 @@ TABLES: dict[str, Table] = {
     "pair_code_t07": Table(("pair_code_t07",), pair_table, sources=False),
     "pair_code_b4": Table(("pair_code_b4",), pair_table, sources=False),
     "suffix_qwen": Table(("suffix_qwen2.5-coder-1.5b-instruct",), suffix_table),
+    "suffix_gate_qwen": Table(("suffix_gate_qwen",), suffix_table),
     "runtime": Table(("runtime",), runtime.markdown_table),
     "decode_step": Table(("decode_step", "decode_step_autotune"), decode_step_table),
     "fused_projections": Table(("fused_projections", "fused_projections_autotune"), fused_projections_table),
