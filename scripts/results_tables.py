@@ -124,6 +124,7 @@ def spec(name: str) -> tuple[str, Table]:
 TABLES: dict[str, Table] = {
     "first_run": Table(("first_run",), first_run_table),
     "pair_code": Table(("pair_code",), pair_table, sources=False),
+    "pair_code_compiled": Table(("pair_code_compiled",), pair_table, sources=False),
     "pair_code_t07": Table(("pair_code_t07",), pair_table, sources=False),
     "pair_code_b4": Table(("pair_code_b4",), pair_table, sources=False),
     "suffix_qwen": Table(("suffix_qwen2.5-coder-1.5b-instruct",), suffix_table),
