@@ -32,7 +32,9 @@ In one process run, for each temperature (greedy and 0.7) and each k:
                       (``HFAdapter``, eager f32), a constant ``num_assistant_tokens=k``
 ``--batch-size`` prompts per call (tokens/s counts every row), ``--max-new-tokens`` (128) per prompt
 with EOS disabled, on the MT-Bench questions shipped with the package (or ``--prompts FILE``).
-Reports tokens/s (median over calls), τ, acceptance rate, per-position acceptance and speedups (over
+Checks that every system's greedy output equals target-only decoding's (``greedy_equals_target`` in its
+temperature-0 runs; a warning on stderr where it does not). Reports tokens/s (median over calls), τ,
+acceptance rate, per-position acceptance and speedups (over
 specdec target-only, and over the fastest ``hf-assisted`` configuration at the same temperature) as
 JSON (stdout) and a markdown table (stderr), and per system the time per step spent inside graph calls
 and outside them (host work: bucket choice, random draws, input preparation, acceptance bookkeeping,
@@ -220,6 +222,7 @@ def run(options: SpecBenchOptions) -> dict:
             target.generate(batch, max_new_tokens=8, eos_token_id=[], **sampling(t))
             for system in systems.values():
                 system.make().generate(batch, max_new_tokens=8, eos_token_id=[], **sampling(t))
+    greedy: dict[int, torch.Tensor] = {}     # call → target-only greedy output (the target's jobs run first)
     jobs = [(t, None, "specdec-target") for t in temps]
     jobs += [(t, system.k, name) for t in temps for name, system in systems.items()]
     if hf is not None:
@@ -227,21 +230,25 @@ def run(options: SpecBenchOptions) -> dict:
     for t, k, name in tqdm(jobs, desc="benchmark", unit="config", file=sys.stderr):
         rates, stats, clock, gated = [], SpecStats(), GraphClock(), {True: 0, False: 0}
         by_category: dict[str, tuple[list[float], SpecStats]] = {}
+        same = True             # greedy: every call's output equals target-only decoding's
         for i, batch in enumerate(calls):
             seed = options.seed + i
             if name == "specdec-target":
                 engine = Engine(target)
                 clock.watch(engine, [target])
                 # (B023: _timed calls each lambda at once, so it reads this iteration's loop variables)
-                _, dt = _timed(lambda: engine.generate(batch, max_new_tokens=n_new, eos_token_id=[],  # noqa: B023
-                                                       seed=seed, **sampling(t)))  # noqa: B023
+                out, dt = _timed(lambda: engine.generate(batch, max_new_tokens=n_new, eos_token_id=[],  # noqa: B023
+                                                         seed=seed, **sampling(t)))  # noqa: B023
                 clock.add_wall(dt)
+                if t == 0:
+                    greedy[i] = out
             elif name in systems:
                 gen = systems[name].make()
                 clock.watch(gen.engine, [target, drafting_model(gen.proposer), gen.speculator])
-                _, dt = _timed(lambda: gen.generate(batch, max_new_tokens=n_new, eos_token_id=[],  # noqa: B023
-                                                    seed=seed, **sampling(t)))  # noqa: B023
+                out, dt = _timed(lambda: gen.generate(batch, max_new_tokens=n_new, eos_token_id=[],  # noqa: B023
+                                                      seed=seed, **sampling(t)))  # noqa: B023
                 clock.add_wall(dt)
+                same = same and (t != 0 or torch.equal(out, greedy[i]))
                 stats = stats + gen.last_stats
                 for kind, count in (gen.gate_meter.steps.items() if gen.gate_meter else ()):
                     gated[kind] += count
@@ -268,10 +275,14 @@ def run(options: SpecBenchOptions) -> dict:
             d = stats.to_dict()
             entry.update(tau=d["mean_acceptance_length"], acceptance_rate=d["acceptance_rate"],
                          per_position_acceptance=d["per_position_acceptance"], stats=d)
+            if t == 0:
+                entry["greedy_equals_target"] = same
             if gated[True] + gated[False]:     # gated systems: the share of steps that speculated
                 entry["speculative_step_share"] = gated[True] / (gated[True] + gated[False])
         runs[f"{name}@T{t}"] = entry
     for key, e in runs.items():
+        if e.get("greedy_equals_target") is False:
+            print(f"warning: {key}: the greedy output differs from target-only decoding's", file=sys.stderr)
         reference = runs[f"specdec-target@T{e['temperature']}"]
         e["speedup_vs_specdec_target"] = e["tokens_per_s"] / reference["tokens_per_s"]
         for c, per in e.get("by_category", {}).items():
