@@ -4,7 +4,8 @@
 Each commit is checked out into a temporary git worktree and imported from there (``PYTHONPATH``: this
 environment's packages, that commit's ``specdec``); the runs alternate old, new, new, old, ... (``--rounds``
 pairs, so a drift of the machine's speed falls on both), each a fresh process. A system's figure is the median
-over its runs of bench-spec's own median tokens/s; systems are matched by position (``--old-strategy`` names
+over its runs of bench-spec's own median tokens/s (and of its per-step time inside and outside graph calls);
+systems are matched by position (``--old-strategy`` names
 the old commit's strategies where the names changed). Prints (and with ``--output`` writes) JSON with the
 command, the machine, both commits and the new / old ratio of every system.
 
@@ -52,11 +53,17 @@ def bench_spec(tree: Path, argv: list[str]) -> dict:
     return json.loads(proc.stdout)
 
 
-def systems(result: dict) -> list[tuple[str, float]]:
-    """(name, tokens/s) of target-only decoding, then of every system, in bench-spec's order."""
+SPLIT = ("graph_ms_per_step", "outside_graphs_ms_per_step")
+"""bench-spec's per-step split of a system's time: inside graph calls and outside them (host work)."""
+
+
+def systems(result: dict) -> list[tuple[str, float, dict]]:
+    """(name, tokens/s, the per-step split) of target-only decoding, then of every system, in bench-spec's
+    order."""
     runs = result["runs"]
     names = ["specdec-target", *result["config"]["systems"]]
-    return [(name, runs[key]["tokens_per_s"]) for name in names for key in runs if key.split("@")[0] == name]
+    return [(name, runs[key]["tokens_per_s"], {k: runs[key].get(k) for k in SPLIT})
+            for name in names for key in runs if key.split("@")[0] == name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     argv_of = {"old": ["--strategy", options.old_strategy or options.strategy, *common],
                "new": ["--strategy", options.strategy, *common]}
     order = [side for i in range(options.rounds) for side in (("old", "new") if i % 2 == 0 else ("new", "old"))]
-    found: dict[str, list[list[tuple[str, float]]]] = {"old": [], "new": []}
+    found: dict[str, list[list[tuple[str, float, dict]]]] = {"old": [], "new": []}
     with tempfile.TemporaryDirectory() as tmp:
         trees = {side: worktree(commit, Path(tmp)) for side, commit in commits.items()}
         try:
@@ -88,12 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     if len(old) != len(new):
         raise SystemExit(f"the commits ran {len(old)} and {len(new)} systems: match --old-strategy to --strategy")
     rows = []
-    for j, ((old_name, _), (new_name, _)) in enumerate(zip(old, new)):
-        o = statistics.median(run[j][1] for run in found["old"])
-        n = statistics.median(run[j][1] for run in found["new"])
-        rows.append({"system": new_name, "old_system": old_name, "old_tokens_per_s": o, "new_tokens_per_s": n,
-                     "ratio": n / o, "old_runs": [run[j][1] for run in found["old"]],
-                     "new_runs": [run[j][1] for run in found["new"]]})
+    for j, (old_name, new_name) in enumerate(zip((s[0] for s in old), (s[0] for s in new))):
+        row = {"system": new_name, "old_system": old_name}
+        for side in ("old", "new"):
+            row[f"{side}_tokens_per_s"] = statistics.median(run[j][1] for run in found[side])
+            row[f"{side}_runs"] = [run[j][1] for run in found[side]]
+            for k in SPLIT:
+                values = [run[j][2][k] for run in found[side] if run[j][2][k] is not None]
+                row[f"{side}_{k}"] = statistics.median(values) if values else None
+        row["ratio"] = row["new_tokens_per_s"] / row["old_tokens_per_s"]
+        rows.append(row)
     result = {"command": "python bench/bench_commits.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "commit": git_commit(), "commits": commits, "machine": machine_info(), "order": order,
               "systems": rows}
