@@ -1,11 +1,12 @@
 """The ``block_mm`` CPU kernel alone, on a stack of layers shaped like the Qwen2.5-Coder-1.5B's (28 layers of
 Q4_K projections and a Q6_K LM head, random codes, about 1 GB: every call reads its weights from memory, as in
 a forward pass): milliseconds per layer kind and per whole forward pass for M rows (1 = a decode step, 5 / 9
-= a verify of k = 4 / 8), and each M's cost relative to one row (flat = 1). Prints JSON with the CPU, the
-command and the commit. To compare kernel versions, run it under each checkout back to back on an idle
+= a verify of k = 4 / 8), and each M's cost relative to one row (flat = 1), for each instruction-set path of
+``--isas`` in turn (e.g. ``avx512vnni,avx512``: the same CPU with and without VNNI). Prints JSON with the CPU,
+the command and the commit. To compare kernel versions, run it under each checkout back to back on an idle
 machine (``PYTHONPATH=<checkout>``; each source builds its own extension).
 
-    python bench/bench_block_mm.py --threads 2 --rows 1,5,9,16
+    python bench/bench_block_mm.py --threads 2 --rows 1,5,9,16 [--isas avx512vnni,avx512]
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.core.block_linear import BlockLinear  # noqa: E402
 from specdec.core.gguf_weights import FORMATS, BlockWeights  # noqa: E402
-from specdec.core.kernels import block_mm_isa  # noqa: E402
+from specdec.core.kernels import block_mm_isa, set_block_mm_isa  # noqa: E402
 from specdec.tools.bench.runtime import git_commit, machine_info  # noqa: E402
 
 # name → (N out features, K in features, GGML type, layers)
@@ -46,17 +47,36 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,5,9,16", help="comma-separated numbers of activation rows M")
     ap.add_argument("--repeats", type=int, default=5, help="forward passes timed per M (median)")
+    ap.add_argument("--isas", default="auto",
+                    help="comma-separated code paths to time in turn (avx512vnni, avx512, avx2, portable; "
+                         "default: auto, the best this CPU runs)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     stack = {name: [random_layer(n, k, qtype, g) for _ in range(layers)]
              for name, (n, k, qtype, layers) in SHAPES.items()}
+    results = []
+    for isa in a.isas.split(","):
+        set_block_mm_isa(isa)
+        results += forward_passes(stack, [int(v) for v in a.rows.split(",")], a.repeats, g)
+    report = {"command": "python " + " ".join(sys.argv), "machine": machine_info(), "threads": a.threads,
+              "commit": git_commit(), "results": results}
+    text = json.dumps(report, indent=2)
+    if a.output:
+        Path(a.output).write_text(text + "\n")
+    print(text)
+
+
+def forward_passes(stack: dict[str, list[BlockLinear]], rows: list[int], repeats: int,
+                   g: torch.Generator) -> list[dict]:
+    """For each M of ``rows``: milliseconds per layer kind (median of ``repeats`` passes after one warm-up)
+    and per forward pass on the current code path, and the pass's cost relative to the first M."""
     results, base = [], None
-    for m in (int(v) for v in a.rows.split(",")):
+    for m in rows:
         xs = {name: torch.randn(m, k, generator=g) for name, (_, k, _, _) in SHAPES.items()}
         per_kind: dict[str, list[float]] = {name: [] for name in SHAPES}
-        for _ in range(a.repeats + 1):                  # the first pass warms up
+        for _ in range(repeats + 1):                  # the first pass warms up
             for name, layers in stack.items():
                 start = time.perf_counter()
                 for layer in layers:
@@ -65,14 +85,10 @@ def main() -> None:
         kinds = {name: round(statistics.median(t[1:]) * 1e3, 2) for name, t in per_kind.items()}
         forward = round(sum(kinds.values()), 1)
         base = base or forward
-        results.append({"rows": m, "forward_ms": forward, "vs_one_row": round(forward / base, 2), "ms": kinds})
+        results.append({"isa": block_mm_isa(), "rows": m, "forward_ms": forward, "vs_one_row": round(forward / base, 2),
+                        "ms": kinds})
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    report = {"command": "python " + " ".join(sys.argv), "machine": machine_info(), "isa": block_mm_isa(),
-              "threads": a.threads, "commit": git_commit(), "results": results}
-    text = json.dumps(report, indent=2)
-    if a.output:
-        Path(a.output).write_text(text + "\n")
-    print(text)
+    return results
 
 
 if __name__ == "__main__":

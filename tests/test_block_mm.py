@@ -15,7 +15,8 @@ from specdec.core.kernels import (
 )
 from specdec.core.kernels.layout import pack, unpack
 
-ISAS = {"avx512": ("avx512", "avx2", "portable"), "avx2": ("avx2", "portable"), "portable": ("portable",)}
+ISAS = {"avx512vnni": ("avx512vnni", "avx512", "avx2", "portable"), "avx512": ("avx512", "avx2", "portable"),
+        "avx2": ("avx2", "portable"), "portable": ("portable",)}
 ROWS = (1, 2, 5, 9, 13, 16, 17, 25)
 # GGML type → (group, superblock, code range, with mins)
 TYPES = {"Q4_K": (32, 256, (0, 16), True), "Q4_0": (32, 32, (0, 16), True), "Q6_K": (16, 256, (-32, 32), False),
@@ -54,7 +55,7 @@ def isas() -> tuple[str, ...]:
 
 
 def test_the_kernel_is_built():
-    assert block_mm_isa() in ("avx512", "avx2", "portable"), "the C++ extension did not build"
+    assert block_mm_isa() in ISAS, "the C++ extension did not build"
 
 
 @pytest.mark.parametrize("qtype", TYPES)

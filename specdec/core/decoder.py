@@ -106,7 +106,7 @@ class DecoderModel:
         id; quantization None or "gguf"). ``saved_graphs`` (``compiled`` backend on the CPU, without
         ``autotune``; ignored otherwise): each graph is compiled ahead of time into a file under
         ``$SPECDEC_CACHE/graphs`` that later processes load in about a second instead of re-tracing it
-        (``saved_graphs``); ``graphs.compile_in_background`` can then compile while the model runs eagerly."""
+        (``saved_graphs``); ``graphs.defer`` runs graphs eagerly until ``graphs.compile_deferred`` builds them."""
         requested = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa_strategy, context_buckets, kv_buckets,
                                     sampling or SamplingConfig(), backend, device, quantization, kv_cache_dtype,
                                     feature_layers, autotune, output_vocab_size, saved_graphs)

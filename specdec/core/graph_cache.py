@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
@@ -41,7 +42,7 @@ class GraphCache:
         self.compactions: dict[int, Callable] = {}
         self.neuron = None                     # backend 'neuron': the program holding every graph
         self.compile_seconds: dict[str, float] = {}
-        self.pending: set[GraphKey] = set()          # deferred (``defer``): run eagerly until compiled
+        self.pending: dict[GraphKey, StepGraph] = {}   # deferred (``defer``): the module run eagerly until compiled
 
     @property
     def saves_graphs(self) -> bool:
@@ -58,7 +59,7 @@ class GraphCache:
         """The callable for ``key``, built (and for ``compiled`` / ``xla``, traced on first call) once;
         ``neuron`` graphs exist only as ``to_neuron`` built them (ahead of time)."""
         if key in self.pending:
-            return self.module(key)
+            return self.pending[key]
         if key not in self.built:
             if self.settings.backend == "neuron":
                 raise ValueError(f"graph {key.describe()} was not compiled: backend='neuron' compiles ahead of "
@@ -80,7 +81,8 @@ class GraphCache:
         if not self.saves_graphs:
             raise ValueError("deferred compilation needs saved graphs: backend='compiled' on the CPU, "
                              "saved_graphs=True, autotune=False")
-        self.pending.update(key for key in keys if key not in self.built)
+        self.pending.update({key: self.module(key) for key in keys
+                             if key not in self.built and key not in self.pending})
 
     def compile_deferred(self, progress: bool) -> None:
         """Compile (ahead of time, saving each file) the graphs ``defer`` left to run eagerly, with a bar
@@ -89,11 +91,9 @@ class GraphCache:
         bar = tqdm(todo, desc="compiling for later runs (saved; Ctrl-C stops)", unit="graph",
                    disable=not progress or not todo or self.lm.tp.rank > 0)
         for key in bar:
-            start = time.perf_counter()
-            self.built[key] = self._build(self.module(key), key.describe())
-            self.ran.add(key)
-            self.pending.discard(key)
-            self.compile_seconds[key.describe()] = time.perf_counter() - start
+            with self._timed(key):
+                self.built[key] = self._build(self.pending[key], key.describe())
+            del self.pending[key]
 
     def compaction(self, m: int) -> Callable:
         """The KV-compaction graph moving m slots per row, built once (``neuron``: by ``to_neuron``)."""
@@ -120,11 +120,9 @@ class GraphCache:
         cached = 0
         bar = tqdm(keys, desc=desc, unit="graph", disable=not progress or not keys or self.lm.tp.rank > 0)
         for key in bar:
-            start, hits = time.perf_counter(), _cache_hits()
-            with torch.no_grad():
+            hits = _cache_hits()
+            with self._timed(key), torch.no_grad():
                 self.graph(key)(*StepGraph(self.lm, key, None).example_inputs(self.settings.batch_size))
-            self.compile_seconds[key.describe()] = time.perf_counter() - start
-            self.ran.add(key)
             if self.settings.backend in COMPILING:
                 cached += _cache_hits() > hits
                 bar.set_postfix_str(f"{cached} from cache")
@@ -144,15 +142,21 @@ class GraphCache:
         if say:
             print(f"specdec: compiling graph {key.describe()} on first use (cached on disk for later runs; "
                   f"compile() builds graphs ahead of time) ...", end="", file=sys.stderr, flush=True)
-        start, hits = time.perf_counter(), _cache_hits()
-        with torch.no_grad():
+        hits = _cache_hits()
+        with self._timed(key), torch.no_grad():
             out = graph(key)(*inputs)
-        self.compile_seconds[key.describe()] = seconds = time.perf_counter() - start
-        self.ran.add(key)
         if say:
-            print(f" {seconds:.1f} s{' (from the cache)' if _cache_hits() > hits else ''}", file=sys.stderr,
-                  flush=True)
+            print(f" {self.compile_seconds[key.describe()]:.1f} s{' (from the cache)' if _cache_hits() > hits else ''}",
+                  file=sys.stderr, flush=True)
         return out
+
+    @contextmanager
+    def _timed(self, key: GraphKey) -> Iterator[None]:
+        """Around the first build / run of ``key``: its seconds into ``compile_seconds``, ``key`` into ``ran``."""
+        start = time.perf_counter()
+        yield
+        self.compile_seconds[key.describe()] = time.perf_counter() - start
+        self.ran.add(key)
 
     def to_neuron(self, keys: list[GraphKey], compaction_slots: tuple[int, ...] | list[int], progress: bool,
                   program=None) -> None:

@@ -35,6 +35,7 @@ that trace ahead of time.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import os
 import warnings
@@ -277,33 +278,41 @@ decoding. A chunk of 32,768 elements (ATen's grain size, which keeps the eager b
 every reduction shorter than that to one thread (``tests/test_regional.py``)."""
 
 
-def _plain(value) -> object:
-    """A hashable stand-in for a module attribute in ``layer_signature``: the value itself for plain
-    values, shape / dtype / stride for a tensor, the class for a module (its own attributes are listed
-    separately), and the object's identity for anything else (so an unknown object is never shared
-    by mistake: two layers holding different ones get code of their own)."""
+def attribute_key(value, across_processes: bool = False) -> object:
+    """A stand-in for a module attribute, equal for two attributes exactly when compiled code may be shared
+    between them: the value itself for plain values, shape / dtype / stride for a tensor, the class for a
+    module (its own attributes are listed separately), a dataclass's repr, and the object's identity for
+    anything else (so an unknown object is never shared by mistake).
+
+    ``across_processes`` (the name of a saved graph, ``saved_graphs.fingerprint``): a tensor's values too
+    (Dynamo may bake a plain tensor attribute in), and an unknown object's repr instead of its identity (a
+    repr showing a memory address makes the graph unsavable)."""
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return value
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype, value.stride())
+        key = ("tensor", tuple(value.shape), value.dtype, value.stride())
+        if not across_processes:
+            return key
+        data = value.detach().cpu().contiguous()
+        return (*key, hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest() if data.numel() else "")
     if isinstance(value, nn.Module):
         return ("module", type(value).__qualname__)
     if isinstance(value, (list, tuple)):
-        return tuple(_plain(v) for v in value)
+        return tuple(attribute_key(v, across_processes) for v in value)
     if isinstance(value, dict):
-        return tuple(sorted(((str(k), _plain(v)) for k, v in value.items()), key=repr))
+        return tuple(sorted(((str(k), attribute_key(v, across_processes)) for k, v in value.items()), key=repr))
     if isinstance(value, (set, frozenset)):
         return tuple(sorted(map(repr, value)))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return (type(value).__qualname__, repr(value))
-    return (type(value).__qualname__, id(value))
+    return (type(value).__qualname__, repr(value) if across_processes else id(value))
 
 
 def layer_signature(layer: nn.Module) -> tuple:
     """Everything a decoder layer's compiled code depends on besides its tensors' values: every
     submodule's class and attributes (the weight format of a ``BlockLinear`` among them), every
     parameter's and buffer's shape, dtype and stride. Layers with equal signatures run the same code."""
-    return tuple((name, type(m).__qualname__, _plain(vars(m))) for name, m in layer.named_modules())
+    return tuple((name, type(m).__qualname__, attribute_key(vars(m))) for name, m in layer.named_modules())
 
 
 def call_layer(layer: nn.Module, *inputs):

@@ -4,8 +4,8 @@ saved under ``$SPECDEC_CACHE/graphs`` and loaded by later processes without re-t
 Inductor's on-disk caches keep a graph's generated code, but every new process still re-runs Dynamo over
 the graph's Python (the embedded model: ~13 s a graph on 2 cores). A saved graph (``aot_compile`` +
 ``save_compiled_function``) holds the traced bytecode and the compiled code; loading it takes about a
-second. Compiling ahead of time also never runs the graph, so it leaves the KV cache alone: it can run
-on another thread while the same decoder generates (``GraphCache.compile_in_background``).
+second. Compiling ahead of time also never runs the graph, so it leaves the KV cache alone: a first run can
+generate eagerly and compile its graphs afterwards (``GraphCache.defer`` / ``compile_deferred``).
 
 A file is named by a fingerprint of everything its code depends on: the graph module's structure
 (every submodule's class and attributes, every parameter's and buffer's shape, dtype and stride; the
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .graphs import COMPILE_OPTIONS, configure_compile_cache, own_frame
+from .graphs import COMPILE_OPTIONS, attribute_key, configure_compile_cache, own_frame
 
 
 def saved_options() -> dict:
@@ -50,23 +50,6 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def _describe(value) -> object:
-    """A stand-in for a module attribute that is equal across processes exactly when the compiled code
-    would be (tensor attributes that are not parameters or buffers: their values too, since Dynamo may
-    bake them in)."""
-    if isinstance(value, torch.Tensor):
-        data = value.detach().cpu().contiguous()
-        return ("tensor", tuple(value.shape), str(value.dtype), value.stride(),
-                hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest() if data.numel() else "")
-    if isinstance(value, nn.Module):
-        return ("module", type(value).__qualname__)
-    if isinstance(value, (list, tuple)):
-        return tuple(_describe(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((str(k), repr(_describe(v))) for k, v in value.items()))
-    return repr(value)
-
-
 def fingerprint(graph: nn.Module, batch_size: int) -> str | None:
     """The name of ``graph``'s saved file at ``batch_size`` rows; None when an attribute has no name
     that holds across processes (its repr shows a memory address)."""
@@ -76,7 +59,7 @@ def fingerprint(graph: nn.Module, batch_size: int) -> str | None:
         parts.append(repr((name, type(module).__qualname__,
                            sorted((k, tuple(t.shape), str(t.dtype), t.stride()) for k, t in tensors.items()
                                   if t is not None),
-                           sorted((k, _describe(v)) for k, v in vars(module).items()
+                           sorted((k, attribute_key(v, across_processes=True)) for k, v in vars(module).items()
                                   if not k.startswith("_") and k != "training"))))
     text = "\n".join(parts)
     if " at 0x" in text:

@@ -4,10 +4,11 @@
 kind, offset, mins)``, y [M, n] f32 = x [M, K] f32 · Wᵀ for a GGML-block matrix W [n, K] packed as
 ``layout`` describes (``core.block_linear`` packs it). As llama.cpp does, every group of G activations is
 quantized to int8 with one f32 scale (max |x| / 127, round to nearest even); the weight · activation dot
-products are exact integers (``vpmaddubsw`` / ``vpmaddwd``) and the scales are applied once per group. Its
+products are exact integers (``vpmaddubsw`` / ``vpmaddwd``; ``vpdpbusd`` / ``vpdpwssd`` with AVX512-VNNI) and the
+scales are applied once per group. Its
 cost is flat in M up to 16 rows (a verify reads and unpacks the weights once, as a decode step does) and a
-row's result does not depend on M (row invariance). The instruction set is chosen at run time (AVX-512,
-AVX2 + FMA, portable C++; all give the same bits); ``block_mm_isa()`` names it.
+row's result does not depend on M (row invariance). The instruction set is chosen at run time (AVX-512 with
+VNNI, AVX-512, AVX2 + FMA, portable C++; all give the same bits); ``block_mm_isa()`` names it.
 
 The extension is compiled once per source, torch version and Python into ``$SPECDEC_CACHE/kernels``
 (about a minute; a message says so). Where it cannot be built (no compiler), the same op is defined in
@@ -26,18 +27,19 @@ import torch
 from .layout import Layout, unpack, untiled
 
 SOURCE = Path(__file__).with_name("block_mm.cpp")
+SOURCES = (SOURCE, SOURCE.with_name("block_mm_avx512.h"))       # the files the extension is built from
 _state: dict[str, str] = {}
 _libraries: list[torch.library.Library] = []     # the Python definition, when used, kept alive here
 
 
 def block_mm_isa() -> str:
-    """The code path ``block_mm`` runs: "avx512", "avx2", "portable" (C++) or "reference" (Python)."""
+    """The code path ``block_mm`` runs: "avx512vnni", "avx512", "avx2", "portable" (C++) or "reference" (Python)."""
     load_block_mm()
     return _state["isa"]
 
 
 def set_block_mm_isa(name: str) -> None:
-    """Use a lower instruction set ("avx2", "portable") or the best one ("auto"): tests and benchmarks."""
+    """Use a lower instruction set ("avx512", "avx2", "portable") or the best one ("auto"): tests and benchmarks."""
     load_block_mm()
     if _state["isa"] == "reference":
         raise RuntimeError("the block_mm extension is not built: only the Python reference runs")
@@ -65,7 +67,8 @@ def _build() -> None:
 
     from ..cache_files import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
+    code = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(code + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
     directory = cache_dir() / "kernels" / f"block_mm-{key}"
     directory.mkdir(parents=True, exist_ok=True)
     if not any(directory.glob("*.so")):
