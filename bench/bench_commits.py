@@ -66,6 +66,24 @@ def systems(result: dict) -> list[tuple[str, float, dict]]:
             for name in names for key in runs if key.split("@")[0] == name]
 
 
+def table(result: dict) -> str:
+    """Markdown: each system's tokens/s at both commits, the ratio, and its per-step time inside / outside
+    graph calls."""
+    old, new = result["commits"]["old"], result["commits"]["new"]
+    rows = [f"| system | tok/s at `{old}` | tok/s at `{new}` | new / old | graph ms a step (old, new) "
+            "| host ms a step (old, new) |", "|---|---:|---:|---:|---:|---:|"]
+    for r in result["systems"]:
+        graph = ", ".join(f"{r[f'{side}_graph_ms_per_step']:.1f}" for side in ("old", "new"))
+        host = ", ".join(f"{r[f'{side}_outside_graphs_ms_per_step']:.2f}" for side in ("old", "new"))
+        name = r["system"] if r["system"] == r["old_system"] else f"{r['system']} (old: {r['old_system']})"
+        rows.append(f"| {name} | {r['old_tokens_per_s']:.2f} | {r['new_tokens_per_s']:.2f} | {r['ratio']:.3f} | "
+                    f"{graph} | {host} |")
+    rounds = len(result["order"]) // 2
+    rows += ["", f"Medians of {rounds} run(s) per commit, alternating ({', '.join(result['order'])}); each run "
+                 "is bench-spec's median over its prompts."]
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, help="the old commit")

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+from bench_commits import table as commits_table
 from bench_first_run import table as first_run_table
 from bench_pair import markdown_table as pair_table
 from bench_suffix import table as suffix_table
@@ -123,6 +124,7 @@ def spec(name: str) -> tuple[str, Table]:
 
 TABLES: dict[str, Table] = {
     "first_run": Table(("first_run",), first_run_table),
+    "commits_bench_spec": Table(("commits_bench_spec",), commits_table),
     "pair_code": Table(("pair_code",), pair_table, sources=False),
     "pair_code_compiled": Table(("pair_code_compiled",), pair_table, sources=False),
     "pair_code_t07": Table(("pair_code_t07",), pair_table, sources=False),
