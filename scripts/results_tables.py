@@ -129,6 +129,7 @@ TABLES: dict[str, Table] = {
     "pair_code_compiled": Table(("pair_code_compiled",), pair_table, sources=False),
     "pair_code_t07": Table(("pair_code_t07",), pair_table, sources=False),
     "pair_code_b4": Table(("pair_code_b4",), pair_table, sources=False),
+    "suffix_embedded": Table(("suffix_smollm2-135m-instruct",), suffix_table),
     "suffix_qwen": Table(("suffix_qwen2.5-coder-1.5b-instruct",), suffix_table),
     "suffix_gate_qwen": Table(("suffix_gate_qwen",), suffix_table),
     "runtime": Table(("runtime",), runtime.markdown_table),
