@@ -4,11 +4,11 @@
 kind, offset, mins)``, y [M, n] f32 = x [M, K] f32 · Wᵀ for a GGML-block matrix W [n, K] packed as
 ``layout`` describes (``core.block_linear`` packs it). As llama.cpp does, every group of G activations is
 quantized to int8 with one f32 scale (max |x| / 127, round to nearest even); the weight · activation dot
-products are exact integers (``vpmaddubsw`` / ``vpmaddwd``; ``vpdpbusd`` / ``vpdpwssd`` with AVX512-VNNI) and the
-scales are applied once per group. Its
-cost is flat in M up to 16 rows (a verify reads and unpacks the weights once, as a decode step does) and a
-row's result does not depend on M (row invariance). The instruction set is chosen at run time (AVX-512 with
-VNNI, AVX-512, AVX2 + FMA, portable C++; all give the same bits); ``block_mm_isa()`` names it.
+products are exact integers (``vpmaddubsw`` / ``vpmaddwd``; ``vpdpbusd`` / ``vpdpwssd`` with AVX512-VNNI) and
+the scales are applied once per group. Its cost is flat in M up to 16 rows (a verify reads and unpacks the
+weights once, as a decode step does) and a row's result does not depend on M (row invariance). The instruction
+set is chosen at run time (AVX-512 with VNNI, AVX-512, AVX2 + FMA, portable C++; all give the same bits);
+``block_mm_isa()`` names it.
 
 The extension is compiled once per source, torch version and Python into ``$SPECDEC_CACHE/kernels``
 (about a minute; a message says so). Where it cannot be built (no compiler), the same op is defined in

@@ -20,16 +20,16 @@
 //
 // Cost flat in M: a (tile, group)'s codes are loaded and unpacked once and applied to up to RMAX rows held in
 // registers; integer multiply-adds (vpmaddubsw / vpmaddwd, or with AVX512-VNNI vpdpbusd / vpdpwssd, which also
-// accumulate) do 32 or 64 weight·activation products an instruction. Threads: at::parallel_for over tiles. Each thread reads its tiles' bytes as one sequential stream,
-// which the hardware prefetcher follows: a software prefetch 8 groups ahead made a 1.5B forward pass 11 % (one
-// row) to 16 % (five rows) slower on a Skylake-SP. A row's per-group scalars (dx, float(sx), offset · sx, and for
-// s8 the activations widened to 16 bits) are prepared once per call, so the inner loops broadcast them from
-// memory (a load, not a shuffle).
+// accumulate) do 32 or 64 weight·activation products an instruction. Threads: at::parallel_for over tiles.
+// Each thread reads its tiles' bytes as one sequential stream, which the hardware prefetcher follows: a software
+// prefetch 8 groups ahead made a 1.5B forward pass 11 % (one row) to 16 % (five rows) slower on a Skylake-SP.
+// A row's per-group scalars (dx, float(sx), offset · sx, and for s8 the activations widened to 16 bits) are
+// prepared once per call, so the inner loops broadcast them from memory (a load, not a shuffle).
 //
 // Row invariance: the result for (row r, column n) is the same sequence of integer and f32 operations whatever
-// M is and whichever rows or columns share its tile or thread, on every path (AVX-512, AVX2, portable): the
-// integer dot is exact and the f32 steps are the ones above, per lane. So decode, verify and batched calls —
-// and the instruction-set paths — agree bit for bit.
+// M is and whichever rows or columns share its tile or thread, on every path (AVX-512 with or without VNNI,
+// AVX2, portable): the integer dot is exact and the f32 steps are the ones above, per lane. So decode, verify
+// and batched calls — and the instruction-set paths — agree bit for bit.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
