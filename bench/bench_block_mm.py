@@ -35,7 +35,7 @@ def random_layer(n: int, k: int, qtype: str, g: torch.Generator) -> BlockLinear:
     sb, _, group = FORMATS[qtype]
     lo, hi = (0, 16) if qtype == "Q4_K" else (-32, 32)
     codes = torch.randint(lo, hi, (n, k), dtype=torch.int16, generator=g)
-    d, dmin = torch.rand(n, k // sb, generator=g) * 1e-3, torch.rand(n, k // sb, generator=g) * 1e-3
+    d, dmin = ((torch.rand(n, k // sb, generator=g) * 1e-3).half() for _ in range(2))     # f16, as in GGUF
     sc, mn = (torch.randint(0, 63, (n, k // group), dtype=torch.int16, generator=g) for _ in range(2))
     if qtype == "Q6_K":
         dmin, mn = torch.zeros_like(dmin), torch.zeros_like(mn)

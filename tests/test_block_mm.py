@@ -71,7 +71,7 @@ def test_equals_the_quantized_activations_matmul(qtype):
     w = blocks(qtype, 70, 512)                  # 70 columns: a partial last tile
     layer = BlockLinear.from_blocks(w, torch.float32)
     x = torch.randn(9, 512)
-    expected = quantize_activations(x, w.group).double() @ w.dequantize().double().t()
+    expected = quantize_activations(x, w.superblock).double() @ w.dequantize().double().t()
     for isa in isas():
         set_block_mm_isa(isa)
         y = layer(x)
@@ -81,15 +81,21 @@ def test_equals_the_quantized_activations_matmul(qtype):
     assert (y.double() - full).abs().max() < 0.02 * full.abs().max()
 
 
-def test_activations_are_quantized_per_group_to_nearest_even():
+def test_activations_are_quantized_per_superblock_to_nearest_even():
     x = torch.tensor([[2.5, -1.5, 0.25, 127.0] + [0.0] * 12 + [0.0] * 16])     # group 0: scale 127 / 127 = 1
     q = quantize_activations(x, 16)
     assert q[0, :4].tolist() == [2.0, -2.0, 0.0, 127.0]
     assert torch.equal(q[0, 16:], torch.zeros(16))                   # an all-zero group stays zero
-    layer = BlockLinear.from_blocks(blocks("Q6_K", 16, 256), torch.float32)
-    x = torch.randn(2, 256)
-    expected = quantize_activations(x, 16).double() @ layer.dequantized().double().t()
-    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    # a K-quant (Q6_K: groups of 16) scales the activations per superblock of 256, as llama.cpp's Q8_K:
+    # an outlier sets the scale of its whole superblock, not only of its group
+    layer = BlockLinear.from_blocks(blocks("Q6_K", 16, 512), torch.float32)
+    x = torch.randn(2, 512)
+    x[:, 300] = 40.0
+    per_superblock = quantize_activations(x, 256).double() @ layer.dequantized().double().t()
+    per_group = quantize_activations(x, 16).double() @ layer.dequantized().double().t()
+    tolerance = 1e-6 * per_superblock.abs().max().item()
+    torch.testing.assert_close(layer(x).double(), per_superblock, rtol=1e-5, atol=tolerance)
+    assert (per_group - per_superblock).abs().max() > 100 * tolerance
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -189,7 +195,7 @@ def test_python_fallback_defines_the_same_op(tmp_path):
         "w = blocks('Q6_K', 20, 512)\n"
         "layer = BlockLinear.from_blocks(w, torch.float32)\n"
         "x = torch.randn(3, 512)\n"
-        "ref = quantize_activations(x, 16).double() @ w.dequantize().double().t()\n"
+        "ref = quantize_activations(x, 256).double() @ w.dequantize().double().t()\n"
         "torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)\n"
         "print('ok')\n")
     from pathlib import Path

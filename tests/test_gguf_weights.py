@@ -97,7 +97,7 @@ def test_kernel_layer_computes_with_the_file_values(qtype):
     assert isinstance(layer, BlockLinear)
     assert_bitwise_equal(layer.dequantized(), expected, qtype)          # the file's weights, packed exactly
     x = torch.randn(5, expected.shape[1], generator=torch.Generator().manual_seed(0))
-    reference = quantize_activations(x, layer.layout.group).double() @ expected.double().T   # 8-bit activations
+    reference = quantize_activations(x, layer.layout.superblock).double() @ expected.double().T   # 8-bit activations
     torch.testing.assert_close(layer(x).double(), reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
     # bf16: activations widened to f32, the output rounded to bf16
     y = BlockWeights.from_bytes(raw, qtype).to_module(torch.bfloat16)(x.bfloat16()).double()

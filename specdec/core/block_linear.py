@@ -9,8 +9,9 @@ which is GGML's own dequantization bit for bit. The kernel multiplies these weig
 quantized to 8 bits per group of G (as llama.cpp does: ``kernels``), with exact integer dot products.
 
 The layer packs the matrix in tiles of 16 output columns (``kernels.layout``): 4-bit codes two per byte
-(Q4_0, Q4_1, Q4_K: 4.75 bits a weight for Q4_K, the file's 4.5), Q6_K's and Q5_0's in 6 and 5 bits (6.6 and
-6.5 bits a weight; the files': 6.6 and 5.5), Q8_0's one byte each. A row's output does not
+(Q4_0, Q4_1, Q4_K), Q6_K's and Q5_0's in 6 and 5 bits, Q8_0's one byte each; d and dmin stay f16, as in the
+file. A call reads 4.625 bits a weight for Q4_K (the file: 4.5), 6.5625 for Q6_K (the same), 5.75 for Q5_0
+(5.5) and 8.75 for Q8_0 (8.5): the integer group scales and mins take a byte each. A row's output does not
 depend on how many rows the call has (row invariance), and a call of up to 16 rows reads the weights once.
 """
 from __future__ import annotations
@@ -45,8 +46,9 @@ class BlockLinear(nn.Module):
         kind, offset = KINDS[weights.qtype]
         n, k = weights.codes.shape
         layout = Layout(kind, offset, weights.group, weights.superblock, k, weights.qtype in U4_TYPES)
-        return cls(pack(weights.codes, layout), tiled(weights.d.float()), tiled(weights.dmin.float()),
-                   tiled(weights.sc.to(torch.int8)), tiled(weights.mn.to(torch.int8)), n, layout, bias, dtype)
+        d, dmin = (tiled(exact_f16(getattr(weights, name), name)) for name in ("d", "dmin"))
+        return cls(pack(weights.codes, layout), d, dmin, tiled(weights.sc.to(torch.int8)),
+                   tiled(weights.mn.to(torch.int8)), n, layout, bias, dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -84,7 +86,7 @@ class BlockLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] f32 the layer computes with."""
         n, layout = self.out_features, self._layout
-        d, dmin, sc, mn = (untiled(t, n) for t in (self.d, self.dmin, self.sc, self.mn))
+        d, dmin, sc, mn = (untiled(t, n).float() for t in (self.d, self.dmin, self.sc, self.mn))
         return dequantize(unpack(self.qs, n, layout), d, dmin, sc, mn, layout.group, layout.superblock)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,6 +96,15 @@ class BlockLinear(nn.Module):
                                        layout.group, layout.superblock, layout.kind, layout.offset, layout.mins)
         y = y.to(self._dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def exact_f16(values: torch.Tensor, name: str) -> torch.Tensor:
+    """``values`` as f16, which holds them exactly: GGUF stores every block's scales as f16 (Q4_0's dmin = 8 d
+    too); a value f16 cannot hold is an error, not a rounding."""
+    half = values.to(torch.float16)
+    if not torch.equal(half.float(), values.float()):
+        raise ValueError(f"BlockLinear: the block {name} values must be f16 numbers (GGUF's block scales are)")
+    return half
 
 
 def cat_biases(layers: list[nn.Module]) -> torch.Tensor | None:

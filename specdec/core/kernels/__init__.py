@@ -2,11 +2,13 @@
 
 ``block_mm`` (``block_mm.cpp``): ``torch.ops.specdec.block_mm(x, qs, d, dmin, sc, mn, n, group, superblock,
 kind, offset, mins)``, y [M, n] f32 = x [M, K] f32 · Wᵀ for a GGML-block matrix W [n, K] packed as
-``layout`` describes (``core.block_linear`` packs it). As llama.cpp does, every group of G activations is
-quantized to int8 with one f32 scale (max |x| / 127, round to nearest even); the weight · activation dot
-products are exact integers (``vpmaddubsw`` / ``vpmaddwd``; ``vpdpbusd`` / ``vpdpwssd`` with AVX512-VNNI) and
-the scales are applied once per group. Its cost is flat in M up to 16 rows (a verify reads and unpacks the
-weights once, as a decode step does) and a row's result does not depend on M (row invariance). The instruction
+``layout`` describes (``core.block_linear`` packs it). As llama.cpp does, the activations are quantized to
+int8 with one f32 scale (max |x| / 127, round to nearest even) per superblock of the weight: per group of 32
+for Q4_0 / Q4_1 / Q5_0 / Q8_0, per 256 for the K-quants (llama.cpp's Q8_K). The weight · activation dot
+products are exact integers (``vpmaddubsw`` / ``vpmaddwd``; ``vpdpbusd`` / ``vpdpwssd`` with AVX512-VNNI), a
+K-quant's integer group scales and mins are applied to integer sums, and the f32 scales once per superblock.
+Its cost is flat in M up to 16 rows (a verify reads and unpacks the weights once, as a decode step does) and a
+row's result does not depend on M (row invariance). The instruction
 set is chosen at run time (AVX-512 with VNNI, AVX-512, AVX2 + FMA, portable C++; all give the same bits);
 ``block_mm_isa()`` names it.
 
@@ -97,8 +99,8 @@ def dequantize(codes: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: tor
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x [M, K] f32 as ``block_mm`` sees it: every group of ``group`` values quantized to int8 with the scale
-    max |x| / 127 (round to nearest even), returned dequantized [M, K] f32."""
+    """x [M, K] f32 as ``block_mm`` sees it: every group of ``group`` values (the weight's superblock: 32 or
+    256) quantized to int8 with the scale max |x| / 127 (round to nearest even), returned dequantized [M, K]."""
     m, k = x.shape
     v = x.view(m, k // group, group)
     scale = v.abs().amax(-1, keepdim=True) / 127
@@ -111,8 +113,8 @@ def reference_block_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, dmin:
                        mins: bool) -> torch.Tensor:
     """``block_mm`` in PyTorch ops (the fallback, and the tests' reference)."""
     layout = Layout(kind, offset, group, superblock, x.shape[1], mins)
-    params = (untiled(t, n) for t in (d, dmin, sc, mn))
-    return quantize_activations(x, group) @ dequantize(unpack(qs, n, layout), *params, group, superblock).t()
+    params = (untiled(t, n).float() for t in (d, dmin, sc, mn))
+    return quantize_activations(x, superblock) @ dequantize(unpack(qs, n, layout), *params, group, superblock).t()
 
 
 def _fake(x, qs, d, dmin, sc, mn, n, group, superblock, kind, offset, mins):

@@ -1,11 +1,14 @@
 // specdec::block_mm — y = x · Wᵀ for a GGML-block weight matrix W [N, K] on 8-bit activations, as llama.cpp
-// computes: every group of G activations of a row is quantized to int8 with one f32 scale, the dot product of a
-// weight group with it is an exact integer, and the f32 scales are applied once per group.
+// computes: the activations of a row are quantized to int8 with one f32 scale per superblock of SB values (per
+// group where SB = G; per 256 for the K-quants, as llama.cpp's Q8_K), the dot product of a weight group with its
+// activations is an exact integer, the integer group scales are applied to integer sums, and the f32 scales once
+// per superblock.
 //
-// Activations (per row r and group g of G consecutive k; G = the weight's group, 16 or 32):
-//   dx = max|x| / 127,  xq = round-to-nearest-even(x · (1 / dx)) in [-127, 127] (0 where dx = 0),  sx = Σ xq.
+// Activations (per row r; superblock s of SB consecutive k, group g of G consecutive k; G = the weight's group):
+//   dx = max|x| / 127 over the superblock,  xq = round-to-nearest-even(x · (1 / dx)) in [-127, 127] (0 where
+//   dx = 0),  sx = Σ xq over the group.
 // Weights, packed in tiles of 16 output columns (specdec/core/block_linear.py packs them):
-//   d, dmin f32 [T, K/SB, 16];  sc, mn int8 [T, K/G, 16];  T = ceil(N / 16) tiles, column n = 16 t + lane;
+//   d, dmin f16 [T, K/SB, 16] (GGUF's own f16 fields);  sc, mn int8 [T, K/G, 16];  T = ceil(N / 16) tiles, column n = 16 t + lane;
 //   w[n, k] = (d · sc) · q − dmin · mn per group (GGML's dequantization; q the signed code).
 //   qs, by kind (the bytes of one (tile, group) are contiguous, tiles after groups: [T][K/G][bytes]):
 //     u4 (Q4_0 / Q4_1 / Q4_K, G = 32, q in [0, 15]): 4 vectors of 64 bytes; in vector v, lane j's byte i holds
@@ -14,21 +17,24 @@
 //         byte i of vector w holds c[8 w + i] (low nibble) and c[8 w + 4 + i] (high nibble) — then one vector of
 //         the high bits: lane j's byte i holds c[4 v + i]'s high bits at bits b·v .. b·v + b − 1 (b = 2 / 1);
 //     s8 (Q8_0, q in [-128, 127]): G/2 vectors of 32 bytes; lane j's byte i of vector v = q[G g + 2 v + i].
-// Per lane (column) and group, in this order:
-//   dot = Σ q · xq (exact; u6 / u5: Σ (q + offset) · xq − offset · sx),  u = a · float(dot) with a = d · sc,
-//   u = fma(b, float(sx), u) with b = 0 − dmin · mn (only where the layer has mins),  acc = fma(u, dx, acc).
+// Per lane (column) and superblock, in this order (dot = Σ q · xq over a group, exact; u6 / u5 compute it as
+// Σ (q + offset) · xq − offset · sx):
+//   SB = G (one group):    a = d · sc,  b = 0 − dmin · mn,  isum = dot,             msum = sx;
+//   SB = 256 (K-quants):   a = d,       b = 0 − dmin,       isum = Σ_g sc · dot,    msum = Σ_g mn · sx (exact);
+//   u = a · float(isum),  u = fma(b, float(msum), u) (only where the layer has mins),  acc = fma(u, dx, acc).
 //
 // Cost flat in M: a (tile, group)'s codes are loaded and unpacked once and applied to up to RMAX rows held in
 // registers; integer multiply-adds (vpmaddubsw / vpmaddwd, or with AVX512-VNNI vpdpbusd / vpdpwssd, which also
-// accumulate) do 32 or 64 weight·activation products an instruction. Threads: at::parallel_for over tiles.
+// accumulate) do 32 or 64 weight·activation products an instruction, and a K-quant's superblock costs a row one
+// integer multiply-add per group and its f32 steps once. Threads: at::parallel_for over tiles.
 // Each thread reads its tiles' bytes as one sequential stream, which the hardware prefetcher follows: a software
 // prefetch 8 groups ahead made a 1.5B forward pass 11 % (one row) to 16 % (five rows) slower on a Skylake-SP.
-// A row's per-group scalars (dx, float(sx), offset · sx, and for s8 the activations widened to 16 bits) are
-// prepared once per call, so the inner loops broadcast them from memory (a load, not a shuffle).
+// A row's per-group scalars (dx, float(sx), sx in 16 bits, offset · sx, and for s8 the activations widened to 16
+// bits) are prepared once per call, so the inner loops broadcast them from memory (a load, not a shuffle).
 //
 // Row invariance: the result for (row r, column n) is the same sequence of integer and f32 operations whatever
 // M is and whichever rows or columns share its tile or thread, on every path (AVX-512 with or without VNNI,
-// AVX2, portable): the integer dot is exact and the f32 steps are the ones above, per lane. So decode, verify
+// AVX2, portable): the integer sums are exact and the f32 steps are the ones above, per lane. So decode, verify
 // and batched calls — and the instruction-set paths — agree bit for bit.
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -53,35 +59,39 @@ constexpr int LANES = 16;  // output columns per tile
 enum Kind : int64_t { U4 = 0, S8 = 1, U6 = 2, U5 = 3 };
 
 struct Args {
-  const int8_t* xq; const float* dx; const int32_t* sx; const float* sxf; const int32_t* osx; const int16_t* xw; float* y;
-  const uint8_t* qs; const float* d; const float* dmin; const int8_t* sc; const int8_t* mn;
+  const int8_t* xq; const float* dx; const int32_t* sx; const float* sxf; const int16_t* sx16; const int32_t* osx;
+  const int16_t* xw; float* y;
+  const uint8_t* qs; const at::Half* d; const at::Half* dmin; const int8_t* sc; const int8_t* mn;
   int64_t M, N, K, G, SB, offset;
   Kind kind; bool mins;
   int64_t groups() const { return K / G; }
+  int64_t per() const { return SB / G; }       // groups a superblock: 1, or 8 / 16 for the K-quants
   int64_t group_bytes() const { return LANES * G * bits(kind) / 8; }
   static int64_t bits(int64_t kind) { return kind == U4 ? 4 : kind == U6 ? 6 : kind == U5 ? 5 : 8; }
 };
 
 // ---------------------------------------------------------------------------------------- activations
-// Row r's groups quantized (the same bits on every path: an exact max, one division, one product and
-// round-to-nearest-even per value).
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* dx, int32_t* sx) {
+// Row r's superblocks quantized (the same bits on every path: an exact max, one division, one product and
+// round-to-nearest-even per value), with the sum of every group.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int64_t SB, int8_t* xq, float* dx, int32_t* sx) {
   for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < K / G; ++g) {
-      const float* v = x + r * K + g * G;
+    for (int64_t s = 0; s < K / SB; ++s) {
+      const float* v = x + r * K + s * SB;
       float amax = 0.f;
-      for (int64_t i = 0; i < G; ++i) amax = std::max(amax, std::fabs(v[i]));
+      for (int64_t i = 0; i < SB; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float d = amax / 127.f;
       const float id = d != 0.f ? 1.f / d : 0.f;
-      int32_t s = 0;
-      for (int64_t i = 0; i < G; ++i) {
+      for (int64_t i = 0; i < SB; ++i) {
         const float q = (v[i] * id + 12582912.f) - 12582912.f;   // 1.5 · 2^23: round to nearest even
-        const int32_t qi = static_cast<int32_t>(std::min(127.f, std::max(-127.f, q)));
-        xq[r * K + g * G + i] = static_cast<int8_t>(qi);
-        s += qi;
+        xq[r * K + s * SB + i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
       }
-      dx[r * (K / G) + g] = d;
-      sx[r * (K / G) + g] = s;
+      dx[r * (K / SB) + s] = d;
+    }
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < K / G; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < G; ++i) sum += xq[r * K + g * G + i];
+      sx[r * (K / G) + g] = sum;
     }
 }
 
@@ -104,23 +114,34 @@ inline int32_t code(const Args& p, const uint8_t* tile_group, int j, int64_t i) 
 
 template <int R>
 void tile_portable(const Args& p, int64_t t, int64_t r0) {
-  const int64_t ng = p.groups(), per = p.SB / p.G;
+  const int64_t ng = p.groups(), per = p.per(), nsb = p.K / p.SB;
   const int lanes = static_cast<int>(std::min<int64_t>(LANES, p.N - t * LANES));
   for (int j = 0; j < lanes; ++j) {
     float acc[R] = {};
-    for (int64_t g = 0; g < ng; ++g) {
-      const uint8_t* tg = p.qs + (t * ng + g) * p.group_bytes();
-      const float a = p.d[(t * (p.K / p.SB) + g / per) * LANES + j] * static_cast<float>(p.sc[(t * ng + g) * LANES + j]);
-      const float b = 0.f - p.dmin[(t * (p.K / p.SB) + g / per) * LANES + j] *
-                                static_cast<float>(p.mn[(t * ng + g) * LANES + j]);
+    for (int64_t s = 0; s < nsb; ++s) {
+      const float dj = static_cast<float>(p.d[(t * nsb + s) * LANES + j]);
+      const float mj = static_cast<float>(p.dmin[(t * nsb + s) * LANES + j]);
+      const int64_t g0 = s * per;
+      const float a = per == 1 ? dj * static_cast<float>(p.sc[(t * ng + g0) * LANES + j]) : dj;
+      const float b = per == 1 ? 0.f - mj * static_cast<float>(p.mn[(t * ng + g0) * LANES + j]) : 0.f - mj;
       for (int r = 0; r < R; ++r) {
-        const int8_t* xr = p.xq + (r0 + r) * p.K + g * p.G;
-        int32_t dot = 0;
-        for (int64_t i = 0; i < p.G; ++i) dot += code(p, tg, j, i) * xr[i];
-        const int64_t rg = (r0 + r) * ng + g;
-        float u = a * static_cast<float>(dot);
-        if (p.mins) u = __builtin_fmaf(b, static_cast<float>(p.sx[rg]), u);
-        acc[r] = __builtin_fmaf(u, p.dx[rg], acc[r]);
+        int32_t isum = 0, msum = 0;
+        for (int64_t g = g0; g < g0 + per; ++g) {
+          const uint8_t* tg = p.qs + (t * ng + g) * p.group_bytes();
+          const int8_t* xr = p.xq + (r0 + r) * p.K + g * p.G;
+          int32_t dot = 0;
+          for (int64_t i = 0; i < p.G; ++i) dot += code(p, tg, j, i) * xr[i];
+          const int32_t sx = p.sx[(r0 + r) * ng + g];
+          if (per == 1) {
+            isum = dot, msum = sx;
+          } else {
+            isum += static_cast<int32_t>(p.sc[(t * ng + g) * LANES + j]) * dot;
+            msum += static_cast<int32_t>(p.mn[(t * ng + g) * LANES + j]) * sx;
+          }
+        }
+        float u = a * static_cast<float>(isum);
+        if (p.mins) u = __builtin_fmaf(b, static_cast<float>(msum), u);
+        acc[r] = __builtin_fmaf(u, p.dx[(r0 + r) * nsb + s], acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) p.y[(r0 + r) * p.N + t * LANES + j] = acc[r];
@@ -138,12 +159,25 @@ AVX512 inline __m512i bcast32(const T* p) {
   return _mm512_set1_epi32(v);
 }
 
-// acc + dx · (a · dot + b · sx) for one row and group, per lane in the order of the header (b only with mins).
-// The row's scalars are broadcast from memory (a load, not a shuffle): sxf = float(sx), exact.
-AVX512 inline __m512 apply_scales(const Args& p, __m512 a, __m512 b, __m512i dot, int64_t rg, __m512 acc) {
-  __m512 u = _mm512_mul_ps(a, _mm512_cvtepi32_ps(dot));
-  if (p.mins) u = _mm512_fmadd_ps(b, _mm512_broadcastss_ps(_mm_load_ss(p.sxf + rg)), u);
-  return _mm512_fmadd_ps(u, _mm512_broadcastss_ps(_mm_load_ss(p.dx + rg)), acc);
+// acc + dx · (a · float(isum) + b · float(msum)) for one row and superblock, per lane in the order of the header
+// (b only with mins); dx is broadcast from memory (a load, not a shuffle).
+AVX512 inline __m512 apply_scales(const Args& p, __m512 a, __m512 b, __m512i isum, __m512 msum, const float* dx,
+                                  __m512 acc) {
+  __m512 u = _mm512_mul_ps(a, _mm512_cvtepi32_ps(isum));
+  if (p.mins) u = _mm512_fmadd_ps(b, msum, u);
+  return _mm512_fmadd_ps(u, _mm512_broadcastss_ps(_mm_load_ss(dx)), acc);
+}
+
+// 16 lanes' f16 scales as f32 (exact)
+AVX512 inline __m512 load_f16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// A group's dot into its superblock's integer sum: isum + sc · dot (SUPER), or the dot itself (one group).
+template <bool SUPER>
+AVX512 inline __m512i add_scaled(__m512i isum, __m512i dot, __m512i sc) {
+  if constexpr (SUPER) return _mm512_add_epi32(isum, _mm512_mullo_epi32(dot, sc));
+  return dot;
 }
 
 #define SPECDEC_TILE tile_avx512
@@ -218,35 +252,40 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "block_mm: x must be a contiguous f32 [M, K]");
   TORCH_CHECK(kind >= U4 && kind <= U5, "block_mm: kind must be 0 (u4), 1 (s8), 2 (u6) or 3 (u5)");
-  TORCH_CHECK((group == 16 || group == 32) && superblock % group == 0 && (kind != U4 || group == 32) &&
-              (kind != U6 || group == 16) && (kind != U5 || group == 32),
-              "block_mm: group 16 or 32 (u4, u5: 32; u6: 16), superblock a multiple of it");
+  TORCH_CHECK((group == 16 || group == 32) && (superblock == group || superblock == 256) &&
+              (kind != U4 || group == 32) && (kind != U6 || group == 16) && (kind != U5 || group == 32),
+              "block_mm: group 16 or 32 (u4, u5: 32; u6: 16), superblock the group or 256");
+  TORCH_CHECK(!mins || superblock == group || group == 32, "block_mm: mins with superblock 256 need group 32");
   const int64_t M = x.size(0), K = x.size(1), T = (n + LANES - 1) / LANES;
   TORCH_CHECK(K % superblock == 0, "block_mm: K must be a multiple of the superblock");
   const int64_t gbytes = LANES * group * Args::bits(kind) / 8;
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == T * (K / group) * gbytes,
               "block_mm: qs must be contiguous uint8 [T, K/group, group bytes]");
-  TORCH_CHECK(d.scalar_type() == at::kFloat && dmin.scalar_type() == at::kFloat && d.is_contiguous() &&
+  TORCH_CHECK(d.scalar_type() == at::kHalf && dmin.scalar_type() == at::kHalf && d.is_contiguous() &&
               dmin.is_contiguous() && d.numel() == T * (K / superblock) * LANES && dmin.numel() == d.numel(),
-              "block_mm: d / dmin must be contiguous f32 [T, K/superblock, 16]");
+              "block_mm: d / dmin must be contiguous f16 [T, K/superblock, 16]");
   TORCH_CHECK(sc.scalar_type() == at::kChar && mn.scalar_type() == at::kChar && sc.is_contiguous() &&
               mn.is_contiguous() && sc.numel() == T * (K / group) * LANES && mn.numel() == sc.numel(),
               "block_mm: sc / mn must be contiguous int8 [T, K/group, 16]");
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
   std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * (K / group));
+  std::vector<float> dx(M * (K / superblock));
   std::vector<int32_t> sx(M * (K / group));
-  quantize_rows(x.data_ptr<float>(), M, K, group, xq.data(), dx.data(), sx.data());
+  quantize_rows(x.data_ptr<float>(), M, K, group, superblock, xq.data(), dx.data(), sx.data());
   const int64_t off = kind == U6 || kind == U5 ? offset : 0;
   std::vector<float> sxf(sx.size());
+  std::vector<int16_t> sx16(sx.size());     // |sx| ≤ 32 · 127: exact in 16 bits, for vpmaddwd pairs of groups
   std::vector<int32_t> osx(sx.size());
-  for (size_t i = 0; i < sx.size(); ++i) sxf[i] = static_cast<float>(sx[i]), osx[i] = static_cast<int32_t>(off) * sx[i];
+  for (size_t i = 0; i < sx.size(); ++i) {
+    sxf[i] = static_cast<float>(sx[i]), sx16[i] = static_cast<int16_t>(sx[i]);
+    osx[i] = static_cast<int32_t>(off) * sx[i];
+  }
   std::vector<int16_t> xw(kind == S8 ? M * K : 0);     // s8: the activations widened once, for vpmaddwd
   for (size_t i = 0; i < xw.size(); ++i) xw[i] = xq[i];
-  Args p{xq.data(), dx.data(), sx.data(), sxf.data(), osx.data(), xw.data(), y.data_ptr<float>(), qs.data_ptr<uint8_t>(), d.data_ptr<float>(),
-         dmin.data_ptr<float>(), sc.data_ptr<int8_t>(), mn.data_ptr<int8_t>(), M, n, K, group, superblock,
-         off, static_cast<Kind>(kind), mins};
+  Args p{xq.data(), dx.data(), sx.data(), sxf.data(), sx16.data(), osx.data(), xw.data(), y.data_ptr<float>(),
+         qs.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), dmin.data_ptr<at::Half>(), sc.data_ptr<int8_t>(),
+         mn.data_ptr<int8_t>(), M, n, K, group, superblock, off, static_cast<Kind>(kind), mins};
   const Isa isa = forced();
   // the tile function of a full row chunk (RMAX rows) and of the last, shorter one: picked once per call
   const TileFn full = tile_fn(RMAX, isa, std::make_integer_sequence<int, RMAX>{});

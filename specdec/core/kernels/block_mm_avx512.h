@@ -4,118 +4,154 @@
 // an instruction summed in 32 bits; 0: vpmaddubsw, 16-bit adds and vpmaddwd). Both compute the same exact
 // integer dot, so both paths give the same bits.
 
-// Tile t, rows r0 .. r0 + R: every group's codes unpacked once, applied to the R rows.
-template <int R, Kind KIND>
+// Tile t, rows r0 .. r0 + R: every group's codes unpacked once, applied to the R rows; per superblock, each row's
+// integer sums (isum, msum) then its f32 steps (apply_scales). SUPER: superblocks of several groups (K-quants).
+template <int R, Kind KIND, bool SUPER>
 SPECDEC_TARGET void SPECDEC_TILE(const Args& p, int64_t t, int64_t r0) {
-  const int64_t ng = p.groups(), per = p.SB / p.G, gb = p.group_bytes();
+  const int64_t ng = p.groups(), per = p.per(), nsb = p.K / p.SB, gb = p.group_bytes();
   [[maybe_unused]] const __m512i ones16 = _mm512_set1_epi16(1);   // vpmaddwd's pair sums (not with VNNI)
   const __m512i low4 = _mm512_set1_epi8(15);
+  // 16-bit element 2j ← element j, 2j + 1 ← element 16 + j: two groups' mins of lane j side by side
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* x0 = p.xq + r0 * p.K;
   const int64_t rg0 = r0 * ng;      // (row, group) index of row r0's group 0
-  __m512 dv = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
-  const float* dt = p.d + t * (p.K / p.SB) * LANES;       // the superblock scales, advanced every `per` groups
-  const float* mt = p.dmin + t * (p.K / p.SB) * LANES;
-  for (int64_t g = 0, left = 0; g < ng; ++g, --left) {
-    const uint8_t* tg = p.qs + (t * ng + g) * gb;
-    if (left == 0) {
-      dv = _mm512_loadu_ps(dt);
-      if (p.mins) mv = _mm512_loadu_ps(mt);
-      dt += LANES, mt += LANES, left = per;
+  for (int64_t s = 0; s < nsb; ++s) {
+    const int64_t g0 = s * per;
+    const __m512 dv = load_f16(p.d + (t * nsb + s) * LANES);
+    const __m512 mv = p.mins ? load_f16(p.dmin + (t * nsb + s) * LANES) : _mm512_setzero_ps();
+    __m512 a = dv, b = _mm512_sub_ps(_mm512_setzero_ps(), mv);
+    if constexpr (!SUPER) {      // one group: its integer scale and min join the f32 ones
+      a = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.sc + (t * ng + g0) * LANES)))));
+      if (p.mins)
+        b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mn + (t * ng + g0) * LANES))))));
     }
-    const __m512 a = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.sc + (t * ng + g) * LANES)))));
-    __m512 b = _mm512_setzero_ps();
-    if (p.mins)
-      b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mn + (t * ng + g) * LANES))))));
-    if constexpr (KIND == U4) {
-      __m512i lo[4], hi[4];
-#pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) {
-        const __m512i q = _mm512_loadu_si512(tg + 64 * v);
-        lo[v] = _mm512_and_si512(q, low4);
-        hi[v] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-      }
+    __m512i isum[R];
+    if constexpr (SUPER)
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = x0 + r * p.K + 32 * g;
-#if SPECDEC_VNNI
-        __m512i dot = _mm512_setzero_si512();       // 4 products a lane an instruction, summed in 32 bits
+      for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int64_t gi = 0; gi < (SUPER ? per : 1); ++gi) {
+      const int64_t g = g0 + gi;
+      const uint8_t* tg = p.qs + (t * ng + g) * gb;
+      const __m512i sc32 = !SUPER ? _mm512_setzero_si512() : _mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.sc + (t * ng + g) * LANES)));
+      if constexpr (KIND == U4) {
+        __m512i lo[4], hi[4];
 #pragma GCC unroll 4
         for (int v = 0; v < 4; ++v) {
-          dot = _mm512_dpbusd_epi32(dot, lo[v], bcast32(xr + 8 * v));
-          dot = _mm512_dpbusd_epi32(dot, hi[v], bcast32(xr + 8 * v + 4));
+          const __m512i q = _mm512_loadu_si512(tg + 64 * v);
+          lo[v] = _mm512_and_si512(q, low4);
+          hi[v] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
         }
-#else
-        __m512i s = _mm512_maddubs_epi16(lo[0], bcast32(xr));      // |Σ| ≤ 8 · 2 · 15 · 127 < 2^15
-        s = _mm512_add_epi16(s, _mm512_maddubs_epi16(hi[0], bcast32(xr + 4)));
-#pragma GCC unroll 4
-        for (int v = 1; v < 4; ++v) {
-          s = _mm512_add_epi16(s, _mm512_maddubs_epi16(lo[v], bcast32(xr + 8 * v)));
-          s = _mm512_add_epi16(s, _mm512_maddubs_epi16(hi[v], bcast32(xr + 8 * v + 4)));
-        }
-        const __m512i dot = _mm512_madd_epi16(s, ones16);
-#endif
-        acc[r] = apply_scales(p, a, b, dot, rg0 + r * ng + g, acc[r]);
-      }
-    } else if constexpr (KIND == U6 || KIND == U5) {
-      // codes + offset in [0, 63]: two products of a pair sum below 2^15, so two vpmaddubsw add in 16 bits
-      constexpr int NV = KIND == U6 ? 4 : 8;     // vectors of 4 codes per lane (G / 4)
-      // c[4v + i] = low nibble | high bits << 4: the high bits of vector v sit at bit HB·v of the last vector
-      constexpr int HB = KIND == U6 ? 2 : 1;
-      __m512i q[NV];
-      const __m512i h = _mm512_loadu_si512(tg + 64 * (NV / 2)), high = _mm512_set1_epi8(((1 << HB) - 1) << 4);
-#pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) {
-        const __m512i l = _mm512_loadu_si512(tg + 64 * (v / 2));
-        const __m512i lo = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(l, 4) : l, low4);
-        const int shift = 4 - HB * v;    // moves bit HB·v to bit 4
-        const __m512i hi = shift >= 0 ? _mm512_slli_epi16(h, shift) : _mm512_srli_epi16(h, -shift);
-        q[v] = _mm512_or_si512(lo, _mm512_and_si512(hi, high));
-      }
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = x0 + r * p.K + p.G * g;
-        __m512i dot = _mm512_setzero_si512();
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = x0 + r * p.K + 32 * g;
+#if SPECDEC_VNNI
+          __m512i dot = _mm512_setzero_si512();       // 4 products a lane an instruction, summed in 32 bits
+#pragma GCC unroll 4
+          for (int v = 0; v < 4; ++v) {
+            dot = _mm512_dpbusd_epi32(dot, lo[v], bcast32(xr + 8 * v));
+            dot = _mm512_dpbusd_epi32(dot, hi[v], bcast32(xr + 8 * v + 4));
+          }
+#else
+          __m512i s16 = _mm512_maddubs_epi16(lo[0], bcast32(xr));      // |Σ| ≤ 8 · 2 · 15 · 127 < 2^15
+          s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(hi[0], bcast32(xr + 4)));
+#pragma GCC unroll 4
+          for (int v = 1; v < 4; ++v) {
+            s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(lo[v], bcast32(xr + 8 * v)));
+            s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(hi[v], bcast32(xr + 8 * v + 4)));
+          }
+          const __m512i dot = _mm512_madd_epi16(s16, ones16);
+#endif
+          isum[r] = add_scaled<SUPER>(isum[r], dot, sc32);
+        }
+      } else if constexpr (KIND == U6 || KIND == U5) {
+        // codes + offset in [0, 63]: two products of a pair sum below 2^15, so two vpmaddubsw add in 16 bits
+        constexpr int NV = KIND == U6 ? 4 : 8;     // vectors of 4 codes per lane (G / 4)
+        // c[4v + i] = low nibble | high bits << 4: the high bits of vector v sit at bit HB·v of the last vector
+        constexpr int HB = KIND == U6 ? 2 : 1;
+        __m512i q[NV];
+        const __m512i h = _mm512_loadu_si512(tg + 64 * (NV / 2)), high = _mm512_set1_epi8(((1 << HB) - 1) << 4);
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) {
+          const __m512i l = _mm512_loadu_si512(tg + 64 * (v / 2));
+          const __m512i lo = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(l, 4) : l, low4);
+          const int shift = 4 - HB * v;    // moves bit HB·v to bit 4
+          const __m512i hi = shift >= 0 ? _mm512_slli_epi16(h, shift) : _mm512_srli_epi16(h, -shift);
+          q[v] = _mm512_or_si512(lo, _mm512_and_si512(hi, high));
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = x0 + r * p.K + p.G * g;
+          __m512i dot = _mm512_setzero_si512();
 #if SPECDEC_VNNI
 #pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) dot = _mm512_dpbusd_epi32(dot, q[v], bcast32(xr + 4 * v));
+          for (int v = 0; v < NV; ++v) dot = _mm512_dpbusd_epi32(dot, q[v], bcast32(xr + 4 * v));
 #else
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; v += 2) {
-          const __m512i s = _mm512_add_epi16(_mm512_maddubs_epi16(q[v], bcast32(xr + 4 * v)),
-                                             _mm512_maddubs_epi16(q[v + 1], bcast32(xr + 4 * v + 4)));
-          dot = _mm512_add_epi32(dot, _mm512_madd_epi16(s, ones16));
-        }
+          for (int v = 0; v < NV; v += 2) {
+            const __m512i s16 = _mm512_add_epi16(_mm512_maddubs_epi16(q[v], bcast32(xr + 4 * v)),
+                                                 _mm512_maddubs_epi16(q[v + 1], bcast32(xr + 4 * v + 4)));
+            dot = _mm512_add_epi32(dot, _mm512_madd_epi16(s16, ones16));
+          }
 #endif
-        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(p.osx[rg0 + r * ng + g]));   // offset · sx, broadcast from memory
-        acc[r] = apply_scales(p, a, b, dot, rg0 + r * ng + g, acc[r]);
-      }
-    } else {
-      // signed codes: widened to 16 bits, vpmaddwd with the activations' pairs
-      const int64_t nv = p.G / 2;     // 8 or 16 vectors of 16 lanes × 2 codes
-      __m512i q[16];
+          dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(p.osx[rg0 + r * ng + g]));   // offset · sx, from memory
+          isum[r] = add_scaled<SUPER>(isum[r], dot, sc32);
+        }
+      } else {
+        // signed codes: widened to 16 bits, vpmaddwd with the activations' pairs
+        const int64_t nv = p.G / 2;     // 8 or 16 vectors of 16 lanes × 2 codes
+        __m512i q[16];
 #pragma GCC unroll 16
-      for (int v = 0; v < 16; ++v)
-        if (v < nv) q[v] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 32 * v)));
+        for (int v = 0; v < 16; ++v)
+          if (v < nv) q[v] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 32 * v)));
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const int16_t* xr = p.xw + (r0 + r) * p.K + p.G * g;
-        __m512i dot = _mm512_setzero_si512();
+        for (int r = 0; r < R; ++r) {
+          const int16_t* xr = p.xw + (r0 + r) * p.K + p.G * g;
+          __m512i dot = _mm512_setzero_si512();
 #pragma GCC unroll 16
-        for (int v = 0; v < 16; ++v) {
-          if (v >= nv) break;
+          for (int v = 0; v < 16; ++v) {
+            if (v >= nv) break;
 #if SPECDEC_VNNI
-          dot = _mm512_dpwssd_epi32(dot, q[v], bcast32(xr + 2 * v));   // (x[2v], x[2v+1]) in 16 bits
+            dot = _mm512_dpwssd_epi32(dot, q[v], bcast32(xr + 2 * v));   // (x[2v], x[2v+1]) in 16 bits
 #else
-          dot = _mm512_add_epi32(dot, _mm512_madd_epi16(q[v], bcast32(xr + 2 * v)));
+            dot = _mm512_add_epi32(dot, _mm512_madd_epi16(q[v], bcast32(xr + 2 * v)));
 #endif
+          }
+          isum[r] = add_scaled<SUPER>(isum[r], dot, sc32);
         }
-        acc[r] = apply_scales(p, a, b, dot, rg0 + r * ng + g, acc[r]);
       }
+    }
+    // the mins' sums, then the f32 steps of every row
+    __m512i mnpair[4];        // K-quants with mins (Q4_K): 8 groups, as 4 pairs of 16-bit mins per lane
+    if (SUPER && p.mins)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i)
+        mnpair[i] = _mm512_permutexvar_epi16(interleave, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(p.mn + (t * ng + g0 + 2 * i) * LANES))));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = rg0 + r * ng + g0;
+      __m512 msum = _mm512_setzero_ps();
+      if (!SUPER && p.mins) {
+        msum = _mm512_broadcastss_ps(_mm_load_ss(p.sxf + rg));
+      } else if (p.mins) {
+        __m512i m = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+#if SPECDEC_VNNI
+          m = _mm512_dpwssd_epi32(m, mnpair[i], bcast32(p.sx16 + rg + 2 * i));
+#else
+          m = _mm512_add_epi32(m, _mm512_madd_epi16(mnpair[i], bcast32(p.sx16 + rg + 2 * i)));
+#endif
+        msum = _mm512_cvtepi32_ps(m);
+      }
+      acc[r] = apply_scales(p, a, b, isum[r], msum, p.dx + (r0 + r) * nsb + s, acc[r]);
     }
   }
   const int64_t lanes = std::min<int64_t>(LANES, p.N - t * LANES);
@@ -126,8 +162,9 @@ SPECDEC_TARGET void SPECDEC_TILE(const Args& p, int64_t t, int64_t r0) {
 
 template <int R>
 SPECDEC_TARGET void SPECDEC_TILE_ANY(const Args& p, int64_t t, int64_t r0) {
-  if (p.kind == U4) return SPECDEC_TILE<R, U4>(p, t, r0);
-  if (p.kind == U6) return SPECDEC_TILE<R, U6>(p, t, r0);
-  if (p.kind == U5) return SPECDEC_TILE<R, U5>(p, t, r0);
-  return SPECDEC_TILE<R, S8>(p, t, r0);
+  const bool super = p.SB > p.G;
+  if (p.kind == U4) return super ? SPECDEC_TILE<R, U4, true>(p, t, r0) : SPECDEC_TILE<R, U4, false>(p, t, r0);
+  if (p.kind == U6) return super ? SPECDEC_TILE<R, U6, true>(p, t, r0) : SPECDEC_TILE<R, U6, false>(p, t, r0);
+  if (p.kind == U5) return super ? SPECDEC_TILE<R, U5, true>(p, t, r0) : SPECDEC_TILE<R, U5, false>(p, t, r0);
+  return super ? SPECDEC_TILE<R, S8, true>(p, t, r0) : SPECDEC_TILE<R, S8, false>(p, t, r0);
 }
