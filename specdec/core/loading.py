@@ -19,6 +19,7 @@ from .checkpoint import load_weights
 from .config import ModelConfig, amp_dtype
 from .gguf_weights import load_gguf_blocks
 from .graphs import BACKENDS, backend_device
+from .huge_pages import move_to_huge_pages
 from .kv_quant import parse_kv_cache_dtype
 from .model import DecoderLM, check_feature_layers, check_output_vocab_size
 from .parallel import shard_plan, spmd_group, tp_group
@@ -131,6 +132,7 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
         lm.restrict_output_vocab(output_vocab_size)
         config = lm.config
     lm.eval().requires_grad_(False)
+    move_to_huge_pages(lm)          # a CPU decode step streams every weight: 2 MiB pages, not 4 KiB
     return LoadedDecoder(path, gguf or path, config, lm, settings)
 
 
