@@ -3,9 +3,7 @@ Q4_K projections and a Q6_K LM head, random codes, about 1 GB: every call reads 
 a forward pass): milliseconds per layer kind and per whole forward pass for M rows (1 = a decode step, 5 / 9
 = a verify of k = 4 / 8), and each M's cost relative to one row (flat = 1), for each instruction-set path of
 ``--isas`` in turn (e.g. ``avx512vnni,avx512``: the same CPU with and without VNNI). Prints JSON with the CPU,
-the command and the commit, and (with AVX512-VNNI) the CPU's peak rate of ``vpdpbusd`` on all threads, from
-which it derives the least time a row can cost: every row needs one ``vpdpbusd`` per 64 weight ·
-activation products. To compare kernel versions, run it under each checkout back to back on an idle
+the command and the commit. To compare kernel versions, run it under each checkout back to back on an idle
 machine (``PYTHONPATH=<checkout>``; each source builds its own extension).
 
     python bench/bench_block_mm.py --threads 2 --rows 1,5,9,16 [--isas avx512vnni,avx512]
@@ -63,7 +61,7 @@ def main() -> None:
         set_block_mm_isa(isa)
         results += forward_passes(stack, [int(v) for v in a.rows.split(",")], a.repeats, g)
     report = {"command": "python " + " ".join(sys.argv), "machine": machine_info(), "threads": a.threads,
-              "commit": git_commit(), "results": results, "int8_peak": int8_peak(stack, a.threads)}
+              "commit": git_commit(), "results": results}
     text = json.dumps(report, indent=2)
     if a.output:
         Path(a.output).write_text(text + "\n")
@@ -91,50 +89,6 @@ def forward_passes(stack: dict[str, list[BlockLinear]], rows: list[int], repeats
                         "ms": kinds})
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     return results
-
-
-PEAK_SOURCE = r"""
-#include <immintrin.h>
-#include <ATen/Parallel.h>
-#include <chrono>
-// vpdpbusd on 8 independent accumulators per thread, every thread: instructions a second (the CPU's peak)
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) static int64_t chains(int64_t iters) {
-  __m512i a[8];
-  const __m512i b = _mm512_set1_epi32(0x01020304), c = _mm512_set1_epi32(0x01010101);
-  for (int i = 0; i < 8; ++i) a[i] = _mm512_set1_epi32(i);
-  for (int64_t n = 0; n < iters; ++n) {
-    for (int i = 0; i < 8; ++i) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
-    __asm__ volatile("" : "+v"(a[0]), "+v"(a[1]), "+v"(a[2]), "+v"(a[3]));   // keep the chains
-    __asm__ volatile("" : "+v"(a[4]), "+v"(a[5]), "+v"(a[6]), "+v"(a[7]));
-  }
-  int64_t s = 0;
-  for (int i = 0; i < 8; ++i) s += _mm512_reduce_add_epi32(a[i]);
-  return s;
-}
-double peak(int64_t iters) {
-  const int threads = at::get_num_threads();
-  const auto start = std::chrono::steady_clock::now();
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) { for (int64_t t = b; t < e; ++t) chains(iters); });
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return 8.0 * iters * threads / s;
-}
-"""
-
-
-def int8_peak(stack: dict[str, list[BlockLinear]], threads: int) -> dict | None:
-    """The CPU's ``vpdpbusd`` rate on ``threads`` threads (best of 5 runs of 0.2 G instructions a thread) and
-    the least time one activation row of the stack can cost at it (None without AVX512-VNNI)."""
-    from torch.utils.cpp_extension import load_inline
-
-    if "avx512vnni" not in block_mm_isa():
-        return None
-    module = load_inline("specdec_int8_peak", cpp_sources=PEAK_SOURCE, functions=["peak"],
-                         extra_cflags=["-O2", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    rate = max(module.peak(25_000_000) for _ in range(5))
-    weights = sum(layer.out_features * layer.in_features for layers in stack.values() for layer in layers)
-    instructions = weights / 64                   # 64 products a vpdpbusd
-    return {"vpdpbusd_per_s": round(rate), "threads": threads, "vpdpbusd_per_row": round(instructions),
-            "least_ms_per_row": round(instructions / rate * 1e3, 2)}
 
 
 if __name__ == "__main__":
