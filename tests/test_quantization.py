@@ -110,7 +110,7 @@ def test_fused_projections_compute_their_parts(kind):
         if kind == "int4":
             return Int4Linear.from_linear(linear)
         q = torch.randint(-128, 128, (linear.out_features, 96), generator=g, dtype=torch.int16)
-        d = torch.rand(linear.out_features, 3, generator=g)
+        d = torch.rand(linear.out_features, 3, generator=g).half().float()      # f16, as a GGUF file stores it
         ones = torch.ones(linear.out_features, 3, dtype=torch.int16)
         blocks = BlockWeights("Q8_0", q, 32, 32, d, torch.zeros_like(d), ones, torch.zeros_like(ones))
         return blocks.to_module(torch.float32, linear.bias)
