@@ -278,6 +278,11 @@ decoding. A chunk of 32,768 elements (ATen's grain size, which keeps the eager b
 every reduction shorter than that to one thread (``tests/test_regional.py``)."""
 
 
+UNGUARDED_OPTIONS = {**COMPILE_OPTIONS, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+"""``COMPILE_OPTIONS`` with no guards at all: saved graphs (``saved_graphs``) and ``LayerRunner``'s codes, whose
+callers pass fixed shapes by construction."""
+
+
 def attribute_key(value, across_processes: bool = False) -> object:
     """A stand-in for a module attribute, equal for two attributes exactly when compiled code may be shared
     between them: the value itself for plain values, shape / dtype / stride for a tensor, the class for a
@@ -326,7 +331,7 @@ class LayerRunner:
     compiling it on the first call with them.
 
     Each input key has a code object of its own (``own_frame``) and its code checks no guards at all
-    (``skip_all_guards_unsafe``, as saved graphs): Dynamo's guards on a layer's inputs, parameters and
+    (``UNGUARDED_OPTIONS``, as saved graphs): Dynamo's guards on a layer's inputs, parameters and
     buffers cost 40-70 µs a layer call (1-2 ms a decode step of the 1.5B), and everything they would check
     is fixed by the signature (the module side) and by the key (the inputs), looked up here in a dict."""
 
@@ -337,9 +342,8 @@ class LayerRunner:
         key = (torch.is_grad_enabled(), *map(input_key, inputs))
         compiled = self._compiled.get(key)
         if compiled is None:
-            options = {**COMPILE_OPTIONS, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
             compiled = self._compiled[key] = torch.compile(own_frame(call_layer), fullgraph=True, dynamic=False,
-                                                           options=options)
+                                                           options=UNGUARDED_OPTIONS)
         return compiled(layer, *inputs)
 
     def __len__(self) -> int:

@@ -1,4 +1,4 @@
-"""A CPU model's weights and caches in transparent huge pages (Linux).
+"""A CPU model's large storages (its weights) in transparent huge pages (Linux).
 
 A decode step streams every weight once. With 4 KiB pages that is one TLB miss and one page walk per
 4 KiB (≈ 270,000 for the 1.5B's 1.1 GB), and the hardware prefetchers stop at every page boundary; with
@@ -47,18 +47,20 @@ def move_to_huge_pages(module: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
     if not huge_pages_available():
         return 0
     moved: dict[int, torch.Tensor] = {}         # old storage address → its copy in huge pages
+    copies: set[int] = set()                    # the copies' addresses (a tied parameter is seen again)
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
             for name, t in table.items():
-                if t is None or t.device.type != "cpu" or t.untyped_storage().nbytes() < min_bytes:
+                if t is None or t.device.type != "cpu":
                     continue
                 storage = t.untyped_storage()
-                if any(storage.data_ptr() == copy.data_ptr() for copy in moved.values()):
-                    continue                                # already moved (a tied parameter seen again)
+                if storage.nbytes() < min_bytes or storage.data_ptr() in copies:
+                    continue
                 if storage.data_ptr() not in moved:
                     copy = huge_page_bytes(storage.nbytes())
                     copy.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
                     moved[storage.data_ptr()] = copy
+                    copies.add(copy.data_ptr())
                 new = torch.empty(0, dtype=t.dtype).set_(moved[storage.data_ptr()].untyped_storage(),
                                                          t.storage_offset(), t.shape, t.stride())
                 if isinstance(t, nn.Parameter):

@@ -30,13 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .graphs import COMPILE_OPTIONS, attribute_key, configure_compile_cache, own_frame
-
-
-def saved_options() -> dict:
-    """``COMPILE_OPTIONS`` with no guards at all: guards on module attributes cannot be saved. (A function:
-    the guard filter is looked up when compiling, so importing this module needs no particular torch.)"""
-    return {**COMPILE_OPTIONS, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+from .graphs import UNGUARDED_OPTIONS, attribute_key, configure_compile_cache, own_frame
 
 
 @cache
@@ -99,7 +93,7 @@ def load_or_compile(graph: nn.Module, batch_size: int) -> Callable:
                   "compiling it again", file=sys.stderr)
     configure_compile_cache()
     with torch.no_grad():
-        compiled = torch.compile(own_frame(graph), fullgraph=True, dynamic=False, options=saved_options())
+        compiled = torch.compile(own_frame(graph), fullgraph=True, dynamic=False, options=UNGUARDED_OPTIONS)
         compiled = compiled.aot_compile((graph.example_inputs(batch_size), {}))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,9 +8,8 @@ for Q4_0 / Q4_1 / Q5_0 / Q8_0, per 256 for the K-quants (llama.cpp's Q8_K). The 
 products are exact integers (``vpmaddubsw`` / ``vpmaddwd``; ``vpdpbusd`` / ``vpdpwssd`` with AVX512-VNNI), a
 K-quant's integer group scales and mins are applied to integer sums, and the f32 scales once per superblock.
 Its cost is flat in M up to 16 rows (a verify reads and unpacks the weights once, as a decode step does) and a
-row's result does not depend on M (row invariance). The instruction
-set is chosen at run time (AVX-512 with VNNI, AVX-512, AVX2 + FMA, portable C++; all give the same bits);
-``block_mm_isa()`` names it.
+row's result does not depend on M (row invariance). The instruction set is chosen at run time (AVX-512 with
+VNNI, AVX-512, AVX2 + FMA, portable C++; all give the same bits); ``block_mm_isa()`` names it.
 
 The extension is compiled once per source, torch version and Python into ``$SPECDEC_CACHE/kernels``
 (about a minute; a message says so). Where it cannot be built (no compiler), the same op is defined in
