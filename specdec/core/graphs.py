@@ -278,9 +278,12 @@ decoding. A chunk of 32,768 elements (ATen's grain size, which keeps the eager b
 every reduction shorter than that to one thread (``tests/test_regional.py``)."""
 
 
-UNGUARDED_OPTIONS = {**COMPILE_OPTIONS, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-"""``COMPILE_OPTIONS`` with no guards at all: saved graphs (``saved_graphs``) and ``LayerRunner``'s codes, whose
-callers pass fixed shapes by construction."""
+def unguarded_options() -> dict:
+    """``COMPILE_OPTIONS`` with no guards at all: saved graphs (``saved_graphs``) and ``LayerRunner``'s codes, whose
+    callers pass fixed shapes by construction. (A function: the guard filter is looked up when compiling, so
+    importing this module needs no particular torch; the xla environment's torch 2.9 has no
+    ``skip_all_guards_unsafe``.)"""
+    return {**COMPILE_OPTIONS, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
 
 
 def attribute_key(value, across_processes: bool = False) -> object:
@@ -331,7 +334,7 @@ class LayerRunner:
     compiling it on the first call with them.
 
     Each input key has a code object of its own (``own_frame``) and its code checks no guards at all
-    (``UNGUARDED_OPTIONS``, as saved graphs): Dynamo's guards on a layer's inputs, parameters and
+    (``unguarded_options``, as saved graphs): Dynamo's guards on a layer's inputs, parameters and
     buffers cost 40-70 µs a layer call (1-2 ms a decode step of the 1.5B), and everything they would check
     is fixed by the signature (the module side) and by the key (the inputs), looked up here in a dict."""
 
@@ -343,7 +346,7 @@ class LayerRunner:
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compiled[key] = torch.compile(own_frame(call_layer), fullgraph=True, dynamic=False,
-                                                           options=UNGUARDED_OPTIONS)
+                                                           options=unguarded_options())
         return compiled(layer, *inputs)
 
     def __len__(self) -> int:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .graphs import UNGUARDED_OPTIONS, attribute_key, configure_compile_cache, own_frame
+from .graphs import attribute_key, configure_compile_cache, own_frame, unguarded_options
 
 
 @cache
@@ -93,7 +93,7 @@ def load_or_compile(graph: nn.Module, batch_size: int) -> Callable:
                   "compiling it again", file=sys.stderr)
     configure_compile_cache()
     with torch.no_grad():
-        compiled = torch.compile(own_frame(graph), fullgraph=True, dynamic=False, options=UNGUARDED_OPTIONS)
+        compiled = torch.compile(own_frame(graph), fullgraph=True, dynamic=False, options=unguarded_options())
         compiled = compiled.aot_compile((graph.example_inputs(batch_size), {}))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
