@@ -77,15 +77,17 @@ TARGET = "target"
 @dataclass(frozen=True)
 class SuffixBenchOptions:
     """What the benchmark runs (the flags of ``parse_args``, same names): the target ``model`` and the
-    ``draft_model`` of suffix+model (None: the shipped draft), the suffix ``strategies``, the ``workloads``,
-    the ``modes`` (offline, server), ``requests`` per workload (agent: sessions of ``turns`` requests),
-    ``max_new_tokens`` per request, the server's ``concurrency``, ``k`` (None: the strategy's), ``gate`` (every
-    speculative system with the cost gate: ``gate=True``, ``specdec.gate``), the runtime
-    (``backend``, ``amp``, ``quantization``, ``n_positions``, ``threads``), the workloads' ``seed``, ``output``
-    (None: bench/results/suffix_<model>.json) and the suffix options (``SpeculationOptions``' suffix fields)."""
+    ``draft_model`` of suffix+model (None: the shipped draft) scoring ``draft_vocab`` ids (None: all), the
+    suffix ``strategies``, the ``workloads``, the ``modes`` (offline, server), ``requests`` per workload (agent:
+    sessions of ``turns`` requests), ``max_new_tokens`` per request, the server's ``concurrency``, ``k`` (None:
+    the strategy's), ``gate`` (every speculative system with the cost gate: ``gate=True``, ``specdec.gate``),
+    the runtime (``backend``, ``amp``, ``quantization``, ``n_positions``, ``threads``), the workloads' ``seed``,
+    ``output`` (None: bench/results/suffix_<model>.json) and the suffix options (``SpeculationOptions``'
+    suffix fields)."""
 
     model: str = EMBEDDED_NAME
     draft_model: str | None = None
+    draft_vocab: int | None = None
     strategies: list[str] = field(default_factory=lambda: ["suffix", "suffix+model"])
     workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
     modes: list[str] = field(default_factory=lambda: ["offline", "server"])
@@ -256,7 +258,8 @@ def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: Deco
     def proposer(name: str):
         s = REGISTRY[name]
         if s.part is not None and s.part not in parts:
-            parts[s.part] = REGISTRY[s.part].build(target, cfg.draft_model, progress=False)
+            vocab = {} if cfg.draft_vocab is None or s.part != "model" else {"output_vocab_size": cfg.draft_vocab}
+            parts[s.part] = REGISTRY[s.part].build(target, cfg.draft_model, progress=False, **vocab)
         return s.build(target, part=parts.get(s.part), suffix=options_from(SpeculationOptions, cfg).suffix_settings())
 
     def engine_of(name: str) -> Engine:
@@ -327,6 +330,7 @@ def serve_options(cfg: SuffixBenchOptions, strategy: str) -> ServeOptions:
     s = REGISTRY[strategy]
     suffix = {name: getattr(cfg, name) for name in SUFFIX_SETTINGS} if s.suffix else {}
     speculation = SpeculationOptions(draft=strategy, draft_model=cfg.draft_model if s.part == "model" else None,
+                                     draft_vocab=cfg.draft_vocab if s.part == "model" else None,
                                      k=cfg.k if cfg.k and strategy != "none" else None,
                                      gate=cfg.gate and strategy != "none", **suffix)
     model = ModelOptions(model=cfg.model, backend=cfg.backend, amp=cfg.amp, n_positions=cfg.n_positions,
@@ -409,6 +413,8 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     p.add_argument("--draft-model", default=None,
                    help="the draft of suffix+model (a named model such as qwen2.5-coder-0.5b-instruct, a .gguf file "
                         "or a checkpoint directory; default: the shipped draft, trained for the embedded model)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="the draft model scores only token ids [0, N) (a smaller LM head; greedy output unchanged)")
     p.add_argument("--strategies", type=name_list(SUFFIX), default=["suffix", "suffix+model"],
                    help=f"comma list of {', '.join(SUFFIX)} (target-only always runs)")
     p.add_argument("--workloads", type=name_list_of(WORKLOADS), default=list(WORKLOADS), help="comma list")

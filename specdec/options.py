@@ -323,9 +323,9 @@ def precompile(target: DecoderModel, gen: SpeculativeGenerator | None, prompt_le
     compiler); the ``GraphCache``s with deferred graphs are returned. Otherwise everything is built now and
     the list is empty.
     ``single_row``: also the context graphs of requests joining a running batch (serving).
-    ``penalty``: the target's graphs apply a repetition penalty (drafts never do). Adaptive k verifies
-    2 .. k + 1 tokens; a ``MatchOrDraft``'s (``LookupOrDraft``, ``SuffixOrDraft``) draft model re-reads up to
-    k + 1 tokens after steps its source drafted."""
+    ``penalty``: the target's graphs apply a repetition penalty (drafts never do). Adaptive k and "padded"
+    proposers verify 2 .. k + 1 tokens; a ``MatchOrDraft``'s (``LookupOrDraft``, ``SuffixOrDraft``) draft
+    model re-reads up to k + 1 tokens after steps its source drafted."""
     from .eagle.proposer import EagleDraft
     from .eagle.tree import EagleTreeDraft
     from .fused import FusedSpeculator
@@ -348,8 +348,8 @@ def precompile(target: DecoderModel, gen: SpeculativeGenerator | None, prompt_le
 
     fused = gen is not None and isinstance(gen.speculator, FusedSpeculator)
     verify = (width,) if gen is not None and not fused else ()
-    if gen is not None and gen.speculator.adaptive is not None:
-        verify = tuple(range(2, width + 1))
+    if gen is not None and not fused and (gen.speculator.adaptive is not None or "padded" in proposer.abilities):
+        verify = tuple(range(2, width + 1))      # a step verifies 1 .. k drafts
     tree = proposer is not None and proposer.depth is not None     # verify compacts up to depth accepted slots
     todo = [(target, [replace(k, penalty=penalty) for k in keys(target, verify, False)],
              (proposer.depth,) if tree else ())]

@@ -25,15 +25,19 @@ def proposer(kind: str, target, draft_model):
     return LookupOrDraft(PromptLookup(target), DraftModel(draft_model))
 
 
-def record_steps(gen: SpeculativeGenerator) -> list[tuple[list[int], list[int], list[bool]]]:
-    """Wrap the generator's step: per step, (every row's k_r before it, drafted per row, active rows)."""
+def record_steps(gen: SpeculativeGenerator, lookup: PromptLookup | None = None) -> list[tuple]:
+    """Wrap the generator's step: per step, (every row's k_r before it, drafted per row, active rows), and
+    with ``lookup`` (the generator's proposer) each row's real drafts (its lookups found; -1: no lookup)."""
     steps, spec = [], gen.speculator
     step = spec.step
 
     def recorded(tail, lengths, active, params, rng, stats):
         row_k = spec.row_k.tolist()
+        if lookup is not None:
+            lookup.drafted = torch.full((len(row_k),), -1)
         result = step(tail, lengths, active, params, rng, stats)
-        steps.append((row_k, result.drafted.tolist(), active.tolist()))
+        steps.append((row_k, result.drafted.tolist(), active.tolist())
+                     + (() if lookup is None else (lookup.drafted.tolist(),)))
         return result
     spec.step = recorded
     return steps
@@ -102,26 +106,28 @@ def test_greedy_equals_target_only(checkpoint, kind, k):
 
 def test_k_grows_and_shrinks_per_row_and_stats_count_each_rows_drafts(checkpoint):
     """Prompt lookup on a target that falls into loops: rows start with rejected lookups (k shrinks), then
-    copy their own loop (k grows); a row's drafted count is its own k_r, capped by the step's k."""
+    copy their own loop (k grows); a row's drafted count is its own k_r, capped by the step's k and by the
+    drafts its lookup found (a padded proposer)."""
     target = load(checkpoint("llama"), batch_size=3)
-    gen = SpeculativeGenerator(PromptLookup(target), target, 6, adaptive=True)
-    steps = record_steps(gen)
+    lookup = PromptLookup(target)
+    gen = SpeculativeGenerator(lookup, target, 6, adaptive=True)
+    steps = record_steps(gen, lookup)
     reference = target.generate(PROMPTS, max_new_tokens=60, eos_token_id=[])
     assert torch.equal(gen.generate(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
     grew = shrank = capped = 0
-    for (before, drafted, active), (after, _, _) in zip(steps, steps[1:]):
+    for (before, drafted, active, found), (after, *_) in zip(steps, steps[1:]):
         k_step = max(k for k, a in zip(before, active) if a)
         for r in range(3):
             if active[r]:
-                assert drafted[r] == min(before[r], k_step)
+                assert found[r] >= 0 and drafted[r] == min(before[r], k_step, found[r])
                 capped += drafted[r] < k_step
                 grew += after[r] > before[r]
                 shrank += after[r] < before[r]
     assert grew and shrank and capped
-    assert {max(k for k, a in zip(before, active) if a) for before, _, active in steps} > {6}   # smaller graphs too
+    assert {max(k for k, a in zip(before, active) if a) for before, _, active, _ in steps} > {6}   # smaller graphs too
     stats = gen.last_stats
-    assert stats.drafted == sum(d for _, drafted, active in steps for d, a in zip(drafted, active) if a)
-    assert stats.steps == sum(sum(active) for _, _, active in steps)
+    assert stats.drafted == sum(d for _, drafted, active, _ in steps for d, a in zip(drafted, active) if a)
+    assert stats.steps == sum(sum(active) for _, _, active, _ in steps)
     assert 0 < stats.accepted <= stats.drafted
 
 

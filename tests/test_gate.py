@@ -40,6 +40,19 @@ def record_kinds(gen: SpeculativeGenerator) -> list[bool]:
     return kinds
 
 
+def record_decisions(gen: SpeculativeGenerator) -> list[bool]:
+    """Wrap the meter's ``speculate``: one entry per step, True where the gate let it speculate (a padded
+    proposer's step without drafts is still a plain step, which ``record`` sees)."""
+    decisions, meter = [], gen.gate_meter
+    speculate = meter.speculate
+
+    def decided():
+        decisions.append(speculate())
+        return decisions[-1]
+    meter.speculate = decided
+    return decisions
+
+
 def slowed(gen: SpeculativeGenerator, clock: Clock, seconds: float) -> SpeculativeGenerator:
     """Every proposal (speculative steps only) costs ``seconds`` more on ``clock``."""
     propose = gen.proposer.propose
@@ -128,9 +141,9 @@ def test_slow_speculation_is_turned_off_and_fast_speculation_kept(checkpoint):
     assert kinds[:8] == [True, False] * 4
     assert kinds[8:].count(True) <= len(kinds[8:]) // 16 + 1 and len(kinds) > 20
     fast = slowed(SpeculativeGenerator(proposer("lookup", target, draft), target, 4, gate=True), Clock(), 0.0)
-    kinds = record_kinds(fast)
+    kinds = record_decisions(fast)
     assert torch.equal(fast.generate(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
-    assert kinds[:8] == [True, False] * 4 and kinds.count(True) >= 0.8 * len(kinds)    # (rows finishing: fewer tokens)
+    assert kinds[0] and kinds.count(True) >= 0.8 * len(kinds)          # (rows finishing: fewer tokens)
 
 
 def test_greedy_tree_with_lookup_branch_equals_target_only_with_mixed_steps(tiny):

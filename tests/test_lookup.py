@@ -15,6 +15,8 @@ from test_speculative import chi2_pvalue, exact_joint, lossless_models, lossless
 
 REPEATING = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]          # a cycle: lookups find continuations
 PROMPTS = [REPEATING, prompt_ids(7, 5), prompt_ids(11, 6) + prompt_ids(11, 6)[:6]]
+# "1 11" is the lossless target's likeliest start after "3 1 4 3 1": lookups that find it get accepted
+LOSSLESS_PROMPT = (1, 11, 3, 1, 4, 3, 1)
 
 
 def test_lookup_finds_the_latest_longest_match():
@@ -58,22 +60,59 @@ def test_repeats_get_accepted_and_eos_inside_runs_cuts_like_target_only(checkpoi
     assert torch.equal(gen.generate(PROMPTS, max_new_tokens=60, eos_token_id=eos), reference)
 
 
+def record_widths(gen: SpeculativeGenerator, target, source) -> list[tuple[list[bool], list[int], int]]:
+    """Per speculation step: (active rows, each row's real drafts from ``source`` — a padded proposer's
+    ``drafted``, -1 where it did not propose —, tokens the target's step was fed)."""
+    steps, step, run = [], gen.speculator.step, target.step
+    fed = []
+
+    def counted(tokens, *args, **kwargs):
+        fed.append(tokens.shape[1])
+        return run(tokens, *args, **kwargs)
+
+    def recorded(tail, lengths, active, params, rng, stats):
+        source.drafted = torch.full((target.batch_size,), -1)
+        result = step(tail, lengths, active, params, rng, stats)
+        steps.append((active.tolist(), source.drafted.tolist(), fed.pop()))
+        return result
+    target.step, gen.speculator.step = counted, recorded
+    return steps
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_step_verifies_only_the_drafts_found(checkpoint, batch_size):
+    """Lookups that find fewer than k tokens are padded ("padded"): a step feeds the target S[-1] and the
+    longest active row's real drafts, a plain decode step when no row found any; the statistics count
+    real drafts only, and greedy output stays target-only's."""
+    target = load(checkpoint("llama"), batch_size=batch_size)
+    prompts = PROMPTS[:batch_size]
+    reference = target.generate(prompts, max_new_tokens=40, eos_token_id=[])
+    lookup = PromptLookup(target)
+    gen = SpeculativeGenerator(lookup, target, 5)
+    steps = record_widths(gen, target, lookup)
+    assert torch.equal(gen.generate(prompts, max_new_tokens=40, eos_token_id=[]), reference)
+    for active, found, width in steps:
+        assert min(found) >= 0 and width == 1 + max(f for f, a in zip(found, active) if a)
+    assert {1, 6} <= {width for _, _, width in steps}           # decode steps and verifies
+    assert gen.last_stats.drafted == sum(f for active, found, _ in steps for f, a in zip(found, active) if a)
+
+
 @pytest.mark.parametrize("sample_kwargs", [dict(temperature=0.7), dict(temperature=1.3, top_k=6, top_p=0.9)])
 def test_sampling_is_lossless(lossless_models, sample_kwargs):
     target_hf, target, _ = lossless_models
     gen = SpeculativeGenerator(PromptLookup(target), target, 2)
-    pvalue = lossless_pvalue(target_hf, target, gen, sample_kwargs, 2, prompt=(3, 1, 4, 3, 1))  # 20,480 samples
+    pvalue = lossless_pvalue(target_hf, target, gen, sample_kwargs, 2, prompt=LOSSLESS_PROMPT)  # 20,480 samples
     assert 0.01 < gen.stats.acceptance_rate < 0.99     # proposals are really tested, not all rejected
     assert pvalue > 1e-3
 
 
 def test_a_wrong_acceptor_is_detected(lossless_models, monkeypatch):
     target_hf, target, _ = lossless_models
-    prompt = [3, 1, 4, 3, 1]
+    prompt = list(LOSSLESS_PROMPT)
     exact = exact_joint(target_hf, prompt, target.sampling_params(None, None, 0.7, True)[:1], 2)
 
-    def accept_all(drafts, target_probs, draft_probs, **kw):
-        n = torch.full((drafts.shape[0],), drafts.shape[1], dtype=torch.long)
+    def accept_all(drafts, target_probs, draft_probs, *, num_drafts=None, **kw):
+        n = torch.full((drafts.shape[0],), drafts.shape[1], dtype=torch.long) if num_drafts is None else num_drafts
         return n, torch.cat([drafts, target_probs[:, -1].argmax(-1, keepdim=True)], 1)
 
     monkeypatch.setattr(verify_module, "accept", accept_all)
@@ -180,6 +219,51 @@ def test_the_draft_model_tracks_the_verified_sequence(checkpoint, monkeypatch):
         self.synced = lengths.cpu() + verified.num_accepted.cpu() - 1
     monkeypatch.setattr(DraftModel, "accepted", old_accepted)
     assert mismatches() > 0
+
+
+def test_a_skipped_draft_model_catches_up(checkpoint):
+    """Steps where every row takes the lookup skip the draft model ("resyncs"); when it next proposes it
+    first re-reads what it missed, k + 1 tokens a step (graphs a combination already has), and each
+    proposal is still the draft's greedy continuation of the real sequence (recomputed from scratch);
+    greedy output stays target-only's."""
+    target = load(checkpoint("llama"), batch_size=1)
+    draft = load(checkpoint("llama-draft"), batch_size=1)
+    fresh = load(checkpoint("llama-draft"), batch_size=1, context_buckets=[16, 32, 64, 128])
+    prompt = PROMPTS[0]            # a cycle the target continues for a while: lookups drafting run after run
+    proposer = LookupOrDraft(PromptLookup(target), DraftModel(draft), min_match=2)
+    model, seen, stale = proposer.draft, [], []
+    propose, catch_up = model.propose, model.catch_up
+
+    def recorded(tail, lengths, k, params, rng):
+        proposal = propose(tail, lengths, k, params, rng)
+        seen.append((proposer.lookup.seqs[0][:int(lengths[0])], proposal.tokens[0].tolist()))
+        return proposal
+
+    def measured(n, most, params, rng):
+        stale.append(int(n[0] - model.synced[0]) - most)
+        catch_up(n, most, params, rng)
+    model.propose, model.catch_up = recorded, measured
+    widths, run = [], draft.step
+
+    def counted_step(tokens, *args, **kwargs):
+        widths.append(tokens.shape[1])
+        return run(tokens, *args, **kwargs)
+    draft.step = counted_step
+    combined_steps = []
+    propose_both = proposer.propose
+
+    def counted(tail, lengths, k, params, rng):
+        combined_steps.append(k)
+        return propose_both(tail, lengths, k, params, rng)
+    proposer.propose = counted
+    gen = SpeculativeGenerator(proposer, target, 4)
+    out = gen.generate([prompt], max_new_tokens=60, eos_token_id=[])
+    assert torch.equal(out, target.generate([prompt], max_new_tokens=60, eos_token_id=[]))
+    assert max(stale) > 0, stale                       # the model missed more than one re-read's width
+    assert max(widths) == 5                             # and re-read it k + 1 tokens at a time
+    assert 0 < len(seen) < len(combined_steps)          # steps that skipped it
+    assert all(fresh.generate([seq], max_new_tokens=4, eos_token_id=[])[0, len(seq):].tolist() == drafts
+               for seq, drafts in seen)
 
 
 def test_lookup_or_draft_validation(checkpoint):

@@ -110,6 +110,7 @@ def test_every_proposer_class_declares_its_abilities(cls):
     for method in ("check_target", "reread_width", "finished"):
         assert (method in cls.abilities) == (getattr(cls, method) is not getattr(BaseProposer, method)), method
     assert "pending" not in cls.abilities or "depth" in cls.abilities
+    assert "padded" not in cls.abilities or "depth" not in cls.abilities
     assert "fused_drafter" not in cls.abilities or "model" in cls.abilities
 
 

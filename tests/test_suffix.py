@@ -15,6 +15,7 @@ from specdec.suffix import SuffixCache, SuffixChain, SuffixDraft, SuffixIndex, s
 from specdec.suffix.speculate import continuation
 
 from conftest import VOCAB, load, prompt_ids
+from test_lookup import record_widths
 from test_speculative import lossless_pvalue, save_tiny
 
 REPEATED = [[1, 2, 3, 4, 5, 6]] * 3 + [[1, 2, 3, 7, 8], [9, 2, 3, 4, 5, 10]]
@@ -157,8 +158,10 @@ def test_concurrent_updates_while_lookups_run():
 
     def reader(seed: int) -> None:
         rng = random.Random(seed)
+        done = 0
         try:
-            while not stop.is_set():
+            while not stop.is_set() or done < 60:     # (at least 60 lookups each, however the threads run)
+                done += 1
                 t = rng.choice(templates)
                 context = t[:rng.randrange(1, 39)]
                 found = cache.candidates(context)
@@ -203,6 +206,8 @@ def test_proposals_come_from_the_cache_and_the_rows_own_text(checkpoint):
     chain.start(None, [torch.tensor([0, 2]), torch.tensor([11, 12, 19, 11, 12])], None, None, out)
     tokens, matched = chain.matches(torch.tensor([[2, 3], [12, 19]]), torch.tensor([3, 6]), 4)
     assert tokens.tolist() == [[4, 5, 6, 3], [11, 12, 19, 11]] and matched.tolist() == [2, 3]
+    chained = chain.propose(torch.tensor([[2, 3], [12, 19]]), torch.tensor([3, 6]), 4, None, None)
+    assert chained.num_drafts.tolist() == [3, 4]          # "padded": row 0's last token is padding
     # a row whose length and tail stop matching has finished: its sequence enters the cache, once
     before = len(cache)
     proposer.propose(torch.tensor([[0, 0], [12, 19]]), torch.tensor([2, 6]), 4, None, None)
@@ -230,6 +235,22 @@ def test_greedy_equals_target_only_on_a_tiny_model(checkpoint):
     gen = generators(target, SuffixCache(), depth=4, num_nodes=6)["tree"]
     assert torch.equal(gen.generate(prompts, max_new_tokens=40, eos_token_id=eos),
                        target.generate(prompts, max_new_tokens=40, eos_token_id=eos))
+
+
+def test_a_chain_step_verifies_only_the_drafts_found(checkpoint):
+    """SuffixChain is "padded": a step verifies the longest active row's real drafts, a decode step when no
+    row matched (test_lookup's rule); greedy output stays target-only's, with and without a warm cache."""
+    target = load(checkpoint("llama"), batch_size=3)
+    prompts = [prompt_ids(5, 1) * 3, prompt_ids(7, 2), prompt_ids(11, 3) + prompt_ids(11, 3)[:6]]
+    reference = target.generate(prompts, max_new_tokens=40, eos_token_id=[])
+    chain = SuffixChain(target, SuffixCache())
+    gen = SpeculativeGenerator(chain, target, 4)
+    steps = record_widths(gen, target, chain)
+    for _ in range(2):
+        assert torch.equal(gen.generate(prompts, max_new_tokens=40, eos_token_id=[]), reference)
+    for active, found, width in steps:
+        assert min(found) >= 0 and width == 1 + max(f for f, a in zip(found, active) if a)
+    assert {width for _, _, width in steps} & {1, 2, 3, 4}
 
 
 def test_cache_updates_from_another_thread_while_the_engine_runs(checkpoint):

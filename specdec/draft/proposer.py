@@ -13,6 +13,10 @@ host, each row's sequence S (``seq``) and how many leading cache slots hold it (
 step, n + the length of the prefix of its drafts x_1 .. x_{k-1}, ingested at slots n .. n+k-2, that
 equals the emitted tokens); W = max(2, the largest n - synced) then re-reads every stale slot of every
 row (rows shorter than W start at slot 0; the slots past their length are overwritten later).
+
+A ``MatchOrDraft`` skips ``propose`` on steps where every row takes its source's tokens ("resyncs"): the
+stale span then grows past k + 1, and ``propose`` first catches up in steps of k + 1 tokens (S[synced ..
+synced + k] at slots synced .., the width a re-read after a source step already has) until it fits one.
 """
 from __future__ import annotations
 
@@ -31,9 +35,9 @@ from .fused import DraftLoop
 
 class DraftModel(BaseProposer):
     """A small ``DecoderModel`` proposing for a target with the same tokenizer (a ``Proposer``): a chain
-    proposer running the graphs of ``model``, which fuses (``fused_drafter``)."""
+    proposer running the graphs of ``model``, which fuses (``fused_drafter``) and may skip steps ("resyncs")."""
 
-    abilities = frozenset({"check_target", "fused_drafter", "model"})
+    abilities = frozenset({"check_target", "fused_drafter", "model", "resyncs"})
 
     def __init__(self, model: DecoderModel):
         if getattr(model.lm, "feature_size", None):
@@ -92,6 +96,7 @@ class DraftModel(BaseProposer):
         m = self.model
         sampled = any_sampled(params)
         n = lengths.cpu()
+        self.catch_up(n, k + 1, params, rng)
         width = max(2, int((n - self.synced).max()))           # re-read every row's stale slots
         start = (n - width).clamp(min=0)
         pos = (start.unsqueeze(1) + torch.arange(width)).clamp(max=m.n_positions - 1)
@@ -108,6 +113,18 @@ class DraftModel(BaseProposer):
                 probs.append(out.probs[:, -1])
         self.drafts = torch.stack(tokens, 1)
         return Proposal(self.drafts, torch.stack(probs, 1) if sampled else None)
+
+    def catch_up(self, n: torch.Tensor, most: int, params, rng) -> None:
+        """Ingest S[synced ..] in steps of ``most`` tokens while a row of length n [B] has more than ``most``
+        stale slots (steps whose ``propose`` was skipped); a row re-reads from at most n_positions - most,
+        and what a step writes past a row's S is overwritten before it is read (the draft steps after S[-1])."""
+        m = self.model
+        while int((n - self.synced).max()) > most:
+            start = self.synced.clamp(max=m.n_positions - most)
+            m.set_lengths(start)
+            m.step(self.seq.gather(1, start.unsqueeze(1) + torch.arange(most)), params, rng, advance=False,
+                   return_probs=any_sampled(params))
+            self.synced = torch.minimum(start + most, n)
 
     def accepted(self, lengths, verified) -> None:
         """Record the emitted tokens in ``seq`` and which cache slots hold S (see the module docstring)."""

@@ -23,10 +23,12 @@ from ..speculation.proposer import BaseProposer, Proposal
 
 
 class PromptLookup(BaseProposer):
-    """Prompt-lookup drafting for ``target`` (a ``specdec.speculation.proposer.Proposer``): a chain proposer with no
-    optional ability (no network, nothing to check, unfused)."""
+    """Prompt-lookup drafting for ``target`` (a ``specdec.speculation.proposer.Proposer``): a chain proposer
+    (no network, nothing to check, unfused) whose rows without a (long enough) match are padded ("padded":
+    a step verifies only the drafts it found, and is a decode step when no row found any).
+    After each ``matches`` / ``propose``: ``drafted`` [B] long, each row's real drafts."""
 
-    abilities = frozenset()
+    abilities = frozenset({"padded"})
 
     def __init__(self, target: DecoderModel, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -34,6 +36,7 @@ class PromptLookup(BaseProposer):
         self.target, self.max_ngram, self.min_ngram = target, max_ngram, min_ngram
         self.vocab_size, self.batch_size = target.vocab_size, target.batch_size
         self.seqs: list[list[int]] = [[] for _ in range(target.batch_size)]
+        self.drafted = torch.zeros(target.batch_size, dtype=torch.long)
 
     def start(self, rows, prompts, params, rng, target_out) -> None:
         first = target_out.tokens[:, -1].tolist()
@@ -44,13 +47,17 @@ class PromptLookup(BaseProposer):
         return self.target.n_positions
 
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
-        return Proposal(self.matches(tail, lengths, k)[0])
+        return Proposal(self.matches(tail, lengths, k)[0], num_drafts=self.drafted.clone())
 
     def matches(self, tail: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's k drafts [B, k] and the length of the n-gram they continue [B] (0: no match)."""
-        found = [self.match(self.seqs[r][:int(n)] if len(self.seqs[r]) >= int(n) else [int(tail[r, 1])], k)
-                 for r, n in enumerate(lengths.tolist())]
-        return (torch.tensor([drafts for drafts, _ in found], dtype=torch.long),
+        """Every row's k drafts [B, k] (padded with S[-1]) and the length of the n-gram they continue [B]
+        (0: no match); sets ``drafted``."""
+        seqs = [self.seqs[r][:int(n)] if len(self.seqs[r]) >= int(n) else [int(tail[r, 1])]
+                for r, n in enumerate(lengths.tolist())]
+        found = [self.continuation(seq, k) for seq in seqs]
+        self.drafted = torch.tensor([len(drafts) for drafts, _ in found], dtype=torch.long)
+        return (torch.tensor([drafts + [seq[-1]] * (k - len(drafts)) for (drafts, _), seq in zip(found, seqs)],
+                             dtype=torch.long),
                 torch.tensor([n for _, n in found], dtype=torch.long))
 
     def lookup(self, seq: list[int], k: int) -> list[int]:
@@ -58,10 +65,15 @@ class PromptLookup(BaseProposer):
         return self.match(seq, k)[0]
 
     def match(self, seq: list[int], k: int) -> tuple[list[int], int]:
-        """k tokens continuing ``seq`` and the length n of the suffix n-gram the first of them continues
-        (0: no match, S[-1] k times): the tokens after the latest earlier occurrence of its longest
-        matching suffix n-gram; when fewer than k follow it (a match near the end, as in a repeating
-        stretch) the lookup continues from ``seq`` + those tokens; what no match covers is S[-1]."""
+        """``continuation``'s drafts padded to k with S[-1], and its n."""
+        drafts, first = self.continuation(seq, k)
+        return drafts + [seq[-1]] * (k - len(drafts)), first
+
+    def continuation(self, seq: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens continuing ``seq`` and the length n of the suffix n-gram the first of them continues
+        (0: no match, no tokens): the tokens after the latest earlier occurrence of its longest matching
+        suffix n-gram; when fewer than k follow it (a match near the end, as in a repeating stretch) the
+        lookup continues from ``seq`` + those tokens, until no match is found."""
         out: list[int] = []
         first = 0
         while len(out) < k:
@@ -70,7 +82,7 @@ class PromptLookup(BaseProposer):
                 break
             first = first or n
             out += follow
-        return out + [seq[-1]] * (k - len(out)), first
+        return out, first
 
     def _follow(self, s: np.ndarray, k: int) -> tuple[list[int], int]:
         """Up to k tokens after the latest earlier occurrence of ``s``'s longest matching suffix n-gram,

@@ -11,11 +11,15 @@ the model proposer's (``DraftModel``, ``EagleDraft`` or any chain ``Proposer``, 
 strategies never import each other). The choice is made before verification from the sequence (and, for a
 cache, what earlier requests left) alone.
 
-Both proposers run ``start`` / ``propose`` / ``accepted`` / ``finished`` for every row, every step, so each
-keeps its own state on the row's real sequence whichever proposal was verified: the source appends the
-emitted tokens; EAGLE stores the target's verified features and the emitted tokens (true whoever proposed
-them); the draft model finds the first emitted token that differs from its own drafts and re-reads the
-sequence from there (``specdec.draft.proposer``).
+Both proposers run ``start`` / ``accepted`` / ``finished`` for every row, every step, and ``propose`` too
+except that a model proposer declaring "resyncs" (``DraftModel``) is not asked to propose when every row
+takes the source (its drafts would go unused), so each keeps its own state on the row's real sequence
+whichever proposal was verified: the source appends the emitted tokens; EAGLE stores the target's verified
+features and the emitted tokens (true whoever proposed them); the draft model finds the first emitted token
+that differs from its own drafts (or all of them, after a skipped step) and re-reads the sequence from there
+(``specdec.draft.proposer``). The combination is "padded": source rows have the source's real drafts
+(``drafted``), model rows k (``Proposal.num_drafts``), so a step where every row takes the source verifies
+only the longest real draft.
 
 Sampling: source rows' proposals are deterministic (q one-hot on the proposed token), model rows' are
 sampled from the model's q. In a batch that mixes them, source rows get q = onehot(x) (a scatter into
@@ -37,8 +41,11 @@ from .proposer import BaseProposer, Proposal, Proposer, Verified, declared
 class MatchSource(Proposer, Protocol):
     """A chain proposer that drafts from matches of the row's sequence (``PromptLookup``, ``SuffixChain``)."""
 
+    drafted: torch.Tensor
+
     def matches(self, tail: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's k drafts [B, k] and the length of the match behind them [B] (0: none)."""
+        """Every row's k drafts [B, k] (padded) and the length of the match behind them [B] (0: none); sets
+        ``drafted`` [B] long, each row's real drafts."""
         ...
 
     def finished(self, rows: Sequence[int], lengths: Sequence[int] | None = None) -> None:
@@ -53,7 +60,7 @@ class MatchOrDraft(BaseProposer):
     ``from_source`` [B] bool: which rows the last proposal took from the source. Subclasses name the source
     (``LookupOrDraft.lookup``, ``SuffixOrDraft.suffix``) and check ``min_match`` against it."""
 
-    abilities = frozenset({"check_target", "draft", "finished"})
+    abilities = frozenset({"check_target", "draft", "finished", "padded"})
 
     def __init__(self, source: MatchSource, draft: Proposer, min_match: int):
         draft = declared(draft)
@@ -81,13 +88,16 @@ class MatchOrDraft(BaseProposer):
         return min(self.source.max_draft_tokens(length), self.draft.max_draft_tokens(length))
 
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
-        model = self.draft.propose(tail, lengths, k, params, rng)    # every row: the model tracks the sequence
         tokens, matched = self.source.matches(tail, lengths, k)
         self.from_source = matched >= self.min_match
+        real = torch.where(self.from_source, self.source.drafted, k)
+        if bool(self.from_source.all()) and "resyncs" in self.draft.abilities:    # the model's drafts: unused
+            return Proposal(tokens, num_drafts=real)
+        model = self.draft.propose(tail, lengths, k, params, rng)    # the model tracks the sequence
         use = self.from_source.to(model.tokens.device)
         tokens = torch.where(use.unsqueeze(1), tokens.to(model.tokens.device), model.tokens)
         probs = None if model.probs is None else self.one_hot_rows(model.probs, tokens, use)
-        return Proposal(tokens, probs)
+        return Proposal(tokens, probs, num_drafts=real)
 
     @staticmethod
     def one_hot_rows(probs: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,8 @@ Invariants (``tests/test_registry.py`` checks them for every proposer class): "d
 ``depth`` is an int, and likewise ``verifier`` / ``verify_size`` / ``model`` / ``draft`` / ``fused_drafter`` /
 ``cache`` not None; a method ability (``check_target``, ``reread_width``, ``finished``) is declared ⇔ the
 class overrides ``BaseProposer``'s default; "pending" is declared only with "depth" (a dynamic tree proposer),
-"fused_drafter" only with "model" (the fused graph sizes the draft's cache from it).
+"padded" only without it (chains), "fused_drafter" only with "model" (the fused graph sizes the draft's cache
+from it).
 """
 from __future__ import annotations
 
@@ -57,8 +58,10 @@ class Proposal:
     tree: None for a chain, else the per-row trees (``specdec.speculation.tree.RowTrees``: mask [B, N+1, N+1],
     depth, parent [B, N+1], ancestors [B, N+1, D+1], child_nodes [B, N+1, C]); rows may differ.
     num_drafts [B] long or None (chains only): how many of the k drafts each row really proposes; the
-    verifier ignores the rest (``acceptance.accept``'s ``num_drafts``). Proposers leave it None (= k
-    for every row); the speculation step sets it when k adapts per row (``specdec.speculation.adaptive``).
+    verifier ignores the rest (``acceptance.accept``'s ``num_drafts``). None: k for every row. A proposer
+    declaring "padded" sets it (its rows' real drafts, a function of S only, then padding); the
+    speculation step caps it when k adapts per row (``specdec.speculation.adaptive``) and verifies only
+    the longest active row's drafts (``specdec.speculation.speculative.narrowed``; none: a decode step).
     """
 
     tokens: torch.Tensor
@@ -123,6 +126,12 @@ ABILITIES = {
     "finished": "finished(rows, lengths): told when the requests in rows end (EOS, budget, stop, release), "
                 "each with its final len(S), so it can learn from them across requests; default: ignored",
     "cache": "the cross-request cache it drafts from (a SuffixCache: stats() for a server's metrics)",
+    "resyncs": "a chain proposer whose propose() may be skipped on steps where another proposer's tokens are "
+               "verified (MatchOrDraft, when every row takes its source): accepted() records them, and the "
+               "next propose() first re-reads what its cache missed",
+    "padded": "its chains end in padding where a row has fewer than k drafts (Proposal.num_drafts says how "
+              "many are real): a step verifies only the longest active row's real drafts, and is a plain "
+              "decode step when no row has any, so its verify graphs are 2 .. k + 1 tokens wide",
 }
 """Every optional ability a proposer may declare, and what it means."""
 

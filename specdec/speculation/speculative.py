@@ -33,7 +33,7 @@ from ..core.sampling import RowGenerators
 from ..core.stats import SpecStats
 from .adaptive import AdaptiveK
 from .gate import GateMeter
-from .proposer import Proposer, Verified, declared
+from .proposer import Proposal, Proposer, Verified, declared
 from .verify import ChainVerifier
 
 
@@ -84,20 +84,21 @@ class Speculator:
         k = max(0, min(self.k, self.target.n_positions - longest, self.proposer.max_draft_tokens(longest)))
         if self.gate is not None and not self.gate.speculate():
             k = 0
-        drafted = None     # per-row caps (adaptive k), else k for every row
+        caps = None     # per-row caps (adaptive k)
         if self.adaptive is not None and k > 0:
             k = min(k, int(self.row_k[active].max()))
-            drafted = self.row_k.clamp(max=k)
-        if k == 0:   # no room to draft (or the gate): a plain decode step; the proposer still reads its outputs
+            caps = self.row_k.clamp(max=k)
+        proposal = drafted = None
+        if k > 0:
+            with stats.timer("draft"):
+                proposal, k = narrowed(self.proposer.propose(tail, lengths, k, params, rng), caps, active)
+        if k == 0:   # no room to draft, the gate, or no row drafted: a plain decode step; the proposer still reads it
             with stats.timer("verify"):
                 out = self.target.step(tail[:, 1:], params, rng, advance=False)
                 none = torch.zeros_like(out.tokens[:, 0])
                 verified = Verified(none, out.tokens, out, none)
         else:
-            with stats.timer("draft"):
-                proposal = self.proposer.propose(tail, lengths, k, params, rng)
-                if drafted is not None:
-                    proposal = replace(proposal, num_drafts=drafted)
+            drafted = proposal.num_drafts
             with stats.timer("verify"):
                 verified = self.verifier.verify(self.target, proposal, tail, lengths, params, rng)
         with stats.timer("other"):
@@ -106,7 +107,30 @@ class Speculator:
             if drafted is None:
                 drafted = torch.full_like(n, k)
             else:
-                self.row_k = torch.where(active, self.adaptive.next_k(self.row_k, drafted, n, self.k), self.row_k)
+                drafted = drafted.cpu()
+                if self.adaptive is not None:
+                    self.row_k = torch.where(active, self.adaptive.next_k(self.row_k, drafted, n, self.k), self.row_k)
         if self.gate is not None:
             self.gate.record(k > 0, int((n + 1)[active.cpu()].sum()), self.gate.clock() - started)
         return StepResult(n, emitted, drafted)
+
+
+def narrowed(proposal: Proposal, caps: torch.Tensor | None, active: torch.Tensor) -> tuple[Proposal, int]:
+    """A chain ``proposal`` [B, k] capped per row at ``caps`` [B] (adaptive k; None: no cap) and at the
+    proposer's own ``num_drafts`` (the real drafts before its padding), then cut to the longest active
+    row's drafts → (the proposal, the step's k; 0: nothing to verify, a plain decode step). A tree passes
+    unchanged. Lossless: a row's acceptance over its first d_r drafts is a d_r-draft step (causal mask), and
+    d_r depends on S and earlier steps only, never on this step's random draws."""
+    if proposal.tree is not None:
+        return proposal, proposal.tokens.shape[1]
+    num = proposal.num_drafts
+    if caps is not None:
+        num = caps if num is None else torch.minimum(num.cpu(), caps)
+    if num is None:
+        return proposal, proposal.tokens.shape[1]
+    num = num.cpu()
+    k = int(num[active].max()) if bool(active.any()) else 0
+    if k == proposal.tokens.shape[1]:
+        return replace(proposal, num_drafts=num), k
+    probs = None if proposal.probs is None else proposal.probs[:, :k]
+    return replace(proposal, tokens=proposal.tokens[:, :k], probs=probs, num_drafts=num.clamp(max=k)), k

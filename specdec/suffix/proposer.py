@@ -195,7 +195,10 @@ class SuffixDraft(SuffixProposer):
 
 class SuffixChain(SuffixProposer):
     """Suffix decoding with chains for ``target``: each row's most frequent continuation (at most k tokens,
-    padded with S[-1]), verified with ``ChainVerifier``; see ``SuffixProposer`` for the arguments."""
+    padded with S[-1]: "padded", a step verifies only the real drafts, and is a decode step when no row has
+    any), verified with ``ChainVerifier``; see ``SuffixProposer`` for the arguments."""
+
+    abilities = SuffixProposer.abilities | {"padded"}
 
     def __init__(self, target: DecoderModel, cache: SuffixCache | None = None, *, alpha: float = 1.0,
                  offset: float = 0.0, min_prob: float = 0.1, cache_prompts: bool = False):
@@ -203,7 +206,7 @@ class SuffixChain(SuffixProposer):
                          min_prob=min_prob, cache_prompts=cache_prompts)
 
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
-        return Proposal(self.matches(tail, lengths, k)[0])
+        return Proposal(self.matches(tail, lengths, k)[0], num_drafts=self.drafted.clone())
 
     def matches(self, tail: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's k drafts [B, k] (padded with S[-1]) and the match length behind them [B] (0: none),
