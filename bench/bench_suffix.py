@@ -15,7 +15,8 @@ Workloads (generated here, deterministic for a given ``--seed``; every request g
 Systems: ``target`` (target-only decoding) and one per ``--strategies`` entry (registry names, default
 ``suffix,suffix+model``). Each (system, workload) starts with an empty suffix cache that then fills with
 the workload's finished requests, as a server's does. Offline: one ``SpeculativeGenerator`` per (system,
-workload) over one batch-1 target, after an untimed warm-up request (with its own cache); ``tok_s`` = new
+workload) over one batch-1 target, after building every graph a request may use (compiling backends:
+``specdec.options.precompile``) and an untimed warm-up request (with its own cache); ``tok_s`` = new
 tokens / seconds of the ``generate`` calls (prefill included). Server (``--modes server``): ``specdec serve``'s
 engine (batch ``--concurrency``) in this process, ``--concurrency`` concurrent streams (agent: that many
 sessions at once, each turn after the previous one; others: a closed loop of that many clients);
@@ -60,6 +61,7 @@ from specdec.options import (
     SpeculationOptions,
     available_cores,
     options_from,
+    precompile,
 )
 from specdec.registry import REGISTRY, name_list
 from specdec.serving.server import ServeOptions
@@ -262,14 +264,20 @@ def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: Deco
             parts[s.part] = REGISTRY[s.part].build(target, cfg.draft_model, progress=False, **vocab)
         return s.build(target, part=parts.get(s.part), suffix=options_from(SpeculationOptions, cfg).suffix_settings())
 
-    def engine_of(name: str) -> Engine:
+    def generator(name: str) -> SpeculativeGenerator | None:
         if name == TARGET:
-            return Engine(target)
-        return SpeculativeGenerator(proposer(name), target, cfg.k or REGISTRY[name].default_k, gate=cfg.gate).engine
+            return None
+        return SpeculativeGenerator(proposer(name), target, cfg.k or REGISTRY[name].default_k, gate=cfg.gate)
+
+    def engine_of(name: str) -> Engine:
+        gen = generator(name)
+        return Engine(target) if gen is None else gen.engine
 
     result: dict[str, dict] = {}
     for system in (TARGET, *cfg.strategies):
         log(f"offline: {system}")
+        if cfg.backend != "eager":          # every graph a request may use, before anything is timed
+            precompile(target, generator(system), cfg.n_positions - cfg.max_new_tokens, cfg.max_new_tokens)
         warm = engine_of(system)            # untimed: each workload's first request, a few tokens
         for wl in workloads:
             first = wl.prompts[0] if wl.prompts else wl.sessions[0]([])
