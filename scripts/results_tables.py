@@ -132,6 +132,7 @@ TABLES: dict[str, Table] = {
     "suffix_embedded": Table(("suffix_smollm2-135m-instruct",), suffix_table),
     "suffix_qwen": Table(("suffix_qwen2.5-coder-1.5b-instruct",), suffix_table),
     "suffix_gate_qwen": Table(("suffix_gate_qwen",), suffix_table),
+    "suffix_server_qwen": Table(("suffix_server_qwen",), suffix_table),
     "suffix_gate_embedded": Table(("suffix_gate_embedded",), suffix_table),
     "runtime": Table(("runtime",), runtime.markdown_table),
     "decode_step": Table(("decode_step", "decode_step_autotune"), decode_step_table),
