@@ -100,7 +100,8 @@ def test_frame_equals_the_runs_specstats(models, recorded, single_thread):
         assert row["batch_size"] == 1
     target_rows = df[df["strategy"] == "none"]
     assert (target_rows["drafted"] == 0).all() and (target_rows["tau"] == 1.0).all()
-    assert (df[df["strategy"] != "none"]["drafted"] > 0).all()
+    assert (df[df["strategy"] == "model"]["drafted"] > 0).all()
+    assert df[df["strategy"] == "lookup"]["drafted"].sum() > 0     # real drafts only: a prompt may find none
     # greedy: every strategy emits the target's tokens; sampled rows use their prompt's seed
     greedy = df[df["temperature"] == 0].groupby("prompt_id")["output_ids"].apply(lambda s: {tuple(x) for x in s})
     assert (greedy.map(len) == 1).all()

@@ -94,8 +94,8 @@ def test_defer_needs_saved_graphs(checkpoint):
 def test_cli_first_run_generates_eagerly_then_later_runs_load(checkpoint, cache, capsys):
     """``specdec generate --backend compiled --draft lookup`` with nothing saved: says so, prints the eager
     run's tokens (transformers' greedy ones), then compiles and saves the graphs (context, decode and the
-    5-token verify graph); the next run loads them (its summary names the compiled backend) and prints the
-    same tokens."""
+    2- to 5-token verify graphs: lookup is "padded"); the next run loads them (its summary names the
+    compiled backend) and prints the same tokens."""
     from specdec.cli import main
     ckpt = checkpoint("llama")
     prompt = prompt_ids(9, seed=8)
@@ -112,4 +112,4 @@ def test_cli_first_run_generates_eagerly_then_later_runs_load(checkpoint, cache,
     assert first == second == ref
     assert "graphs are not compiled yet" in first_err and "(eager this run)" in first_err, first_err[-2000:]
     assert "not compiled yet" not in second_err and "compiled f32" in second_err, second_err[-2000:]
-    assert len(list(graphs_dir().glob("*.bin"))) == 3
+    assert len(list(graphs_dir().glob("*.bin"))) == 6

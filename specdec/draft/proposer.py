@@ -14,7 +14,7 @@ step, n + the length of the prefix of its drafts x_1 .. x_{k-1}, ingested at slo
 equals the emitted tokens); W = max(2, the largest n - synced) then re-reads every stale slot of every
 row (rows shorter than W start at slot 0; the slots past their length are overwritten later).
 
-A ``MatchOrDraft`` skips ``propose`` on steps where every row takes its source's tokens ("resyncs"): the
+A ``MatchOrDraft`` skips ``propose`` on greedy steps where every row takes its source's tokens ("resyncs"): the
 stale span then grows past k + 1, and ``propose`` first catches up in steps of k + 1 tokens (S[synced ..
 synced + k] at slots synced .., the width a re-read after a source step already has) until it fits one.
 """

@@ -12,14 +12,14 @@ strategies never import each other). The choice is made before verification from
 cache, what earlier requests left) alone.
 
 Both proposers run ``start`` / ``accepted`` / ``finished`` for every row, every step, and ``propose`` too
-except that a model proposer declaring "resyncs" (``DraftModel``) is not asked to propose when every row
-takes the source (its drafts would go unused), so each keeps its own state on the row's real sequence
+except that a model proposer declaring "resyncs" (``DraftModel``) is not asked to propose in a greedy step
+where every row takes the source (its drafts would go unused), so each keeps its own state on the row's real sequence
 whichever proposal was verified: the source appends the emitted tokens; EAGLE stores the target's verified
 features and the emitted tokens (true whoever proposed them); the draft model finds the first emitted token
 that differs from its own drafts (or all of them, after a skipped step) and re-reads the sequence from there
 (``specdec.draft.proposer``). The combination is "padded": source rows have the source's real drafts
-(``drafted``), model rows k (``Proposal.num_drafts``), so a step where every row takes the source verifies
-only the longest real draft.
+(``drafted``), model rows k (``Proposal.num_drafts``), so a greedy step where every row takes the source
+verifies only the longest real draft.
 
 Sampling: source rows' proposals are deterministic (q one-hot on the proposed token), model rows' are
 sampled from the model's q. In a batch that mixes them, source rows get q = onehot(x) (a scatter into
@@ -35,6 +35,7 @@ from typing import Protocol
 
 import torch
 
+from ..core.sampling import any_sampled
 from .proposer import BaseProposer, Proposal, Proposer, Verified, declared
 
 
@@ -91,7 +92,9 @@ class MatchOrDraft(BaseProposer):
         tokens, matched = self.source.matches(tail, lengths, k)
         self.from_source = matched >= self.min_match
         real = torch.where(self.from_source, self.source.drafted, k)
-        if bool(self.from_source.all()) and "resyncs" in self.draft.abilities:    # the model's drafts: unused
+        if bool(self.from_source.all()) and "resyncs" in self.draft.abilities and not any_sampled(params):
+            # the model's drafts would go unused (sampling: it still drafts, so a row's random stream is the
+            # same whatever its batch neighbours take)
             return Proposal(tokens, num_drafts=real)
         model = self.draft.propose(tail, lengths, k, params, rng)    # the model tracks the sequence
         use = self.from_source.to(model.tokens.device)

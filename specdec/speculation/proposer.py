@@ -61,7 +61,8 @@ class Proposal:
     verifier ignores the rest (``acceptance.accept``'s ``num_drafts``). None: k for every row. A proposer
     declaring "padded" sets it (its rows' real drafts, a function of S only, then padding); the
     speculation step caps it when k adapts per row (``specdec.speculation.adaptive``) and verifies only
-    the longest active row's drafts (``specdec.speculation.speculative.narrowed``; none: a decode step).
+    the longest active row's drafts in greedy steps (``specdec.speculation.speculative.narrowed``; none: a
+    decode step).
     """
 
     tokens: torch.Tensor
@@ -130,8 +131,8 @@ ABILITIES = {
                "verified (MatchOrDraft, when every row takes its source): accepted() records them, and the "
                "next propose() first re-reads what its cache missed",
     "padded": "its chains end in padding where a row has fewer than k drafts (Proposal.num_drafts says how "
-              "many are real): a step verifies only the longest active row's real drafts, and is a plain "
-              "decode step when no row has any, so its verify graphs are 2 .. k + 1 tokens wide",
+              "many are real): a greedy step verifies only the longest active row's real drafts, and is a "
+              "plain decode step when no row has any, so its verify graphs are 2 .. k + 1 tokens wide",
 }
 """Every optional ability a proposer may declare, and what it means."""
 

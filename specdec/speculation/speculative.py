@@ -17,8 +17,8 @@ When a request ends the engine tells the proposer (``finished``: a suffix cache 
 Near ``n_positions`` the step's k shrinks so no graph writes past a cache; at k = 0 the step is a plain
 decode step. With an ``AdaptiveK`` policy (``specdec.speculation.adaptive``) each row has its own k_r: the step
 drafts the largest k_r of the active rows and caps every row at its own (``Proposal.num_drafts``).
-A "padded" proposer's rows say how many of their k drafts are real (``Proposal.num_drafts``): the step
-verifies only the longest active row's (``narrowed``), and is a plain decode step when no row has any.
+A "padded" proposer's rows say how many of their k drafts are real (``Proposal.num_drafts``): a greedy
+step verifies only the longest active row's (``narrowed``), and is a plain decode step when no row has any.
 With a ``GateMeter`` (``specdec.speculation.gate``) a step is plain (k = 0) whenever plain steps have been
 emitting tokens faster than speculative ones.
 The loop never asks which strategy it runs.
@@ -31,7 +31,7 @@ import torch
 
 from ..core.decoder import DecoderModel
 from ..core.engine import StepResult
-from ..core.sampling import RowGenerators
+from ..core.sampling import RowGenerators, any_sampled
 from ..core.stats import SpecStats
 from .adaptive import AdaptiveK
 from .gate import GateMeter
@@ -93,7 +93,8 @@ class Speculator:
         proposal = drafted = None
         if k > 0:
             with stats.timer("draft"):
-                proposal, k = narrowed(self.proposer.propose(tail, lengths, k, params, rng), k, caps, active)
+                proposal, k = narrowed(self.proposer.propose(tail, lengths, k, params, rng), k, caps, active,
+                                       shrink=not any_sampled(params))
         if k == 0:   # no room to draft, the gate, or no row drafted: a plain decode step; the proposer still reads it
             with stats.timer("verify"):
                 out = self.target.step(tail[:, 1:], params, rng, advance=False)
@@ -117,20 +118,23 @@ class Speculator:
         return StepResult(n, emitted, drafted)
 
 
-def narrowed(proposal: Proposal, k: int, caps: torch.Tensor | None, active: torch.Tensor) -> tuple[Proposal, int]:
+def narrowed(proposal: Proposal, k: int, caps: torch.Tensor | None, active: torch.Tensor,
+             shrink: bool = True) -> tuple[Proposal, int]:
     """A chain ``proposal`` of k drafts [B, k] capped per row at ``caps`` [B] (adaptive k; None: no cap) and
-    at the proposer's own ``num_drafts`` (a "padded" proposer's real drafts), then cut to the longest active
-    row's drafts → (the proposal, the step's k; 0: nothing to verify, a plain decode step). A tree, or a
-    chain with neither, passes unchanged (k: a tree's depth). Lossless: a row's acceptance over its first
-    d_r drafts is a d_r-draft step (causal mask), and d_r depends on S and earlier steps only, never on this
-    step's random draws."""
+    at the proposer's own ``num_drafts`` (a "padded" proposer's real drafts), then, with ``shrink``, cut to
+    the longest active row's drafts → (the proposal, the step's k; 0: nothing to verify, a plain decode
+    step). A tree, or a chain with neither, passes unchanged (k: a tree's depth). Sampling steps keep k
+    (``shrink`` False): a row draws its acceptance and sampling noise per verified position, so a width set
+    by its neighbours would change its random stream (rows are independent of their batch). Lossless: a
+    row's acceptance over its first d_r drafts is a d_r-draft step (causal mask), and d_r depends on S and
+    earlier steps only, never on this step's random draws."""
     num = proposal.num_drafts
     if caps is not None:
         num = caps if num is None else torch.minimum(num.cpu(), caps)
     if proposal.tree is not None or num is None:
         return proposal, k
-    num = num.cpu()
-    width = int(num[active].max()) if bool(active.any()) else 0
+    num = num.cpu().clamp(max=k)
+    width = (int(num[active].max()) if bool(active.any()) else 0) if shrink else k
     if width == k:
         return replace(proposal, num_drafts=num), k
     probs = None if proposal.probs is None else proposal.probs[:, :width]
