@@ -109,10 +109,8 @@ class Speculator:
             n, emitted = verified.num_accepted.cpu(), verified.emitted.cpu()
             if drafted is None:
                 drafted = torch.full_like(n, k)
-            else:
-                drafted = drafted.cpu()
-                if self.adaptive is not None:
-                    self.row_k = torch.where(active, self.adaptive.next_k(self.row_k, drafted, n, self.k), self.row_k)
+            elif self.adaptive is not None:     # (narrowed's num_drafts: on the host)
+                self.row_k = torch.where(active, self.adaptive.next_k(self.row_k, drafted, n, self.k), self.row_k)
         if self.gate is not None:
             self.gate.record(k > 0, int((n + 1)[active.cpu()].sum()), self.gate.clock() - started)
         return StepResult(n, emitted, drafted)
@@ -128,12 +126,12 @@ def narrowed(proposal: Proposal, k: int, caps: torch.Tensor | None, active: torc
     by its neighbours would change its random stream (rows are independent of their batch). Lossless: a
     row's acceptance over its first d_r drafts is a d_r-draft step (causal mask), and d_r depends on S and
     earlier steps only, never on this step's random draws."""
-    num = proposal.num_drafts
+    num = None if proposal.num_drafts is None else proposal.num_drafts.cpu()
     if caps is not None:
-        num = caps if num is None else torch.minimum(num.cpu(), caps)
+        num = caps if num is None else torch.minimum(num, caps)
     if proposal.tree is not None or num is None:
         return proposal, k
-    num = num.cpu().clamp(max=k)
+    num = num.clamp(max=k)
     width = (int(num[active].max()) if bool(active.any()) else 0) if shrink else k
     if width == k:
         return replace(proposal, num_drafts=num), k
