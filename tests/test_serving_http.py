@@ -3,6 +3,7 @@ tokenizer, the official ``openai`` client and httpx as clients. Greedy outputs o
 ``generate`` (with and without speculation); 32 concurrent streams with cancellations; bad requests
 get OpenAI-style 400s; ``/metrics`` parses and adds up. Every wait is bounded."""
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -137,6 +139,21 @@ def test_seeded_sampling_and_stop_strings_over_http(text_model):
         assert (r.choices[0].text, r.choices[0].finish_reason) == (text[: text.find(stop)], "stop")
         assert r.choices[0].token_ids == greedy[: len(r.choices[0].token_ids)] and \
             len(r.choices[0].token_ids) < 40
+
+
+def test_a_stopped_server_lets_go_of_its_engine(text_model):
+    """FastAPI keeps every endpoint (and so what it closes over) for the life of the process: a process
+    that runs server after server (tests, notebooks, benchmarks) must not keep every model."""
+    path, _ = text_model
+    engine = make_engine(path, 2)
+    weights = weakref.ref(engine.target)
+    with serving(create_app(engine, MODEL)) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3},
+                       timeout=60)
+        assert r.status_code == 200
+    del engine, r
+    gc.collect()
+    assert weights() is None
 
 
 # ---------------------------------------------------------------- concurrency and cancellation

@@ -369,8 +369,11 @@ def create_app(engine: AsyncEngine | None = None, model_name: str = "specdec",
         yield
         if task is not None:
             task.cancel()
-        if state["engine"] is not None:
-            await asyncio.to_thread(state["engine"].shutdown)
+        # FastAPI caches the endpoints (and so their closures, ``state``) for the life of the process:
+        # the stopped app lets go of its engine, or every server a process ran would keep its model
+        stopped, state["engine"] = state["engine"], None
+        if stopped is not None:
+            await asyncio.to_thread(stopped.shutdown)
         pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specdec", lifespan=lifespan, docs_url="/docs" if docs else None,
