@@ -215,6 +215,25 @@ def test_gguf_model_keeps_every_block_and_equals_transformers(tiny):
         assert float((logits - expected).norm() / expected.norm()) < 0.12 and logits.argmax() == expected.argmax()
 
 
+def test_a_kept_layer_never_allocates_its_float_weight(tiny, monkeypatch):
+    """The blocks replace their layers while the model is still on the meta device: loading a GGUF model
+    needs its blocks' memory, not its dense float size first (the 1.5B: 5 GB peak, not 14 GB)."""
+    from specdec.core import loading
+
+    target, _ = tiny
+    allocated = []
+    materialize = loading.materialize
+
+    def recording(lm, device, dtype):
+        allocated.extend(name for name, t in lm.state_dict().items() if t.is_meta)
+        materialize(lm, device, dtype)
+    monkeypatch.setattr(loading, "materialize", recording)
+    model = load(target, quantization="gguf")
+    kept = {name for name, _, _, _ in projections(model)} | {"lm_head.weight"}
+    assert allocated and not kept & set(allocated)
+    assert "model.embed_tokens.weight" in allocated          # the float tensors still come from the checkpoint
+
+
 @pytest.mark.parametrize("scheme,keeps,requantized", [("int4", ("Q4_0", "Q4_1"), Int4Linear),
                                                       ("int8", ("Q8_0",), Int8Linear)])
 def test_int4_and_int8_keep_the_blocks_of_their_own_width(tiny, scheme, keeps, requantized):

@@ -262,15 +262,16 @@ KEEP = {"gguf": (KEPT_TYPES, KEPT_TYPES), "int4": (U4_TYPES, ("Q8_0", "Q6_K")),
         "int8": (("Q8_0",), ("Q8_0", "Q6_K"))}
 
 
-def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[str, Shard]) -> None:
-    """Replace the layers of ``lm`` (a ``DecoderLM`` whose float weights are loaded) whose GGUF tensors
-    are of a type ``scheme`` keeps (``KEEP``) by kernel-backed layers holding the file's blocks (the LM
-    head's own, not a reduced vocabulary's); each tensor-parallel rank takes its ``shards`` (scales follow
-    their rows)."""
+def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[str, Shard],
+                     dtype: torch.dtype) -> None:
+    """Replace the layers of ``lm`` (a ``DecoderLM``, typically still on the meta device: the replaced
+    layers' float weights are then never allocated) whose GGUF tensors are of a type ``scheme`` keeps
+    (``KEEP``) by kernel-backed layers holding the file's blocks, computing in ``dtype`` (the LM head's own,
+    not a reduced vocabulary's); each tensor-parallel rank takes its ``shards`` (scales follow their rows).
+    A replaced layer keeps its bias tensor (still to be loaded if it is on the meta device)."""
     config = lm.config
     projections, head = KEEP[scheme]
     found = gguf_quantized_tensors(path, config, projections, () if config.output_vocab_size else head)
-    dtype = lm.model.norm.weight.dtype
     for name, weights in found.items():
         shard = shards.get(name)
         if name == "lm_head.weight" and config.tie_word_embeddings:

@@ -121,12 +121,13 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
                        feature_layers=check_feature_layers(requested.feature_layers, config.num_layers))
     with torch.device("meta"):
         lm = DecoderLM(config, batch_size, n_positions, dtype, tp, layout, kv_cache_dtype, settings.feature_layers)
-    lm = lm.to_empty(device=device).to(dtype)
-    lm.init_buffers()
     shards = shard_plan(config, layout, tp.rank)
-    load_weights(lm, path, progress=progress and tp.rank == 0, shards=shards, optional=RANK)
-    if quantization is not None and gguf is not None:
-        load_gguf_blocks(lm, gguf, quantization, shards)
+    if quantization is not None and gguf is not None:   # the file's blocks first: their float weights never exist
+        load_gguf_blocks(lm, gguf, quantization, shards, dtype)
+    from_file = frozenset(name for name, t in lm.state_dict().items() if not t.is_meta)
+    materialize(lm, device, dtype)
+    lm.init_buffers()
+    load_weights(lm, path, progress=progress and tp.rank == 0, shards=shards, optional=RANK | from_file)
     quantize_and_fuse(lm, quantization, backend, tp)
     if output_vocab_size is not None:
         lm.restrict_output_vocab(output_vocab_size)
@@ -134,6 +135,16 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
     lm.eval().requires_grad_(False)
     move_to_huge_pages(lm)          # a CPU decode step streams every weight: 2 MiB pages, not 4 KiB
     return LoadedDecoder(path, gguf or path, config, lm, settings)
+
+
+def materialize(lm: torch.nn.Module, device: str, dtype: torch.dtype) -> None:
+    """Allocate ``lm``'s meta tensors on ``device``, uninitialized, floating ones in ``dtype`` (what
+    ``to_empty(device).to(dtype)`` does); tensors already real (a GGUF file's blocks) are left as they are."""
+    def allocate(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_meta:
+            return t
+        return torch.empty_like(t, device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    lm._apply(allocate)
 
 
 def rank_weights(lm: DecoderLM, path: Path, config: ModelConfig,
