@@ -4,9 +4,11 @@ a forward pass): milliseconds per layer kind and per whole forward pass for M ro
 = a verify of k = 4 / 8), and each M's cost relative to one row (flat = 1), for each instruction-set path of
 ``--isas`` in turn (e.g. ``avx512vnni,avx512``: the same CPU with and without VNNI). Prints JSON with the CPU,
 the command and the commit. To compare kernel versions, run it under each checkout back to back on an idle
-machine (``PYTHONPATH=<checkout>``; each source builds its own extension).
+machine (``PYTHONPATH=<checkout>``; each source builds its own extension). ``--prefetch 4096,0`` times the
+software prefetch distances given (bytes ahead of the weight stream, calls of more than 2 rows; 0: none) in
+turn, pass after pass, and adds each one's median ratio to the first.
 
-    python bench/bench_block_mm.py --threads 2 --rows 1,5,9,16 [--isas avx512vnni,avx512]
+    python bench/bench_block_mm.py --threads 2 --rows 1,5,9,16 [--isas avx512vnni,avx512] [--prefetch 4096,0]
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.core.block_linear import BlockLinear  # noqa: E402
 from specdec.core.gguf_weights import FORMATS, BlockWeights  # noqa: E402
-from specdec.core.kernels import block_mm_isa, set_block_mm_isa  # noqa: E402
+from specdec.core.kernels import block_mm_isa, block_mm_prefetch, set_block_mm_isa, set_block_mm_prefetch  # noqa: E402
 from specdec.tools.bench.runtime import git_commit, machine_info  # noqa: E402
 
 # name → (N out features, K in features, GGML type, layers)
@@ -50,6 +52,8 @@ def main() -> None:
     ap.add_argument("--isas", default="auto",
                     help="comma-separated code paths to time in turn (avx512vnni, avx512, avx2, portable; "
                          "default: auto, the best this CPU runs)")
+    ap.add_argument("--prefetch", default=None,
+                    help="comma-separated prefetch distances in bytes, timed in turn (default: the kernel's own)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -59,7 +63,8 @@ def main() -> None:
     results = []
     for isa in a.isas.split(","):
         set_block_mm_isa(isa)
-        results += forward_passes(stack, [int(v) for v in a.rows.split(",")], a.repeats, g)
+        prefetches = [int(v) for v in a.prefetch.split(",")] if a.prefetch else [block_mm_prefetch()]
+        results += forward_passes(stack, [int(v) for v in a.rows.split(",")], a.repeats, g, prefetches)
     report = {"command": "python " + " ".join(sys.argv), "machine": machine_info(), "threads": a.threads,
               "commit": git_commit(), "results": results}
     text = json.dumps(report, indent=2)
@@ -68,26 +73,36 @@ def main() -> None:
     print(text)
 
 
-def forward_passes(stack: dict[str, list[BlockLinear]], rows: list[int], repeats: int,
-                   g: torch.Generator) -> list[dict]:
-    """For each M of ``rows``: milliseconds per layer kind (median of ``repeats`` passes after one warm-up)
-    and per forward pass on the current code path, and the pass's cost relative to the first M."""
-    results, base = [], None
+def forward_passes(stack: dict[str, list[BlockLinear]], rows: list[int], repeats: int, g: torch.Generator,
+                   prefetches: list[int]) -> list[dict]:
+    """For each M of ``rows`` and prefetch distance of ``prefetches`` (timed in turn, pass after pass):
+    milliseconds per layer kind (median of ``repeats`` passes after one warm-up) and per forward pass on the
+    current code path, the pass's cost relative to the first M (same distance), and the median of its per-pass
+    ratios to the first distance."""
+    results, base = [], {}
     for m in rows:
         xs = {name: torch.randn(m, k, generator=g) for name, (_, k, _, _) in SHAPES.items()}
-        per_kind: dict[str, list[float]] = {name: [] for name in SHAPES}
+        per_kind = {p: {name: [] for name in SHAPES} for p in prefetches}
+        passes: dict[int, list[float]] = {p: [] for p in prefetches}
         for _ in range(repeats + 1):                  # the first pass warms up
-            for name, layers in stack.items():
-                start = time.perf_counter()
-                for layer in layers:
-                    layer(xs[name])
-                per_kind[name].append(time.perf_counter() - start)
-        kinds = {name: round(statistics.median(t[1:]) * 1e3, 2) for name, t in per_kind.items()}
-        forward = round(sum(kinds.values()), 1)
-        base = base or forward
-        results.append({"isa": block_mm_isa(), "rows": m, "forward_ms": forward, "vs_one_row": round(forward / base, 2),
-                        "ms": kinds})
-        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+            for p in prefetches:
+                set_block_mm_prefetch(p)
+                for name, layers in stack.items():
+                    start = time.perf_counter()
+                    for layer in layers:
+                        layer(xs[name])
+                    per_kind[p][name].append(time.perf_counter() - start)
+                passes[p].append(sum(t[-1] for t in per_kind[p].values()))
+        for p in prefetches:
+            kinds = {name: round(statistics.median(t[1:]) * 1e3, 2) for name, t in per_kind[p].items()}
+            forward = round(sum(kinds.values()), 1)
+            base.setdefault(p, forward)
+            ratio = statistics.median(a / b for a, b in zip(passes[p][1:], passes[prefetches[0]][1:]))
+            results.append({"isa": block_mm_isa(), "rows": m, "prefetch": p, "forward_ms": forward,
+                            "vs_one_row": round(forward / base[p], 2), "vs_first_prefetch": round(ratio, 3),
+                            "ms": kinds})
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    set_block_mm_prefetch(prefetches[0])
     return results
 
 

@@ -8,10 +8,12 @@ from specdec.core.block_linear import KINDS, BlockLinear
 from specdec.core.gguf_weights import BlockWeights
 from specdec.core.kernels import (
     block_mm_isa,
+    block_mm_prefetch,
     dequantize,
     load_block_mm,
     quantize_activations,
     set_block_mm_isa,
+    set_block_mm_prefetch,
 )
 from specdec.core.kernels.layout import pack, unpack
 
@@ -122,6 +124,26 @@ def test_every_instruction_set_gives_the_same_bits(qtype):
         results[isa] = layer(x)
     for isa, y in results.items():
         assert torch.equal(y, results["portable"]), isa
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_software_prefetch_changes_no_bit(qtype):
+    """Calls of more than 2 rows prefetch the weight stream ahead (by default 4 KB); at any distance, even far
+    past the end of the weights, the results are the same bits."""
+    layer = BlockLinear.from_blocks(blocks(qtype, 40, 512, seed=3), torch.float32)
+    x = torch.randn(17, 512)
+    default = block_mm_prefetch()
+    assert default > 0
+    try:
+        set_block_mm_prefetch(0)
+        expected = layer(x)
+        for nbytes in (64, 4096, 1 << 24):
+            set_block_mm_prefetch(nbytes)
+            assert torch.equal(layer(x), expected) and torch.equal(layer(x[:5]), expected[:5]), nbytes
+    finally:
+        set_block_mm_prefetch(default)
+    with pytest.raises(RuntimeError, match="bytes must be >= 0"):
+        set_block_mm_prefetch(-1)
 
 
 @pytest.mark.parametrize("sizes", [(32, 16, 48), (20, 13, 7)])

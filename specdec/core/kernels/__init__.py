@@ -48,6 +48,21 @@ def set_block_mm_isa(name: str) -> None:
     _state["isa"] = torch.ops.specdec.block_mm_isa()
 
 
+def block_mm_prefetch() -> int:
+    """How many bytes ahead of its weight stream a call of more than 2 rows prefetches into L2 (0: none)."""
+    load_block_mm()
+    return 0 if _state["isa"] == "reference" else torch.ops.specdec.block_mm_prefetch()
+
+
+def set_block_mm_prefetch(nbytes: int) -> None:
+    """Prefetch ``nbytes`` ahead of the weight stream in calls of more than 2 rows (0: no software prefetch;
+    the default 4096 was measured in ``bench/bench_block_mm.py --prefetch``): benchmarks."""
+    load_block_mm()
+    if _state["isa"] == "reference":
+        raise RuntimeError("the block_mm extension is not built: only the Python reference runs")
+    torch.ops.specdec.block_mm_set_prefetch(nbytes)
+
+
 def load_block_mm() -> None:
     """Register ``torch.ops.specdec.block_mm`` (build the extension on first use), once per process."""
     if _state:

@@ -27,8 +27,14 @@
 // registers; integer multiply-adds (vpmaddubsw / vpmaddwd, or with AVX512-VNNI vpdpbusd / vpdpwssd, which also
 // accumulate) do 32 or 64 weight·activation products an instruction, and a K-quant's superblock costs a row one
 // integer multiply-add per group and its f32 steps once. Threads: at::parallel_for over tiles.
-// Each thread reads its tiles' bytes as one sequential stream, which the hardware prefetcher follows: a software
-// prefetch 8 groups ahead made a 1.5B forward pass 11 % (one row) to 16 % (five rows) slower on a Skylake-SP.
+// Each thread reads its tiles' bytes as one sequential stream. With one or two rows the hardware prefetcher keeps
+// up and the arithmetic hides under the stream. With more rows a group's arithmetic is long enough that the
+// out-of-order window covers only a few groups, so fewer of the stream's misses are in flight and the arithmetic
+// and the memory time add up; a software prefetch into L2 (prefetcht1) of the bytes ``prefetch_bytes()`` ahead
+// (4 KB: about 16 Q4_K groups) overlaps them again: a 1.5B-shaped forward pass (bench_block_mm.py --prefetch)
+// took 25 % less time at 5 and 9 rows, 7 % less at 3 and 7 % less at 16, on an AMD EPYC (Zen 4); at one and two
+// rows it changed nothing or cost up to 3 %, so calls of M <= 2 rows do not prefetch. (On a Skylake-SP a prefetch
+// into L1, 2 KB ahead, at every M, cost 11-16 %.)
 // A row's per-group scalars (dx, float(sx), sx in 16 bits, offset · sx, and for s8 the activations widened to 16
 // bits) are prepared once per call, so the inner loops broadcast them from memory (a load, not a shuffle).
 //
@@ -64,6 +70,7 @@ struct Args {
   const uint8_t* qs; const at::Half* d; const at::Half* dmin; const int8_t* sc; const int8_t* mn;
   int64_t M, N, K, G, SB, offset;
   Kind kind; bool mins;
+  int64_t prefetch;
   int64_t groups() const { return K / G; }
   int64_t per() const { return SB / G; }       // groups a superblock: 1, or 8 / 16 for the K-quants
   int64_t group_bytes() const { return LANES * G * bits(kind) / 8; }
@@ -224,6 +231,11 @@ Isa detect() {
   return Isa::portable;
 }
 
+int64_t& prefetch_bytes() {     // how far ahead of the stream calls of more than 2 rows prefetch; 0: none
+  static int64_t bytes = 4096;
+  return bytes;
+}
+
 Isa& forced() {
   static Isa isa = detect();
   return isa;
@@ -285,7 +297,8 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
   for (size_t i = 0; i < xw.size(); ++i) xw[i] = xq[i];
   Args p{xq.data(), dx.data(), sx.data(), sxf.data(), sx16.data(), osx.data(), xw.data(), y.data_ptr<float>(),
          qs.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), dmin.data_ptr<at::Half>(), sc.data_ptr<int8_t>(),
-         mn.data_ptr<int8_t>(), M, n, K, group, superblock, off, static_cast<Kind>(kind), mins};
+         mn.data_ptr<int8_t>(), M, n, K, group, superblock, off, static_cast<Kind>(kind), mins,
+         M > 2 ? prefetch_bytes() : 0};
   const Isa isa = forced();
   // the tile function of a full row chunk (RMAX rows) and of the last, shorter one: picked once per call
   const TileFn full = tile_fn(RMAX, isa, std::make_integer_sequence<int, RMAX>{});
@@ -323,6 +336,11 @@ TORCH_LIBRARY(specdec, m) {
         "int superblock, int kind, int offset, bool mins) -> Tensor");
   m.def("block_mm_isa() -> str", [] { return isa_name(); });
   m.def("block_mm_set_isa(str name) -> ()", [](const std::string& name) { set_isa(name); });
+  m.def("block_mm_prefetch() -> int", [] { return prefetch_bytes(); });
+  m.def("block_mm_set_prefetch(int bytes) -> ()", [](int64_t bytes) {
+    TORCH_CHECK(bytes >= 0, "block_mm_set_prefetch: bytes must be >= 0 (0: no prefetch)");
+    prefetch_bytes() = bytes;
+  });
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

@@ -38,6 +38,8 @@ SPECDEC_TARGET void SPECDEC_TILE(const Args& p, int64_t t, int64_t r0) {
     for (int64_t gi = 0; gi < (SUPER ? per : 1); ++gi) {
       const int64_t g = g0 + gi;
       const uint8_t* tg = p.qs + (t * ng + g) * gb;
+      if (p.prefetch)     // this group's bytes a few KB ahead of the stream, into L2 (see block_mm.cpp)
+        for (int64_t b = 0; b < gb; b += 64) _mm_prefetch(reinterpret_cast<const char*>(tg + p.prefetch + b), _MM_HINT_T1);
       const __m512i sc32 = !SUPER ? _mm512_setzero_si512() : _mm512_cvtepi8_epi32(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.sc + (t * ng + g) * LANES)));
       if constexpr (KIND == U4) {
