@@ -7,7 +7,10 @@ an idle machine.
     python bench/bench_decode_step.py --shapes 1x1x384,1x9x384,4x1x384,4x9x384,128x1x640 --threads 2
 
 A shape is BATCHxNxKV. Every row holds KV - n - 1 cached tokens (so the step fills the bucket); the step is
-run ``--warmup`` times, then timed ``--repeats`` times (median, min in ms). Prints JSON.
+run ``--warmup`` times, then timed ``--repeats`` times (median, min in ms). Shapes of one batch size and KV
+bucket share a model and are timed in turn, repeat after repeat, so that each one's median ratio to the first
+of them (``vs_n<n>_median``: e.g. a verify in decode steps) is measured under the same memory bandwidth.
+Prints JSON.
 
 ``--ab-split-projections``: A/B in one process — each shape also runs on a second copy of the model whose
 q/k/v and gate/up are separate layers again (``split_projections``: the layout before
@@ -63,9 +66,9 @@ def main() -> None:
     from specdec import DecoderModel
     from specdec.tools.bench import emit_json
 
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     results = []
-    for shape in args.shapes.split(","):
-        b, n, kv = (int(x) for x in shape.split("x"))
+    for b, kv in dict.fromkeys((b, kv) for b, _, kv in shapes):      # one model per (batch, KV bucket)
         models = []
         for split in (False, True)[:1 + args.ab_split_projections]:
             model = DecoderModel.from_pretrained(args.model, batch_size=b, n_positions=kv, amp=args.amp,
@@ -75,24 +78,31 @@ def main() -> None:
                                                  output_vocab_size=args.output_vocab_size)
             if split:
                 split_projections(model)
-            model.set_lengths(torch.full((b,), kv - n - 1))
             models.append(model)
-        tokens = torch.randint(100, 20000, (b, n), generator=torch.Generator().manual_seed(0))
+        ns = [n for b_, n, kv_ in shapes if (b_, kv_) == (b, kv)]
         params = models[0].sampling_params(do_sample=False)
-        times: list[list[float]] = [[] for _ in models]
-        for i in range(args.warmup + args.repeats):
-            for model, timed in zip(models, times):
-                start = time.perf_counter()
-                model.step(tokens, params, advance=False).tokens.cpu()
-                if i >= args.warmup:
-                    timed.append((time.perf_counter() - start) * 1000)
-        results.append({"batch": b, "n": n, "kv": kv, "median_ms": round(statistics.median(times[0]), 2),
-                        "min_ms": round(min(times[0]), 2)})
-        if args.ab_split_projections:
-            ratios = [split / fused for split, fused in zip(times[1], times[0])]
-            results[-1] |= {"split_median_ms": round(statistics.median(times[1]), 2),
-                            "split_over_fused_median": round(statistics.median(ratios), 3)}
-        print(json.dumps(results[-1]), flush=True)
+        tokens = {n: torch.randint(100, 20000, (b, n), generator=torch.Generator().manual_seed(0)) for n in ns}
+        times = {n: [[] for _ in models] for n in ns}
+        for i in range(args.warmup + args.repeats):      # the shapes (and models) in turn, repeat after repeat
+            for n in ns:
+                for model, timed in zip(models, times[n]):
+                    model.set_lengths(torch.full((b,), kv - n - 1))
+                    start = time.perf_counter()
+                    model.step(tokens[n], params, advance=False).tokens.cpu()
+                    if i >= args.warmup:
+                        timed.append((time.perf_counter() - start) * 1000)
+        for n in ns:
+            timed = times[n]
+            results.append({"batch": b, "n": n, "kv": kv, "median_ms": round(statistics.median(timed[0]), 2),
+                            "min_ms": round(min(timed[0]), 2)})
+            if n != ns[0]:
+                ratios = [t / t0 for t, t0 in zip(timed[0], times[ns[0]][0])]
+                results[-1][f"vs_n{ns[0]}_median"] = round(statistics.median(ratios), 3)
+            if args.ab_split_projections:
+                ratios = [split / fused for split, fused in zip(timed[1], timed[0])]
+                results[-1] |= {"split_median_ms": round(statistics.median(timed[1]), 2),
+                                "split_over_fused_median": round(statistics.median(ratios), 3)}
+            print(json.dumps(results[-1]), flush=True)
     out = {"config": {k: v for k, v in vars(args).items() if k != "output"}, "torch": torch.__version__,
            "results": results}
     emit_json(out, args.output)
