@@ -60,10 +60,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     stack = {name: [random_layer(n, k, qtype, g) for _ in range(layers)]
              for name, (n, k, qtype, layers) in SHAPES.items()}
+    prefetches = [int(v) for v in a.prefetch.split(",")] if a.prefetch else [block_mm_prefetch()]
     results = []
     for isa in a.isas.split(","):
         set_block_mm_isa(isa)
-        prefetches = [int(v) for v in a.prefetch.split(",")] if a.prefetch else [block_mm_prefetch()]
         results += forward_passes(stack, [int(v) for v in a.rows.split(",")], a.repeats, g, prefetches)
     report = {"command": "python " + " ".join(sys.argv), "machine": machine_info(), "threads": a.threads,
               "commit": git_commit(), "results": results}
