@@ -5,8 +5,9 @@ a forward pass): milliseconds per layer kind and per whole forward pass for M ro
 ``--isas`` in turn (e.g. ``avx512vnni,avx512``: the same CPU with and without VNNI). Prints JSON with the CPU,
 the command and the commit. To compare kernel versions, run it under each checkout back to back on an idle
 machine (``PYTHONPATH=<checkout>``; each source builds its own extension). ``--prefetch 4096,0`` times the
-software prefetch distances given (bytes ahead of the weight stream, calls of more than 2 rows; 0: none) in
-turn, pass after pass, and adds each one's median ratio to the first.
+software prefetch distances given (bytes ahead of the weight stream; 0: none) in turn, pass after pass, and adds
+each one's median ratio to the first; ``--prefetch-min-rows`` sets the fewest rows a call prefetches at (the
+kernel's default: 1 on Intel CPUs, 3 on others).
 
     python bench/bench_block_mm.py --threads 2 --rows 1,5,9,16 [--isas avx512vnni,avx512] [--prefetch 4096,0]
 """
@@ -54,19 +55,24 @@ def main() -> None:
                          "default: auto, the best this CPU runs)")
     ap.add_argument("--prefetch", default=None,
                     help="comma-separated prefetch distances in bytes, timed in turn (default: the kernel's own)")
+    ap.add_argument("--prefetch-min-rows", type=int, default=None,
+                    help="calls of at least this many rows prefetch (default: the kernel's own for this CPU)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     stack = {name: [random_layer(n, k, qtype, g) for _ in range(layers)]
              for name, (n, k, qtype, layers) in SHAPES.items()}
-    prefetches = [int(v) for v in a.prefetch.split(",")] if a.prefetch else [block_mm_prefetch()]
+    default_bytes, default_rows = block_mm_prefetch()
+    prefetches = [int(v) for v in a.prefetch.split(",")] if a.prefetch else [default_bytes]
+    min_rows = default_rows if a.prefetch_min_rows is None else a.prefetch_min_rows
+    set_block_mm_prefetch(prefetches[0], min_rows)
     results = []
     for isa in a.isas.split(","):
         set_block_mm_isa(isa)
         results += forward_passes(stack, [int(v) for v in a.rows.split(",")], a.repeats, g, prefetches)
     report = {"command": "python " + " ".join(sys.argv), "machine": machine_info(), "threads": a.threads,
-              "commit": git_commit(), "results": results}
+              "prefetch_min_rows": min_rows, "commit": git_commit(), "results": results}
     text = json.dumps(report, indent=2)
     if a.output:
         Path(a.output).write_text(text + "\n")

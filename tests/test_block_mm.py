@@ -128,22 +128,26 @@ def test_every_instruction_set_gives_the_same_bits(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_software_prefetch_changes_no_bit(qtype):
-    """Calls of more than 2 rows prefetch the weight stream ahead (by default 4 KB); at any distance, even far
-    past the end of the weights, the results are the same bits."""
+    """Calls prefetch the weight stream ahead (by default 4 KB, from 1 or 3 rows by CPU); at any distance, even
+    far past the end of the weights, and from any number of rows, the results are the same bits."""
     layer = BlockLinear.from_blocks(blocks(qtype, 40, 512, seed=3), torch.float32)
     x = torch.randn(17, 512)
     default = block_mm_prefetch()
-    assert default > 0
+    assert default[0] > 0 and default[1] in (1, 3)
     try:
         set_block_mm_prefetch(0)
         expected = layer(x)
-        for nbytes in (64, 4096, 1 << 24):
-            set_block_mm_prefetch(nbytes)
-            assert torch.equal(layer(x), expected) and torch.equal(layer(x[:5]), expected[:5]), nbytes
+        for nbytes, min_rows in ((64, 1), (4096, 1), (4096, 3), (1 << 24, 1)):
+            set_block_mm_prefetch(nbytes, min_rows)
+            assert block_mm_prefetch() == (nbytes, min_rows)
+            for m in (1, 2, 5, 17):
+                assert torch.equal(layer(x[:m]), expected[:m]), (nbytes, min_rows, m)
     finally:
-        set_block_mm_prefetch(default)
+        set_block_mm_prefetch(*default)
     with pytest.raises(RuntimeError, match="bytes must be >= 0"):
         set_block_mm_prefetch(-1)
+    with pytest.raises(RuntimeError, match="min_rows must be >= 1"):
+        set_block_mm_prefetch(4096, 0)
 
 
 @pytest.mark.parametrize("sizes", [(32, 16, 48), (20, 13, 7)])

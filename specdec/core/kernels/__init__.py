@@ -48,19 +48,24 @@ def set_block_mm_isa(name: str) -> None:
     _state["isa"] = torch.ops.specdec.block_mm_isa()
 
 
-def block_mm_prefetch() -> int:
-    """How many bytes ahead of its weight stream a call of more than 2 rows prefetches into L2 (0: none)."""
+def block_mm_prefetch() -> tuple[int, int]:
+    """(bytes, min_rows): calls of at least ``min_rows`` rows prefetch their weight stream ``bytes`` ahead into
+    L2 (0 bytes: none). Defaults: 4096 bytes; 1 row on Intel CPUs, 3 on others (see ``block_mm.cpp``)."""
     load_block_mm()
-    return 0 if _state["isa"] == "reference" else torch.ops.specdec.block_mm_prefetch()
+    if _state["isa"] == "reference":
+        return 0, 1
+    nbytes, min_rows = torch.ops.specdec.block_mm_prefetch()
+    return nbytes, min_rows
 
 
-def set_block_mm_prefetch(nbytes: int) -> None:
-    """Prefetch ``nbytes`` ahead of the weight stream in calls of more than 2 rows (0: no software prefetch;
-    the default 4096 was measured in ``bench/bench_block_mm.py --prefetch``): benchmarks."""
+def set_block_mm_prefetch(nbytes: int, min_rows: int | None = None) -> None:
+    """Prefetch ``nbytes`` ahead of the weight stream (0: no software prefetch) in calls of at least
+    ``min_rows`` rows (None: unchanged); the defaults were measured with ``bench/bench_block_mm.py
+    --prefetch``: benchmarks and tests."""
     load_block_mm()
     if _state["isa"] == "reference":
         raise RuntimeError("the block_mm extension is not built: only the Python reference runs")
-    torch.ops.specdec.block_mm_set_prefetch(nbytes)
+    torch.ops.specdec.block_mm_set_prefetch(nbytes, block_mm_prefetch()[1] if min_rows is None else min_rows)
 
 
 def load_block_mm() -> None:

@@ -27,14 +27,15 @@
 // registers; integer multiply-adds (vpmaddubsw / vpmaddwd, or with AVX512-VNNI vpdpbusd / vpdpwssd, which also
 // accumulate) do 32 or 64 weight·activation products an instruction, and a K-quant's superblock costs a row one
 // integer multiply-add per group and its f32 steps once. Threads: at::parallel_for over tiles.
-// Each thread reads its tiles' bytes as one sequential stream. With one or two rows the hardware prefetcher keeps
-// up and the arithmetic hides under the stream. With more rows a group's arithmetic is long enough that the
-// out-of-order window covers only a few groups, so fewer of the stream's misses are in flight and the arithmetic
-// and the memory time add up; a software prefetch into L2 (prefetcht1) of the bytes ``prefetch_bytes()`` ahead
-// (4 KB: about 16 Q4_K groups) overlaps them again: a 1.5B-shaped forward pass (bench_block_mm.py --prefetch)
-// took 25 % less time at 5 and 9 rows, 7 % less at 3 and 7 % less at 16, on an AMD EPYC (Zen 4); at one and two
-// rows it changed nothing or cost up to 3 %, so calls of M <= 2 rows do not prefetch. (On a Skylake-SP a prefetch
-// into L1, 2 KB ahead, at every M, cost 11-16 %.)
+// Each thread reads its tiles' bytes as one sequential stream. The more rows a call has, the longer a group's
+// arithmetic, so the out-of-order window covers fewer groups, fewer of the stream's misses are in flight and the
+// arithmetic and the memory time add up; a software prefetch into L2 (prefetcht1) of the bytes
+// ``prefetch_bytes()`` ahead (4 KB: about 16 Q4_K groups) overlaps them again. Calls of at least
+// ``prefetch_min_rows()`` rows prefetch. A 1.5B-shaped forward pass (bench_block_mm.py --prefetch):
+//   AMD EPYC (Zen 4): 25 % less time at 5 and 9 rows, 7 % at 3 and 16; at 1 and 2 rows nothing or up to 3 %
+//     more, so there calls of fewer than 3 rows do not prefetch;
+//   Intel Xeon (Sapphire Rapids class, AMX): 14 % less time at 1 row, 19 % at 2, 20-30 % at 3-16: calls of any
+//     size prefetch on Intel CPUs. (On a Skylake-SP a prefetch into L1, 2 KB ahead, cost 11-16 %.)
 // A row's per-group scalars (dx, float(sx), sx in 16 bits, offset · sx, and for s8 the activations widened to 16
 // bits) are prepared once per call, so the inner loops broadcast them from memory (a load, not a shuffle).
 //
@@ -231,9 +232,19 @@ Isa detect() {
   return Isa::portable;
 }
 
-int64_t& prefetch_bytes() {     // how far ahead of the stream calls of more than 2 rows prefetch; 0: none
+int64_t& prefetch_bytes() {     // how far ahead of the weight stream a call prefetches; 0: none
   static int64_t bytes = 4096;
   return bytes;
+}
+
+int64_t& prefetch_min_rows() {  // the fewest rows a call prefetches at: 1 on Intel CPUs, 3 on the others
+#ifdef SPECDEC_X86
+  __builtin_cpu_init();
+  static int64_t rows = __builtin_cpu_is("intel") ? 1 : 3;
+#else
+  static int64_t rows = 3;
+#endif
+  return rows;
 }
 
 Isa& forced() {
@@ -298,7 +309,7 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
   Args p{xq.data(), dx.data(), sx.data(), sxf.data(), sx16.data(), osx.data(), xw.data(), y.data_ptr<float>(),
          qs.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), dmin.data_ptr<at::Half>(), sc.data_ptr<int8_t>(),
          mn.data_ptr<int8_t>(), M, n, K, group, superblock, off, static_cast<Kind>(kind), mins,
-         M > 2 ? prefetch_bytes() : 0};
+         M >= prefetch_min_rows() ? prefetch_bytes() : 0};
   const Isa isa = forced();
   // the tile function of a full row chunk (RMAX rows) and of the last, shorter one: picked once per call
   const TileFn full = tile_fn(RMAX, isa, std::make_integer_sequence<int, RMAX>{});
@@ -336,10 +347,12 @@ TORCH_LIBRARY(specdec, m) {
         "int superblock, int kind, int offset, bool mins) -> Tensor");
   m.def("block_mm_isa() -> str", [] { return isa_name(); });
   m.def("block_mm_set_isa(str name) -> ()", [](const std::string& name) { set_isa(name); });
-  m.def("block_mm_prefetch() -> int", [] { return prefetch_bytes(); });
-  m.def("block_mm_set_prefetch(int bytes) -> ()", [](int64_t bytes) {
+  m.def("block_mm_prefetch() -> int[]", [] { return std::vector<int64_t>{prefetch_bytes(), prefetch_min_rows()}; });
+  m.def("block_mm_set_prefetch(int bytes, int min_rows) -> ()", [](int64_t bytes, int64_t min_rows) {
     TORCH_CHECK(bytes >= 0, "block_mm_set_prefetch: bytes must be >= 0 (0: no prefetch)");
+    TORCH_CHECK(min_rows >= 1, "block_mm_set_prefetch: min_rows must be >= 1");
     prefetch_bytes() = bytes;
+    prefetch_min_rows() = min_rows;
   });
 }
 
