@@ -34,7 +34,7 @@
 // ``prefetch_min_rows()`` rows prefetch. A 1.5B-shaped forward pass (bench_block_mm.py --prefetch):
 //   AMD EPYC (Zen 4): 25 % less time at 5 and 9 rows, 7 % at 3 and 16; at 1 and 2 rows nothing or up to 3 %
 //     more, so there calls of fewer than 3 rows do not prefetch;
-//   Intel Xeon (Sapphire Rapids class, AMX): 14 % less time at 1 row, 19 % at 2, 20-30 % at 3-16: calls of any
+//   Intel Xeon (Sapphire Rapids class, AMX): 14 % less time at 1 row, 18 % at 2, 16-30 % at 3-16: calls of any
 //     size prefetch on Intel CPUs. (On a Skylake-SP a prefetch into L1, 2 KB ahead, cost 11-16 %.)
 // A row's per-group scalars (dx, float(sx), sx in 16 bits, offset · sx, and for s8 the activations widened to 16
 // bits) are prepared once per call, so the inner loops broadcast them from memory (a load, not a shuffle).
