@@ -238,12 +238,13 @@ int64_t& prefetch_bytes() {     // how far ahead of the weight stream a call pre
 }
 
 int64_t& prefetch_min_rows() {  // the fewest rows a call prefetches at: 1 on Intel CPUs, 3 on the others
+  static int64_t rows = [] {      // the CPU is looked up once, not on every call
 #ifdef SPECDEC_X86
-  __builtin_cpu_init();
-  static int64_t rows = __builtin_cpu_is("intel") ? 1 : 3;
-#else
-  static int64_t rows = 3;
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("intel")) return int64_t{1};
 #endif
+    return int64_t{3};
+  }();
   return rows;
 }
 

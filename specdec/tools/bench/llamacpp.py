@@ -46,25 +46,6 @@ CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHAR
                  "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                  "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TOOLS=ON",
                  "-DLLAMA_BUILD_EXAMPLES=ON")
-# On a CPU with AMX a native build runs ggml's AMX kernels, which crash with a segmentation fault in the first
-# decode step on the 2-core Xeons here (ggml_backend_amx_mul_mat): there the build names this CPU's other
-# instruction sets instead (/proc/cpuinfo flag → ggml option) and turns AMX off.
-NO_AMX_OPTIONS = {"avx": "-DGGML_AVX=ON", "avx2": "-DGGML_AVX2=ON", "fma": "-DGGML_FMA=ON", "f16c": "-DGGML_F16C=ON",
-                  "avx_vnni": "-DGGML_AVX_VNNI=ON", "avx512f": "-DGGML_AVX512=ON",
-                  "avx512vbmi": "-DGGML_AVX512_VBMI=ON", "avx512_vnni": "-DGGML_AVX512_VNNI=ON",
-                  "avx512_bf16": "-DGGML_AVX512_BF16=ON"}
-
-
-def cmake_options() -> tuple[str, ...]:
-    """The configure options of the build on this CPU: native, or without AMX where the CPU has it."""
-    flags = set(cpu_info()[1])
-    if "amx_int8" not in flags:
-        return CMAKE_OPTIONS
-    native = [o if o != "-DGGML_NATIVE=ON" else "-DGGML_NATIVE=OFF" for o in CMAKE_OPTIONS]
-    return (*native, *(o for flag, o in NO_AMX_OPTIONS.items() if flag in flags),
-            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
-
-
 BUILD_INFO = "build.json"
 FAILED_LOG = "build-failed.log"          # the log of the last failed build, in the cache
 TAIL_LINES = 30                           # lines of a failed program's output quoted in the error
@@ -159,13 +140,32 @@ def cpu_info() -> tuple[str, list[str]]:
     return model, flags
 
 
+# On a CPU with AMX a native build runs ggml's AMX kernels, which crash with a segmentation fault in the first
+# decode step on the 2-core Xeons here (ggml_backend_amx_mul_mat): there the build names this CPU's other
+# instruction sets instead (/proc/cpuinfo flag → ggml option) and turns AMX off.
+NO_AMX_OPTIONS = {"avx": "-DGGML_AVX=ON", "avx2": "-DGGML_AVX2=ON", "fma": "-DGGML_FMA=ON", "f16c": "-DGGML_F16C=ON",
+                  "avx_vnni": "-DGGML_AVX_VNNI=ON", "avx512f": "-DGGML_AVX512=ON",
+                  "avx512vbmi": "-DGGML_AVX512_VBMI=ON", "avx512_vnni": "-DGGML_AVX512_VNNI=ON",
+                  "avx512_bf16": "-DGGML_AVX512_BF16=ON"}
+
+
+def cmake_options(flags: list[str]) -> tuple[str, ...]:
+    """The configure options of the build on a CPU with feature ``flags`` (``cpu_info``): native, or without
+    AMX where the CPU has it."""
+    if "amx_int8" not in flags:
+        return CMAKE_OPTIONS
+    native = [o if o != "-DGGML_NATIVE=ON" else "-DGGML_NATIVE=OFF" for o in CMAKE_OPTIONS]
+    return (*native, *(o for flag, o in NO_AMX_OPTIONS.items() if flag in flags),
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
+
+
 def cpu_key() -> str:
     """A short hash of the CPU's model name and feature flags (what ``-DGGML_NATIVE=ON`` compiles for) and of
     the build's options."""
     model, flags = cpu_info()
     if not model and not flags:
         model = f"{platform.machine()} {platform.processor()}"
-    text = f"{platform.machine()}\n{model}\n{' '.join(flags)}\n{' '.join(cmake_options())}"
+    text = f"{platform.machine()}\n{model}\n{' '.join(flags)}\n{' '.join(cmake_options(flags))}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -266,7 +266,7 @@ def _build(root: Path, key: str, progress: bool, jobs: int | None) -> Path:
         build = work / "build"
         t0 = time.perf_counter()
         _log(progress, f"configuring llama.cpp ({PACKAGE} {version}) with cmake ...")
-        configure = ["cmake", "-S", str(src), "-B", str(build), *cmake_options()]
+        configure = ["cmake", "-S", str(src), "-B", str(build), *cmake_options(cpu_info()[1])]
         _run_logged(configure, log, "cmake configure", progress)
         targets = [completion, SPECULATIVE]
         _log(progress, f"compiling {', '.join(targets)} with {jobs} job(s) (several minutes on few cores) ...")
