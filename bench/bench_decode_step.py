@@ -16,6 +16,11 @@ Prints JSON.
 q/k/v and gate/up are separate layers again (``split_projections``: the layout before
 ``quant.fuse_projections`` fused float projections), the two called in turn; adds the split copy's
 median and the median of the per-pair ratios split / fused.
+
+``--ab-unfused-layers`` (a ``gguf`` model in f32 on the CPU, whose layers run as ``block_layer``'s five kernel
+calls): A/B in one process and on one copy of the weights — each shape also runs with the layers' own forward
+(RMSNorm, SDPA and the element-wise steps between the matmuls; on ``regional``, compiled per layer), the two
+called in turn; adds that variant's median and the median of the per-pair ratios unfused / fused.
 """
 from __future__ import annotations
 
@@ -60,10 +65,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--ab-split-projections", action="store_true",
                     help="also time a copy with q/k/v and gate/up split (paired, in turn)")
+    ap.add_argument("--ab-unfused-layers", action="store_true",
+                    help="also time the layers' own forward instead of block_layer's kernel calls (in turn)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    if args.ab_split_projections and args.ab_unfused_layers:
+        ap.error("--ab-split-projections and --ab-unfused-layers are two different A/B runs: pass one")
     torch.set_num_threads(args.threads)
     from specdec import DecoderModel
+    from specdec.core.graphs import compile_layers
     from specdec.tools.bench import emit_json
 
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
@@ -79,13 +89,24 @@ def main() -> None:
             if split:
                 split_projections(model)
             models.append(model)
+        runners = [models[0].lm.layer_runners]
+        if args.ab_unfused_layers:      # the same weights, run by the layers' own forward
+            if runners[0] is None:
+                ap.error("--ab-unfused-layers needs a model whose layers run as kernel calls (gguf, f32, CPU)")
+            models[0].lm.layer_runners = None
+            if args.backend == "regional":
+                compile_layers(models[0].lm)
+            runners.append(models[0].lm.layer_runners)
+            models.append(models[0])
         ns = [n for b_, n, kv_ in shapes if (b_, kv_) == (b, kv)]
         params = models[0].sampling_params(do_sample=False)
         tokens = {n: torch.randint(100, 20000, (b, n), generator=torch.Generator().manual_seed(0)) for n in ns}
         times = {n: [[] for _ in models] for n in ns}
         for i in range(args.warmup + args.repeats):      # the shapes (and models) in turn, repeat after repeat
             for n in ns:
-                for model, timed in zip(models, times[n]):
+                for j, (model, timed) in enumerate(zip(models, times[n])):
+                    if args.ab_unfused_layers:
+                        model.lm.layer_runners = runners[j]
                     model.set_lengths(torch.full((b,), kv - n - 1))
                     start = time.perf_counter()
                     model.step(tokens[n], params, advance=False).tokens.cpu()
@@ -98,10 +119,11 @@ def main() -> None:
             if n != ns[0]:
                 ratios = [t / t0 for t, t0 in zip(timed[0], times[ns[0]][0])]
                 results[-1][f"vs_n{ns[0]}_median"] = round(statistics.median(ratios), 3)
-            if args.ab_split_projections:
-                ratios = [split / fused for split, fused in zip(timed[1], timed[0])]
-                results[-1] |= {"split_median_ms": round(statistics.median(timed[1]), 2),
-                                "split_over_fused_median": round(statistics.median(ratios), 3)}
+            if len(models) > 1:
+                ratios = [other / fused for other, fused in zip(timed[1], timed[0])]
+                name = "unfused" if args.ab_unfused_layers else "split"
+                results[-1] |= {f"{name}_median_ms": round(statistics.median(timed[1]), 2),
+                                f"{name}_over_fused_median": round(statistics.median(ratios), 3)}
             print(json.dumps(results[-1]), flush=True)
     out = {"config": {k: v for k, v in vars(args).items() if k != "output"}, "torch": torch.__version__,
            "results": results}

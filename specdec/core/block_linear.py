@@ -89,6 +89,16 @@ class BlockLinear(nn.Module):
         d, dmin, sc, mn = (untiled(t, n).float() for t in (self.d, self.dmin, self.sc, self.mn))
         return dequantize(unpack(self.qs, n, layout), d, dmin, sc, mn, layout.group, layout.superblock)
 
+    def fused(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + (f(x) · Wᵀ + bias) on f32 rows x [M, K] ([M, 2K] ``gated``) → [M, N] f32, in one kernel
+        call: f = RMSNorm with weight ``norm`` and ``eps``, or (``gated``) silu(x[:, :K]) · x[:, K:], or none;
+        no residual when None (``block_layer``: a decoder layer's steps fused around its matmuls)."""
+        layout = self._layout
+        return torch.ops.specdec.block_mm(x.contiguous(), self.qs, self.d, self.dmin, self.sc, self.mn,
+                                          self.out_features, layout.group, layout.superblock, layout.kind,
+                                          layout.offset, layout.mins, norm, eps, gated, self.bias, residual)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()
         layout = self._layout

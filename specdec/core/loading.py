@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from .block_layer import use_block_layers
 from .checkpoint import load_weights
 from .config import ModelConfig, amp_dtype
 from .gguf_weights import load_gguf_blocks
@@ -133,6 +134,8 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
         lm.restrict_output_vocab(output_vocab_size)
         config = lm.config
     lm.eval().requires_grad_(False)
+    if torch.device(device).type == "cpu" and backend != "neuron":
+        use_block_layers(lm)        # a GGUF file's blocks in f32: each layer in five kernel calls
     move_to_huge_pages(lm)          # a CPU decode step streams every weight: 2 MiB pages, not 4 KiB
     return LoadedDecoder(path, gguf or path, config, lm, settings)
 

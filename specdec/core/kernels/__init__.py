@@ -11,6 +11,14 @@ Its cost is flat in M up to 16 rows (a verify reads and unpacks the weights once
 row's result does not depend on M (row invariance). The instruction set is chosen at run time (AVX-512 with
 VNNI, AVX-512, AVX2 + FMA, portable C++; all give the same bits); ``block_mm_isa()`` names it.
 
+Optional arguments fuse a decoder layer's steps around the matmul: ``norm`` (RMSNorm weight, with ``eps``)
+or ``gated`` (x = [gate | up] → silu(gate) · up) before it, ``bias`` and ``residual`` after it
+(``core.block_layer``).
+
+``cache_attention`` (``attention.cpp``): ``torch.ops.specdec.cache_attention(q, k, v, cos, sin, k_cache,
+v_cache, rows, slots, mask)`` — RoPE on the new tokens, their K / V written into the static cache (in place),
+and each query's masked softmax attention over its cache row, row-invariant, in one call.
+
 The extension is compiled once per source, torch version and Python into ``$SPECDEC_CACHE/kernels``
 (about a minute; a message says so). Where it cannot be built (no compiler), the same op is defined in
 Python — quantize the activations, dequantize the weight, matmul: the same values up to summation order,
@@ -28,7 +36,8 @@ import torch
 from .layout import Layout, unpack, untiled
 
 SOURCE = Path(__file__).with_name("block_mm.cpp")
-SOURCES = (SOURCE, SOURCE.with_name("block_mm_avx512.h"))       # the files the extension is built from
+COMPILED = (SOURCE, SOURCE.with_name("attention.cpp"))           # the translation units
+SOURCES = (*COMPILED, SOURCE.with_name("block_mm_avx512.h"), SOURCE.with_name("vec.h"))   # what the build reads
 _state: dict[str, str] = {}
 _libraries: list[torch.library.Library] = []     # the Python definition, when used, kept alive here
 
@@ -81,6 +90,7 @@ def load_block_mm() -> None:
         _define_reference()
         _state["isa"] = "reference"
     torch.library.register_fake("specdec::block_mm")(_fake)
+    torch.library.register_fake("specdec::cache_attention")(_fake_attention)
 
 
 def _build() -> None:
@@ -94,17 +104,22 @@ def _build() -> None:
     directory.mkdir(parents=True, exist_ok=True)
     if not any(directory.glob("*.so")):
         print("specdec: building the block_mm CPU kernel (once; about a minute)", file=sys.stderr, flush=True)
-    cpp_extension.load(name="specdec_block_mm", sources=[str(SOURCE)], build_directory=str(directory),
-                       extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)    # OpenMP: at::parallel_for's threads
+    cpp_extension.load(name="specdec_block_mm", sources=[str(path) for path in COMPILED],
+                       build_directory=str(directory), extra_ldflags=["-fopenmp"],    # OpenMP: at::parallel_for's
+                       extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-Wno-psabi"],
+                       is_python_module=False, verbose=False)
 
 
 def _define_reference() -> None:
     lib = torch.library.Library("specdec", "DEF")
     _libraries.append(lib)
     lib.define("block_mm(Tensor x, Tensor qs, Tensor d, Tensor dmin, Tensor sc, Tensor mn, int n, int group, "
-               "int superblock, int kind, int offset, bool mins) -> Tensor")
+               "int superblock, int kind, int offset, bool mins, Tensor? norm=None, float eps=0., "
+               "bool gated=False, Tensor? bias=None, Tensor? residual=None) -> Tensor")
+    lib.define("cache_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+               "Tensor(b!) v_cache, Tensor rows, Tensor slots, Tensor mask) -> Tensor")
     lib.impl("block_mm", reference_block_mm, "CPU")
+    lib.impl("cache_attention", reference_cache_attention, "CPU")
 
 
 def dequantize(codes: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
@@ -129,12 +144,52 @@ def quantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def reference_block_mm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor,
                        mn: torch.Tensor, n: int, group: int, superblock: int, kind: int, offset: int,
-                       mins: bool) -> torch.Tensor:
-    """``block_mm`` in PyTorch ops (the fallback, and the tests' reference)."""
+                       mins: bool, norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+                       bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``block_mm`` in PyTorch ops (the fallback, and the tests' reference): the layer's own math around the
+    matmul — RMSNorm (``norm``) or silu(gate) · up (``gated``) before it, bias and residual after it."""
+    if norm is not None:
+        x = norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    elif gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
     layout = Layout(kind, offset, group, superblock, x.shape[1], mins)
     params = (untiled(t, n).float() for t in (d, dmin, sc, mn))
-    return quantize_activations(x, superblock) @ dequantize(unpack(qs, n, layout), *params, group, superblock).t()
+    y = quantize_activations(x, superblock) @ dequantize(unpack(qs, n, layout), *params, group, superblock).t()
+    y = y if bias is None else y + bias
+    return y if residual is None else residual + y
 
 
-def _fake(x, qs, d, dmin, sc, mn, n, group, superblock, kind, offset, mins):
+def reference_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                              slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``cache_attention`` in PyTorch ops (the fallback, and the tests' reference; ``attention.cpp`` gives the
+    shapes): RoPE, the K / V writes, then softmax attention under ``mask`` with query head h on KV head
+    h // (H / Hkv)."""
+    b, n, _ = q.shape
+    hkv, dim = k_cache.shape[2], k_cache.shape[3]
+    heads = q.shape[2] // dim
+
+    def rope(x: torch.Tensor) -> torch.Tensor:       # [b, n, heads, D]
+        c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+        return x * c + torch.cat((-x[..., dim // 2:], x[..., :dim // 2]), -1) * s
+
+    r = rows.view(b, 1)
+    k_cache[r, slots] = rope(k.reshape(b, n, hkv, dim))
+    v_cache[r, slots] = v.reshape(b, n, hkv, dim)
+    length = mask.shape[2]
+    keys = k_cache[rows, :length].repeat_interleave(heads // hkv, dim=2).transpose(1, 2)     # [b, H, L, D]
+    values = v_cache[rows, :length].repeat_interleave(heads // hkv, dim=2).transpose(1, 2)
+    queries = rope(q.reshape(b, n, heads, dim)).transpose(1, 2)
+    scores = (queries @ keys.transpose(-1, -2)) / dim ** 0.5
+    weights = scores.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(-1)
+    return (weights @ values).transpose(1, 2).reshape(b, n, heads * dim)
+
+
+def _fake(x, qs, d, dmin, sc, mn, n, group, superblock, kind, offset, mins, norm=None, eps=0.0, gated=False,
+          bias=None, residual=None):
     return x.new_empty(x.shape[0], n)
+
+
+def _fake_attention(q, k, v, cos, sin, k_cache, v_cache, rows, slots, mask):
+    return q.new_empty(q.shape)

@@ -53,6 +53,8 @@
 #include <string>
 #include <vector>
 
+#include "vec.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define SPECDEC_X86 1
@@ -101,6 +103,45 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int64_t SB, 
       for (int64_t i = 0; i < G; ++i) sum += xq[r * K + g * G + i];
       sx[r * (K / G) + g] = sum;
     }
+}
+
+// ---------------------------------------------------------------------------------------- prologue
+// What a layer computes before its matmul, fused into the call (``block_mm``'s ``norm`` / ``gated``), per row:
+//   norm:  v = w · (x · (1 / sqrt(Σ x² / K + eps)))   (Llama's RMSNorm in f32; Σ x² in 16 lanes, then their tree);
+//   gated: v = silu(a) · b = (a / (1 + e^-a)) · b of x = [a | b] (the MLP's gate and up halves) [M, 2K].
+// Vectors of 16 lanes with a fixed order (``vec.h``): the same bits on every instruction set and at every M.
+using namespace specdec_vec;
+
+SPECDEC_CLONES void norm_rows(const float* x, const float* w, float eps, int64_t M, int64_t K, float* out) {
+  const int64_t body = K / W * W;
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x + r * K;
+    V acc = splat(0.f);
+    for (int64_t k = 0; k < body; k += W) acc = acc + load(xr + k) * load(xr + k);
+    float ss = sum(acc);
+    for (int64_t k = body; k < K; ++k) ss = ss + xr[k] * xr[k];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(K) + eps);
+    for (int64_t k = 0; k < body; k += W) store(out + r * K + k, load(w + k) * (load(xr + k) * splat(inv)));
+    for (int64_t k = body; k < K; ++k) out[r * K + k] = w[k] * (xr[k] * inv);
+  }
+}
+
+// silu(a) · b over 16 lanes
+SPECDEC_INLINE V silu_gate(V a, V b) { return a / (splat(1.f) + specdec_vec::exp(splat(0.f) - a)) * b; }
+
+SPECDEC_CLONES void silu_gate_rows(const float* x, int64_t M, int64_t K, float* out) {
+  const int64_t body = K / W * W;
+  for (int64_t r = 0; r < M; ++r) {
+    const float* a = x + r * 2 * K;
+    const float* b = a + K;
+    for (int64_t k = 0; k < body; k += W) store(out + r * K + k, silu_gate(load(a + k), load(b + k)));
+    if (body == K) continue;
+    float ta[W] = {}, tb[W] = {}, v[W];       // the row's tail, padded with zeros
+    std::memcpy(ta, a + body, (K - body) * sizeof(float));
+    std::memcpy(tb, b + body, (K - body) * sizeof(float));
+    store(v, silu_gate(load(ta), load(tb)));
+    std::memcpy(out + r * K + body, v, (K - body) * sizeof(float));
+  }
 }
 
 // ---------------------------------------------------------------------------------------- portable
@@ -220,6 +261,23 @@ AVX2 void tile_avx2(const Args& p, int64_t t, int64_t r0) {
 
 using TileFn = void (*)(const Args&, int64_t, int64_t);
 
+// What a layer adds after its matmul (``block_mm``'s ``bias`` / ``residual``), in the unfused layer's order:
+// y = residual + (y + bias).
+void add_epilogue(at::Tensor& y, int64_t n, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& residual) {
+  float* out = y.data_ptr<float>();
+  const int64_t M = y.size(0);
+  if (bias) {
+    const float* b = bias->data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < n; ++c) out[r * n + c] = out[r * n + c] + b[c];
+  }
+  if (residual) {
+    const float* h = residual->data_ptr<float>();
+    for (int64_t i = 0; i < M * n; ++i) out[i] = h[i] + out[i];
+  }
+}
+
 enum class Isa { portable, avx2, avx512, avx512vnni };   // each runs on the CPUs of the next
 
 Isa detect() {
@@ -270,11 +328,25 @@ TileFn tile_fn(int R, Isa isa, std::integer_sequence<int, Rs...>) {
   return fn;
 }
 
-at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& dmin,
-                     const at::Tensor& sc, const at::Tensor& mn, int64_t n, int64_t group, int64_t superblock,
-                     int64_t kind, int64_t offset, bool mins) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "block_mm: x must be a contiguous f32 [M, K]");
+at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& dmin,
+                    const at::Tensor& sc, const at::Tensor& mn, int64_t n, int64_t group, int64_t superblock,
+                    int64_t kind, int64_t offset, bool mins, const std::optional<at::Tensor>& norm, double eps,
+                    bool gated, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(),
+              "block_mm: x must be a contiguous f32 [M, K] ([M, 2K] gated)");
+  TORCH_CHECK(!(gated && norm), "block_mm: norm and gated exclude each other");
+  TORCH_CHECK(!gated || x_in.size(1) % 2 == 0, "block_mm: a gated x is [M, 2K]");
+  at::Tensor x = x_in;
+  if (norm) {
+    TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == x_in.size(1),
+                "block_mm: norm must be a contiguous f32 [K]");
+    x = at::empty_like(x_in);
+    norm_rows(x_in.data_ptr<float>(), norm->data_ptr<float>(), static_cast<float>(eps), x_in.size(0), x_in.size(1),
+              x.data_ptr<float>());
+  } else if (gated) {
+    x = at::empty({x_in.size(0), x_in.size(1) / 2}, x_in.options());
+    silu_gate_rows(x_in.data_ptr<float>(), x_in.size(0), x.size(1), x.data_ptr<float>());
+  }
   TORCH_CHECK(kind >= U4 && kind <= U5, "block_mm: kind must be 0 (u4), 1 (s8), 2 (u6) or 3 (u5)");
   TORCH_CHECK((group == 16 || group == 32) && (superblock == group || superblock == 256) &&
               (kind != U4 || group == 32) && (kind != U6 || group == 16) && (kind != U5 || group == 32),
@@ -291,6 +363,10 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
   TORCH_CHECK(sc.scalar_type() == at::kChar && mn.scalar_type() == at::kChar && sc.is_contiguous() &&
               mn.is_contiguous() && sc.numel() == T * (K / group) * LANES && mn.numel() == sc.numel(),
               "block_mm: sc / mn must be contiguous int8 [T, K/group, 16]");
+  for (const auto* t : {&bias, &residual})
+    TORCH_CHECK(!*t || ((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() &&
+                        (*t)->numel() == (t == &bias ? n : M * n)),
+                "block_mm: bias must be a contiguous f32 [n], residual a contiguous f32 [M, n]");
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
   std::vector<int8_t> xq(M * K);
@@ -319,6 +395,7 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t r0 = 0; r0 < M; r0 += RMAX) (r0 + RMAX <= M ? full : last)(p, t, r0);
   });
+  add_epilogue(y, n, bias, residual);
   return y;
 }
 
@@ -345,7 +422,8 @@ void set_isa(const std::string& name) {
 
 TORCH_LIBRARY(specdec, m) {
   m.def("block_mm(Tensor x, Tensor qs, Tensor d, Tensor dmin, Tensor sc, Tensor mn, int n, int group, "
-        "int superblock, int kind, int offset, bool mins) -> Tensor");
+        "int superblock, int kind, int offset, bool mins, Tensor? norm=None, float eps=0., bool gated=False, "
+        "Tensor? bias=None, Tensor? residual=None) -> Tensor");
   m.def("block_mm_isa() -> str", [] { return isa_name(); });
   m.def("block_mm_set_isa(str name) -> ()", [](const std::string& name) { set_isa(name); });
   m.def("block_mm_prefetch() -> int[]", [] { return std::vector<int64_t>{prefetch_bytes(), prefetch_min_rows()}; });

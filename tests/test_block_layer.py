@@ -1,0 +1,151 @@
+"""A decoder layer of a GGUF file's blocks as five kernel calls (``specdec.core.block_layer``): ``block_mm``'s
+prologue (RMSNorm, the SiLU gate) and epilogue (bias, residual) equal the layer's own math, ``cache_attention``
+equals RoPE + cache writes + masked softmax attention, both are row-invariant (a row's bits do not depend on
+how many rows or slots a call has), bad inputs fail clearly, and a GGUF model runs its layers so: the same
+logits as the unfused layers, in every backend."""
+import pytest
+import torch
+
+from specdec.core.block_layer import block_layers_apply, run_block_layer
+from specdec.core.block_linear import BlockLinear
+from specdec.core.graphs import compile_layers
+from specdec.core.kernels import block_mm_isa, load_block_mm, reference_block_mm, reference_cache_attention
+
+from conftest import load, prompt_ids
+from test_block_mm import blocks
+from tiny_gguf import VOCAB, write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(load_block_mm() or block_mm_isa() == "reference",
+                                reason="the C++ kernels did not build (the Python reference runs)")
+ROWS = (1, 2, 5, 9, 16)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny GGUF model (``tiny_gguf``: Q4_0 / Q4_1 / Q8_0 layers, head dim 16)."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "target.gguf", seed=0)
+
+
+def layer(qtype: str, n: int = 48, k: int = 256, bias: bool = True) -> BlockLinear:
+    g = torch.Generator().manual_seed(1)
+    return BlockLinear.from_blocks(blocks(qtype, n, k), torch.float32,
+                                   torch.randn(n, generator=g) if bias else None)
+
+
+def reference(lin: BlockLinear, x: torch.Tensor, **fused) -> torch.Tensor:
+    lay = lin.layout
+    return reference_block_mm(x, lin.qs, lin.d, lin.dmin, lin.sc, lin.mn, lin.out_features, lay.group,
+                              lay.superblock, lay.kind, lay.offset, lay.mins, bias=lin.bias, **fused)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "Q6_K", "Q8_0"])
+def test_the_prologue_and_epilogue_are_the_layers_math(qtype):
+    lin = layer(qtype)
+    g = torch.Generator().manual_seed(2)
+    x, gated = torch.randn(9, 256, generator=g), torch.randn(9, 512, generator=g) * 3
+    norm, residual = torch.rand(256, generator=g) + 0.5, torch.randn(9, 48, generator=g)
+    for fused, inputs in ((dict(norm=norm, eps=1e-6), x), (dict(gated=True, residual=residual), gated),
+                          (dict(residual=residual), x)):
+        ours, expected = lin.fused(inputs, **fused), reference(lin, inputs, **fused)
+        # the quantized activations may round one value the other way: a few units of the last place at most
+        assert torch.allclose(ours, expected, rtol=1e-4, atol=1e-3 * float(expected.abs().max())), fused
+    plain = lin.fused(x)
+    assert torch.equal(plain, lin(x))            # no prologue or epilogue: forward's numbers, bias included
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0"])
+def test_the_fused_steps_are_row_invariant(qtype):
+    lin = layer(qtype)
+    g = torch.Generator().manual_seed(3)
+    x, gated = torch.randn(16, 256, generator=g), torch.randn(16, 512, generator=g)
+    norm, residual = torch.rand(256, generator=g) + 0.5, torch.randn(16, 48, generator=g)
+    full = (lin.fused(x, norm=norm, eps=1e-6), lin.fused(gated, gated=True, residual=residual))
+    for m in ROWS:
+        assert torch.equal(lin.fused(x[:m], norm=norm, eps=1e-6), full[0][:m]), m
+        assert torch.equal(lin.fused(gated[:m], gated=True, residual=residual[:m]), full[1][:m]), m
+
+
+def attention_case(b=2, n=5, heads=6, kv_heads=2, dim=32, slots=40, length=32, seed=0):
+    """Random inputs of ``cache_attention``: row r's first 8 + 4 r slots committed, n new tokens after them,
+    causal among themselves; rows read cache rows in reverse order."""
+    g = torch.Generator().manual_seed(seed)
+    caches = [torch.randn(b, slots, kv_heads, dim, generator=g) for _ in range(2)]
+    q = torch.randn(b, n, heads * dim, generator=g)
+    k, v = (torch.randn(b, n, kv_heads * dim, generator=g) for _ in range(2))
+    angle = torch.rand(b, n, dim, generator=g) * 6
+    rows = torch.arange(b).flip(0)
+    lengths = 8 + 4 * torch.arange(b)
+    new = lengths.unsqueeze(1) + torch.arange(n)
+    mask = torch.arange(length).view(1, 1, length) < lengths.view(b, 1, 1)
+    mask = mask.expand(b, n, length).clone()
+    mask[torch.arange(b).view(b, 1, 1), torch.arange(n).view(1, n, 1), new.unsqueeze(1)] = \
+        torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0).expand(b, n, n)
+    return q, k, v, angle.cos(), angle.sin(), *caches, rows, new, mask
+
+
+def test_cache_attention_equals_rope_writes_and_masked_softmax():
+    for dims in (dict(), dict(heads=4, kv_heads=4, dim=64), dict(n=1, heads=14, kv_heads=2, dim=128)):
+        case = attention_case(**dims)
+        ours_caches, expected_caches = [t.clone() for t in case[5:7]], [t.clone() for t in case[5:7]]
+        ours = torch.ops.specdec.cache_attention(*case[:5], *ours_caches, *case[7:])
+        expected = reference_cache_attention(*case[:5], *expected_caches, *case[7:])
+        assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-4), dims
+        assert torch.equal(ours_caches[1], expected_caches[1])                   # the values, as they came
+        assert torch.allclose(ours_caches[0], expected_caches[0], atol=1e-6)     # the rotated keys
+        untouched = torch.ones_like(ours_caches[0], dtype=torch.bool)
+        untouched[case[7].view(-1, 1), case[8]] = False
+        assert torch.equal(ours_caches[0][untouched], case[5][untouched])       # no other slot written
+
+
+def test_cache_attention_is_row_invariant():
+    """Token i's output is the same bits alone (n = 1, after the earlier tokens were written) as among n, and
+    with a longer KV bucket (more masked slots)."""
+    q, k, v, cos, sin, kc, vc, rows, slots, mask = attention_case(n=5)
+    together = torch.ops.specdec.cache_attention(q, k, v, cos, sin, kc.clone(), vc.clone(), rows, slots, mask)
+    kc1, vc1 = kc.clone(), vc.clone()
+    wider = torch.cat([mask, torch.zeros(*mask.shape[:2], 8, dtype=torch.bool)], 2)
+    for i in range(5):
+        part = [t[:, i:i + 1].contiguous() for t in (q, k, v, cos, sin)]
+        alone = torch.ops.specdec.cache_attention(*part, kc1, vc1, rows, slots[:, i:i + 1].contiguous(),
+                                                  wider[:, i:i + 1].contiguous())
+        assert torch.equal(alone[:, 0], together[:, i]), i
+
+
+def test_cache_attention_rejects_bad_inputs():
+    q, k, v, cos, sin, kc, vc, rows, slots, mask = attention_case()
+    with pytest.raises(RuntimeError, match="slot 99 is outside"):
+        torch.ops.specdec.cache_attention(q, k, v, cos, sin, kc, vc, rows, torch.full_like(slots, 99), mask)
+    with pytest.raises(RuntimeError, match="row 7 is outside"):
+        torch.ops.specdec.cache_attention(q, k, v, cos, sin, kc, vc, torch.full_like(rows, 7), slots, mask)
+    with pytest.raises(RuntimeError, match="mask must be bool"):
+        torch.ops.specdec.cache_attention(q, k, v, cos, sin, kc, vc, rows, slots, mask.float())
+    with pytest.raises(RuntimeError, match="head dim must be a multiple of 16"):
+        odd = torch.zeros(*kc.shape[:3], 24)
+        torch.ops.specdec.cache_attention(q[..., :144], k[..., :48], v[..., :48], cos[..., :24], sin[..., :24],
+                                          odd, odd.clone(), rows, slots, mask)
+
+
+@pytest.mark.parametrize("backend", ["eager", "regional", "compiled"])
+def test_a_gguf_model_runs_its_layers_as_kernel_calls(tiny, backend):
+    """Every layer of the tiny GGUF model runs as ``run_block_layer`` and gives the unfused layers' logits
+    (up to the f32 summation order of the norm, SiLU and softmax) on a prefill and a 4-token verify."""
+    target = tiny
+    fused = load(target, quantization="gguf", backend=backend)
+    assert block_layers_apply(fused.lm) and fused.lm.layer_runners == [run_block_layer] * 2
+    plain = load(target, quantization="gguf", backend="eager")
+    plain.lm.layer_runners = None                 # the layers' own forward: RMSNorm, SDPA, ... between matmuls
+    params = fused.sampling_params(do_sample=False)
+    prompt = torch.tensor(prompt_ids(11, 4, VOCAB))
+    outs = [m.prefill([prompt], params).logits[0, -1] for m in (fused, plain)]
+    assert torch.allclose(*outs, atol=2e-3 * float(outs[1].abs().max()))
+    tokens = torch.tensor([prompt_ids(4, 5, VOCAB)])
+    outs = [m.step(tokens, params).logits[0] for m in (fused, plain)]
+    assert torch.allclose(*outs, atol=2e-3 * float(outs[1].abs().max()))
+
+
+def test_bf16_and_sharded_models_keep_the_layers_forward(tiny):
+    target = tiny
+    model = load(target, quantization="gguf", amp="bf16", backend="regional")
+    assert not block_layers_apply(model.lm) and model.lm.layer_runners is None
+    compile_layers(model.lm)
+    assert model.lm.layer_runners[0] is not run_block_layer
