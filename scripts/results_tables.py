@@ -97,6 +97,27 @@ def fused_projections_table(plain: dict, tuned: dict) -> str:
     return "\n".join(rows)
 
 
+def graph_calls_table(*results: dict) -> str:
+    """``bench_decode_step.py --ab-unfused-layers`` on named models: each graph call with the layers as
+    ``block_layer``'s kernel calls, its ratio to the first model's decode step, and the layers' own forward in
+    turn (unfused / fused > 1: the kernel calls are faster)."""
+    decode = results[0]["results"][0]["median_ms"]
+    rows = ["| model | tokens | median ms | ÷ first model's decode | unfused layers ms | unfused / fused |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for result in results:
+        cfg = result["config"]
+        vocab = f" (ids < {cfg['output_vocab_size']:,})" if cfg.get("output_vocab_size") else ""
+        for r in result["results"]:
+            rows.append(f"| {cfg['model']}{vocab} | {r['n']} | {r['median_ms']:.1f} | {r['median_ms'] / decode:.2f} | "
+                        f"{r['unfused_median_ms']:.1f} | {r['unfused_over_fused_median']:.3f} |")
+    cfg = results[0]["config"]
+    rows += ["", f"Batch 1, KV bucket {results[0]['results'][0]['kv']}; {cfg['backend']} {cfg['amp']} "
+                 f"{cfg['quantization']}, {cfg['threads']} threads; medians of {cfg['repeats']} calls per shape "
+                 f"({cfg['warmup']} warm-up), a model's shapes and both variants called in turn; unfused / fused is "
+                 "the median of the per-pair ratios."]
+    return "\n".join(rows)
+
+
 def index_table() -> str:
     """Every JSON under bench/results/: what wrote it, its commit and its machine."""
     rows = ["| file | written by | commit | machine |", "|---|---|---|---|"]
@@ -137,6 +158,7 @@ TABLES: dict[str, Table] = {
     "runtime": Table(("runtime",), runtime.markdown_table),
     "decode_step": Table(("decode_step", "decode_step_autotune"), decode_step_table),
     "fused_projections": Table(("fused_projections", "fused_projections_autotune"), fused_projections_table),
+    "graph_calls_qwen": Table(("decode_step_qwen_target", "decode_step_qwen_draft"), graph_calls_table),
     **dict(spec(name) for name in (
         "spec_eagle3_mtbench_allcat_b1", "spec_eagle3_mtbench_b1", "spec_eagle3_varied_b1", "spec_eagle3_mtbench_b4",
         "spec_trees_mtbench_b1", "spec_trees_varied_b1", "spec_trees_mtbench_b4", "spec_model_mtbench_b1",

@@ -1,8 +1,8 @@
 """A decoder layer of a GGUF file's blocks as five kernel calls (``specdec.core.block_layer``): ``block_mm``'s
 prologue (RMSNorm, the SiLU gate) and epilogue (bias, residual) equal the layer's own math, ``cache_attention``
 equals RoPE + cache writes + masked softmax attention, both are row-invariant (a row's bits do not depend on
-how many rows or slots a call has), bad inputs fail clearly, and a GGUF model runs its layers so: the same
-logits as the unfused layers, in every backend."""
+how many rows or slots a call has), bad inputs fail clearly, the one-call ``block_layer`` gives the five calls'
+bits, and a GGUF model runs its layers so: the same logits as the unfused layers, in every backend."""
 import pytest
 import torch
 
@@ -123,6 +123,48 @@ def test_cache_attention_rejects_bad_inputs():
         odd = torch.zeros(*kc.shape[:3], 24)
         torch.ops.specdec.cache_attention(q[..., :144], k[..., :48], v[..., :48], cos[..., :24], sin[..., :24],
                                           odd, odd.clone(), rows, slots, mask)
+
+
+def five_calls(layer, x, cos, sin, slots, mask):
+    """``block_layer``'s module docstring, call by call from Python."""
+    attn, mlp = layer.self_attn, layer.mlp
+    b, n, hidden = x.shape
+    flat = x.reshape(b * n, hidden)
+    norm = layer.input_layernorm
+    parts = [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+    qkv = torch.cat([p.fused(flat, norm=norm.weight, eps=norm.eps) for p in parts], -1)
+    q, k, v = (t.reshape(b, n, -1) for t in qkv.split(attn.qkv_sizes, -1))
+    out = torch.ops.specdec.cache_attention(q, k, v, cos, sin, attn.k_cache, attn.v_cache, torch.arange(b), slots,
+                                            mask[:, 0])
+    flat = attn.o_proj.fused(out.reshape(b * n, -1), residual=flat)
+    norm = layer.post_attention_layernorm
+    parts = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+    gate_up = torch.cat([p.fused(flat, norm=norm.weight, eps=norm.eps) for p in parts], -1)
+    return mlp.down_proj.fused(gate_up, gated=True, residual=flat).view(b, n, hidden)
+
+
+def test_one_layer_call_is_the_five_kernel_calls(tiny):
+    """``block_layer`` (C++) gives the bits of its five kernels called one by one, output and KV cache, on both
+    tiny layers (one with separate q / k / v and gate / up, one fused)."""
+    from specdec.core.model import new_token_slots, rope_tables
+
+    model = load(tiny, quantization="gguf")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 3, 64, generator=g)
+    lengths = torch.tensor([6])
+    cos, sin = rope_tables(lengths.view(1, 1) + torch.arange(3), model.lm.inv_freq, model.lm.rope_scaling, x.dtype)
+    slots, mask = new_token_slots(lengths, torch.ones(3, 3, dtype=torch.bool).tril().unsqueeze(0), 32)
+    for layer in model.lm.model.layers:
+        attn = layer.self_attn
+        for cache in attn.cache_buffers():
+            cache.copy_(torch.randn(cache.shape, generator=g))
+        before = [t.clone() for t in attn.cache_buffers()]
+        one = run_block_layer(layer, x, cos, sin, slots, mask, 32)
+        after = [t.clone() for t in attn.cache_buffers()]
+        for cache, saved in zip(attn.cache_buffers(), before):
+            cache.copy_(saved)
+        assert torch.equal(one, five_calls(layer, x, cos, sin, slots, mask))
+        assert all(torch.equal(a, b) for a, b in zip(after, attn.cache_buffers()))
 
 
 @pytest.mark.parametrize("backend", ["eager", "regional", "compiled"])

@@ -10,10 +10,11 @@ A ``model.DecoderLayer`` whose projections are all ``BlockLinear`` runs, per gra
 
 — the layer's own math (``model.DecoderLayer.forward``) with its RMSNorms, SiLU gate, biases and residual adds
 inside the matmul calls (``block_mm``'s prologue and epilogue) and RoPE, the KV-cache writes and the attention in
-one call (``kernels/attention.cpp``), instead of a dozen element-wise kernels and SDPA between the matmuls. On
-a 2-core CPU those cost about as much as the matmuls of a small draft model (docs/real-pair.md). Every step is
-row-invariant, so decode, verify and batched calls agree bit for bit. ``use_block_layers`` installs the runner
-as ``DecoderLM.layer_runners``; the ``regional`` backend then compiles nothing (there is nothing left to fuse).
+one call (``kernels/attention.cpp``), instead of a dozen element-wise kernels and SDPA between the matmuls; the
+five calls are made from C++ (``kernels/block_layer.cpp``), one dispatch a layer. On a 2-core CPU the steps
+between the matmuls took a third of a 0.5B draft step (docs/real-pair.md). Every step is row-invariant, so
+decode, verify and batched calls agree bit for bit. ``use_block_layers`` installs the runner as
+``DecoderLM.layer_runners``; the ``regional`` backend then compiles nothing (there is nothing left to fuse).
 """
 from __future__ import annotations
 
@@ -60,27 +61,19 @@ def use_block_layers(lm: DecoderLM) -> bool:
     return True
 
 
-def _project(parts: list[BlockLinear], x: torch.Tensor, **fused) -> torch.Tensor:
-    """The parts' outputs on rows x [M, K], concatenated [M, Σ N]."""
-    outs = [part.fused(x, **fused) for part in parts]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
-
-
 def run_block_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     slots: torch.Tensor, mask: torch.Tensor, kv_len: int,
                     seq_ids: torch.Tensor | None = None) -> torch.Tensor:
     """``layer(x, cos, sin, slots, mask, kv_len, seq_ids)`` (``model.DecoderLayer.forward``'s contract: x
-    [b, n, H] f32, cos / sin [b, n, D], slots [b, n], mask [b, 1, n, kv_len]) in five kernel calls."""
-    b, n, hidden = x.shape
+    [b, n, H] f32, cos / sin [b, n, D], slots [b, n], mask [b, 1, n, kv_len]) as one ``block_layer`` call
+    (``kernels/block_layer.cpp``: the five kernel calls above, made from C++)."""
     attn, mlp = layer.self_attn, layer.mlp
-    flat = x.reshape(b * n, hidden)
-    norm = layer.input_layernorm
-    qkv = _project(_parts(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")), flat, norm=norm.weight, eps=norm.eps)
-    q, k, v = (t.view(b, n, -1) for t in qkv.split(attn.qkv_sizes, dim=-1))
-    rows = torch.arange(b, device=x.device) if seq_ids is None else seq_ids
-    out = torch.ops.specdec.cache_attention(q, k, v, cos, sin, attn.k_cache, attn.v_cache, rows, slots,
-                                            mask[:, 0])
-    flat = attn.o_proj.fused(out.view(b * n, -1), residual=flat)
-    norm = layer.post_attention_layernorm
-    gate_up = _project(_parts(mlp, "gate_up_proj", ("gate_proj", "up_proj")), flat, norm=norm.weight, eps=norm.eps)
-    return mlp.down_proj.fused(gate_up, gated=True, residual=flat).view(b, n, hidden)
+    attn_in = _parts(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+    mlp_in = _parts(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+    projections = [*attn_in, attn.o_proj, *mlp_in, mlp.down_proj]
+    weights = [t for p in projections for t in p.kernel_weights()]
+    weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    layout = [len(attn_in), len(mlp_in), *(v for p in projections for v in p.kernel_layout())]
+    rows = torch.arange(x.shape[0], device=x.device) if seq_ids is None else seq_ids
+    return torch.ops.specdec.block_layer(x, cos, sin, attn.k_cache, attn.v_cache, rows, slots, mask, weights, layout,
+                                         layer.input_layernorm.eps)

@@ -89,15 +89,24 @@ class BlockLinear(nn.Module):
         d, dmin, sc, mn = (untiled(t, n).float() for t in (self.d, self.dmin, self.sc, self.mn))
         return dequantize(unpack(self.qs, n, layout), d, dmin, sc, mn, layout.group, layout.superblock)
 
+    def kernel_weights(self) -> list[torch.Tensor]:
+        """qs, d, dmin, sc, mn and the bias (an empty tensor where there is none): ``block_layer``'s weights."""
+        bias = self.qs.new_empty(0, dtype=torch.float32) if self.bias is None else self.bias
+        return [self.qs, self.d, self.dmin, self.sc, self.mn, bias]
+
+    def kernel_layout(self) -> list[int]:
+        """n, group, superblock, kind, offset, mins: the ints ``block_mm`` and ``block_layer`` take."""
+        layout = self._layout
+        return [self.out_features, layout.group, layout.superblock, layout.kind, layout.offset, int(layout.mins)]
+
     def fused(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
               residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + (f(x) · Wᵀ + bias) on f32 rows x [M, K] ([M, 2K] ``gated``) → [M, N] f32, in one kernel
         call: f = RMSNorm with weight ``norm`` and ``eps``, or (``gated``) silu(x[:, :K]) · x[:, K:], or none;
-        no residual when None (``block_layer``: a decoder layer's steps fused around its matmuls)."""
-        layout = self._layout
-        return torch.ops.specdec.block_mm(x.contiguous(), self.qs, self.d, self.dmin, self.sc, self.mn,
-                                          self.out_features, layout.group, layout.superblock, layout.kind,
-                                          layout.offset, layout.mins, norm, eps, gated, self.bias, residual)
+        no residual when None (a decoder layer's steps around its matmuls: ``block_layer``)."""
+        n, group, superblock, kind, offset, mins = self.kernel_layout()
+        return torch.ops.specdec.block_mm(x.contiguous(), self.qs, self.d, self.dmin, self.sc, self.mn, n, group,
+                                          superblock, kind, offset, bool(mins), norm, eps, gated, self.bias, residual)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()

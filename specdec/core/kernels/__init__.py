@@ -36,8 +36,8 @@ import torch
 from .layout import Layout, unpack, untiled
 
 SOURCE = Path(__file__).with_name("block_mm.cpp")
-COMPILED = (SOURCE, SOURCE.with_name("attention.cpp"))           # the translation units
-SOURCES = (*COMPILED, SOURCE.with_name("block_mm_avx512.h"), SOURCE.with_name("vec.h"))   # what the build reads
+COMPILED = tuple(SOURCE.with_name(name) for name in ("block_mm.cpp", "attention.cpp", "block_layer.cpp"))
+SOURCES = (*COMPILED, *(SOURCE.with_name(name) for name in ("block_mm_avx512.h", "vec.h", "kernels.h")))
 _state: dict[str, str] = {}
 _libraries: list[torch.library.Library] = []     # the Python definition, when used, kept alive here
 
@@ -91,6 +91,7 @@ def load_block_mm() -> None:
         _state["isa"] = "reference"
     torch.library.register_fake("specdec::block_mm")(_fake)
     torch.library.register_fake("specdec::cache_attention")(_fake_attention)
+    torch.library.register_fake("specdec::block_layer")(_fake_layer)
 
 
 def _build() -> None:
@@ -193,3 +194,7 @@ def _fake(x, qs, d, dmin, sc, mn, n, group, superblock, kind, offset, mins, norm
 
 def _fake_attention(q, k, v, cos, sin, k_cache, v_cache, rows, slots, mask):
     return q.new_empty(q.shape)
+
+
+def _fake_layer(x, cos, sin, k_cache, v_cache, rows, slots, mask, weights, layout, eps):
+    return x.new_empty(x.shape)

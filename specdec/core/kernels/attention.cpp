@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace {
@@ -171,6 +172,16 @@ at::Tensor cache_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
 }
 
 }  // namespace
+
+namespace specdec {
+
+at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                           const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows,
+                           const at::Tensor& slots, const at::Tensor& mask) {
+  return ::cache_attention(q, k, v, cos, sin, k_cache, v_cache, rows, slots, mask);
+}
+
+}  // namespace specdec
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "

@@ -53,6 +53,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels.h"
 #include "vec.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -419,6 +420,18 @@ void set_isa(const std::string& name) {
 }
 
 }  // namespace
+
+namespace specdec {
+
+at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& dmin,
+                    const at::Tensor& sc, const at::Tensor& mn, int64_t n, int64_t group, int64_t superblock,
+                    int64_t kind, int64_t offset, bool mins, const std::optional<at::Tensor>& norm, double eps,
+                    bool gated, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  return ::block_mm(x, qs, d, dmin, sc, mn, n, group, superblock, kind, offset, mins, norm, eps, gated, bias,
+                    residual);
+}
+
+}  // namespace specdec
 
 TORCH_LIBRARY(specdec, m) {
   m.def("block_mm(Tensor x, Tensor qs, Tensor d, Tensor dmin, Tensor sc, Tensor mn, int n, int group, "

@@ -1,0 +1,86 @@
+// specdec::block_layer — one decoder layer of GGUF block weights in one call: the five kernel calls of
+// ``specdec/core/block_layer.py`` made from C++, so a layer costs one dispatch from Python instead of five
+// plus the glue between them.
+//
+//   x [b, n, H] f32, cos / sin [b, n, D], k_cache / v_cache [B, S, Hkv, D] (written in place), rows [b],
+//   slots [b, n], mask [b, 1, n, L] bool (``cache_attention``'s arguments);
+//   weights: per projection qs, d, dmin, sc, mn, bias (an empty tensor: none) — the attention's input
+//     projections (q, k, v or one qkv), o, the MLP's input projections (gate, up or one gate_up), down — then
+//     the two RMSNorm weights (input, post-attention);
+//   layout: [attention inputs, MLP inputs, then per projection n, group, superblock, kind, offset, mins];
+//   eps: the RMSNorm epsilon
+//   → x + attention + MLP [b, n, H], the same bits as the five calls.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int64_t FIELDS = 6;   // tensors and ints per projection
+
+struct Projection {
+  const at::Tensor* t;          // qs, d, dmin, sc, mn, bias
+  const int64_t* meta;          // n, group, superblock, kind, offset, mins
+
+  at::Tensor operator()(const at::Tensor& x, const std::optional<at::Tensor>& norm, double eps, bool gated,
+                        const std::optional<at::Tensor>& residual) const {
+    const std::optional<at::Tensor> bias = t[5].numel() ? std::optional<at::Tensor>(t[5]) : std::nullopt;
+    return specdec::block_mm(x, t[0], t[1], t[2], t[3], t[4], meta[0], meta[1], meta[2], meta[3], meta[4],
+                             meta[5] != 0, norm, eps, gated, bias, residual);
+  }
+};
+
+// The parts' outputs on x, concatenated (one part: its output).
+at::Tensor project(const std::vector<Projection>& parts, const at::Tensor& x, const at::Tensor& norm, double eps) {
+  std::vector<at::Tensor> outs;
+  for (const auto& part : parts) outs.push_back(part(x, norm, eps, false, std::nullopt));
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+}
+
+at::Tensor block_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                       at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& mask,
+                       at::TensorList weights, at::IntArrayRef layout, double eps) {
+  TORCH_CHECK(layout.size() >= 2, "block_layer: layout must start with the attention and MLP input counts");
+  const int64_t attn_in = layout[0], mlp_in = layout[1], count = attn_in + mlp_in + 2;
+  TORCH_CHECK(attn_in >= 1 && mlp_in >= 1 && static_cast<int64_t>(layout.size()) == 2 + FIELDS * count &&
+              static_cast<int64_t>(weights.size()) == FIELDS * count + 2,
+              "block_layer: ", FIELDS, " weights and ints per projection, then the two norms");
+  TORCH_CHECK(x.dim() == 3 && mask.dim() == 4, "block_layer: x must be [b, n, H] and mask [b, 1, n, L]");
+  std::vector<Projection> all;
+  for (int64_t p = 0; p < count; ++p) all.push_back({&weights[FIELDS * p], &layout[2 + FIELDS * p]});
+  const std::vector<Projection> qkv(all.begin(), all.begin() + attn_in);
+  const std::vector<Projection> gate_up(all.begin() + attn_in + 1, all.begin() + attn_in + 1 + mlp_in);
+  const Projection o = all[attn_in], down = all.back();
+  const at::Tensor& norm_in = weights[FIELDS * count];
+  const at::Tensor& norm_post = weights[FIELDS * count + 1];
+  const int64_t b = x.size(0), n = x.size(1), hidden = x.size(2);
+  const int64_t kv_width = k_cache.size(2) * k_cache.size(3);
+  at::Tensor flat = x.reshape({b * n, hidden}).contiguous();
+  const at::Tensor joined = project(qkv, flat, norm_in, eps);
+  const int64_t q_width = joined.size(1) - 2 * kv_width;
+  TORCH_CHECK(q_width > 0, "block_layer: the q / k / v projections are narrower than the cache's K and V");
+  const at::Tensor q = joined.narrow(1, 0, q_width).reshape({b, n, q_width});
+  const at::Tensor k = joined.narrow(1, q_width, kv_width).reshape({b, n, kv_width});
+  const at::Tensor v = joined.narrow(1, q_width + kv_width, kv_width).reshape({b, n, kv_width});
+  const at::Tensor attended = specdec::cache_attention(q, k, v, cos, sin, k_cache, v_cache, rows, slots,
+                                                       mask.select(1, 0));
+  flat = o(attended.reshape({b * n, q_width}), std::nullopt, 0., false, flat);
+  const at::Tensor hidden_mlp = project(gate_up, flat, norm_post, eps);
+  return down(hidden_mlp, std::nullopt, 0., true, flat).view({b, n, hidden});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("block_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, "
+        "Tensor slots, Tensor mask, Tensor[] weights, int[] layout, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("block_layer", &block_layer);
+}
