@@ -294,7 +294,8 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config, self.tp = config, tp
         self.feature_layers = check_feature_layers(feature_layers, config.num_layers)
-        # per layer, a callable run(layer, *inputs) replacing layer(*inputs) (``graphs.compile_layers``)
+        # per layer, a callable run(layer, *inputs) replacing layer(*inputs): ``graphs.compile_layers`` (regional),
+        # ``block_layer.run_block_layer`` (a GGUF file's blocks in f32 on the CPU)
         self.layer_runners: list[Callable] | None = None
         self.layout = layout or head_layout(config.num_heads, config.num_kv_heads, tp.size)
         self.model = Backbone(config, batch_size, n_positions, dtype, self.layout, tp, kv_cache_dtype)
