@@ -53,7 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x1x384,1x9x384,4x1x384,4x9x384,128x1x640")
     ap.add_argument("--model", default=None, help="default: the embedded model")
-    ap.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"])
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "q4_0"])
     ap.add_argument("--backend", default="compiled")
     ap.add_argument("--amp", default="bf16")
     ap.add_argument("--autotune", action="store_true",

@@ -113,6 +113,7 @@ class Config:
     model: str
     draft_model: str
     draft_vocab: int | None
+    draft_quantization: str | None
     temperature: float
     batch_size: int
     backend: str
@@ -152,6 +153,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="also run every draft-model strategy with a second copy of the draft that scores only token "
                         "ids [0, N) (output_vocab_size; systems named ...-v<N>)")
+    p.add_argument("--draft-quantization", default=None, metavar="Q",
+                   help="also run every draft-model strategy with a copy of each draft loaded with quantization Q "
+                        "(e.g. q4_0; systems named ...-<Q>)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; T > 0: sample at temperature T (specdec systems only: implies --no-llamacpp)")
     p.add_argument("--batch-size", type=int, default=1,
@@ -180,7 +184,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
         a.llamacpp = False      # llama.cpp's systems are the greedy batch-1 comparison
     return Config(prompts=a.prompts, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens, threads=a.threads,
                   ks=list(dict.fromkeys(a.ks)), strategies=a.strategies, model=a.model, draft_model=a.draft_model,
-                  draft_vocab=a.draft_vocab, temperature=a.temperature, batch_size=a.batch_size,
+                  draft_vocab=a.draft_vocab, draft_quantization=a.draft_quantization,
+                  temperature=a.temperature, batch_size=a.batch_size,
                   backend=a.backend, amp=a.amp, quantization=None if a.quantization == "none" else a.quantization,
                   n_positions=a.n_positions, context_buckets=a.context_buckets, warmup_tokens=a.warmup_tokens,
                   llamacpp=a.llamacpp, llamacpp_env=dict(a.llamacpp_env), output=a.output)
@@ -231,15 +236,20 @@ def load_target(cfg: Config) -> DecoderModel:
 def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
     """``specdec-target`` and one ``specdec-<strategy>-k<k>`` per strategy (not none) and k; one draft model
     (loaded only if a strategy needs it) serves every system that drafts with it. With ``draft_vocab`` N, every
-    draft-model strategy also runs as ``specdec-<strategy>-k<k>-v<N>`` on a draft scoring ids [0, N) only."""
+    draft-model strategy also runs as ``specdec-<strategy>-k<k>-v<N>`` on a draft scoring ids [0, N) only; with
+    ``draft_quantization`` Q, each of those drafts also as ``...-<Q>``, loaded with ``quantization=Q``."""
     systems = {SPECDEC_TARGET: OurSystem(SPECDEC_TARGET, "none", None, target.generate)}
     drafts: dict[str, DraftModel | None] = {"": None}
     if any(REGISTRY[s].part == "model" for s in cfg.strategies):
         log(f"loading the draft {cfg.draft_model} ...")
         drafts[""] = REGISTRY["model"].build(target, cfg.draft_model)
-        if cfg.draft_vocab is not None:
-            drafts[f"-v{cfg.draft_vocab}"] = REGISTRY["model"].build(target, cfg.draft_model,
-                                                                     output_vocab_size=cfg.draft_vocab)
+        variants = {"": {}} | ({} if cfg.draft_vocab is None else {f"-v{cfg.draft_vocab}":
+                                                                   {"output_vocab_size": cfg.draft_vocab}})
+        if cfg.draft_quantization is not None:
+            variants |= {f"{name}-{cfg.draft_quantization}": kw | {"quantization": cfg.draft_quantization}
+                         for name, kw in variants.items()}
+        for name, kw in variants.items():
+            drafts[name] = drafts[""] if not kw else REGISTRY["model"].build(target, cfg.draft_model, **kw)
     for strategy in cfg.strategies:
         if strategy == "none":
             continue

@@ -166,9 +166,9 @@ class SpeculationOptions:
     draft_model: a draft model for ``model`` / ``lookup+model`` / ``suffix+model`` (``checked`` turns it into
     ``draft_path``); k: draft tokens per step (None: the strategy's default, a tree's depth); fused: one graph
     per step; adaptive_k: per-row k <= k; gate: speculate only while it pays; draft_quantization: the draft's
-    own weight-only scheme ("none", "int8", "int4"; None: the target's); draft_vocab: a draft model scoring
-    only token ids [0, draft_vocab) (``output_vocab_size``; None: its whole head); tree: a Medusa tree (name or JSON
-    file) or an EAGLE-2 shape "DxKxN"; suffix_cache_tokens / suffix_alpha / suffix_min_prob /
+    own weight-only scheme ("none", "int8", "int4", "gguf", "q4_0"; None: the target's); draft_vocab: a draft
+    model scoring only token ids [0, draft_vocab) (``output_vocab_size``; None: its whole head); tree: a Medusa
+    tree (name or JSON file) or an EAGLE-2 shape "DxKxN"; suffix_cache_tokens / suffix_alpha / suffix_min_prob /
     suffix_min_match: suffix decoding's cache budget (tokens), drafts per matched token, least continuation
     share and least match for the suffix chain (None: the strategy's defaults)."""
 
@@ -237,7 +237,7 @@ class SpeculationOptions:
                               f"{_or(_strategies(lambda s: s.part == 'model'))}")
         if self.draft_vocab is not None and self.draft_quantization in ("int8", "int4"):
             raise OptionError(f"--draft-vocab keeps the draft's own LM head; --draft-quantization "
-                              f"{self.draft_quantization} re-quantizes it: use none, or the target's gguf")
+                              f"{self.draft_quantization} re-quantizes it to int8: use none, gguf or q4_0")
         if self.tree is not None and s.tree is None:
             trees = sorted((name for name in loaders if REGISTRY[name].tree),
                            key=lambda n: REGISTRY[n].tree != "static")

@@ -21,8 +21,8 @@ ISAS = {"avx512vnni": ("avx512vnni", "avx512", "avx2", "portable"), "avx512": ("
         "avx2": ("avx2", "portable"), "portable": ("portable",)}
 ROWS = (1, 2, 5, 9, 13, 16, 17, 25)
 # GGML type → (group, superblock, code range, with mins)
-TYPES = {"Q4_K": (32, 256, (0, 16), True), "Q4_0": (32, 32, (0, 16), True), "Q6_K": (16, 256, (-32, 32), False),
-         "Q5_0": (32, 32, (-16, 16), False), "Q8_0": (32, 32, (-128, 128), False)}
+TYPES = {"Q4_K": (32, 256, (0, 16), True), "Q4_0": (32, 32, (-8, 8), False), "Q4_1": (32, 32, (0, 16), True),
+         "Q6_K": (16, 256, (-32, 32), False), "Q5_0": (32, 32, (-16, 16), False), "Q8_0": (32, 32, (-128, 128), False)}
 
 
 def blocks(qtype: str, n: int, k: int, seed: int = 0) -> BlockWeights:

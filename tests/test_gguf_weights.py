@@ -20,7 +20,7 @@ from specdec.core.block_linear import BlockLinear  # noqa: E402
 from specdec.core.gguf_weights import FORMATS, BlockWeights, gguf_quantized_tensors, rope_row_order  # noqa: E402
 from specdec.core.kernels import quantize_activations  # noqa: E402
 from specdec.core.parallel import launch  # noqa: E402
-from specdec.core.quant import FUSED, Int4Linear, Int8Linear  # noqa: E402
+from specdec.core.quant import FUSED, Int4Linear, Int8Linear, quantize_q4_0  # noqa: E402
 
 from conftest import hf_logits, load, prompt_ids  # noqa: E402
 from test_speculative import lossless_pvalue, save_tiny  # noqa: E402
@@ -38,7 +38,7 @@ from tiny_gguf import (  # noqa: E402
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]              # the tiny model's types (gguf's ``quantize`` writes them)
 ALL_QTYPES = list(FORMATS)                      # + Q5_0, Q4_K, Q6_K (the Qwen2.5-Coder files' types)
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
-CODE_RANGE = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q4_K": (0, 15), "Q8_0": (-128, 127), "Q5_0": (-16, 15),
+CODE_RANGE = {"Q4_0": (-8, 7), "Q4_1": (0, 15), "Q4_K": (0, 15), "Q8_0": (-128, 127), "Q5_0": (-16, 15),
               "Q6_K": (-32, 31)}
 
 
@@ -64,12 +64,9 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0, scale: float = 1.0)
 
 
 def assert_bitwise_equal(ours: torch.Tensor, expected: torch.Tensor, qtype: str) -> None:
-    """Bit for bit; Q4_0 computes d · q − 8 d (= d · (q − 8) exactly), whose zeros are all +0 where gguf's
-    d · 0 is −0 for a negative d: the one allowed difference."""
+    """Bit for bit (the sign of a zero included)."""
     assert ours.dtype == expected.dtype == torch.float32 and ours.shape == expected.shape
     same = ours.view(torch.int32) == expected.view(torch.int32)
-    if qtype == "Q4_0":
-        same |= (ours == 0) & (expected == 0)
     assert bool(same.all()), f"{qtype}: {int((~same).sum())} weights differ"
 
 
@@ -251,6 +248,47 @@ def test_int4_and_int8_keep_the_blocks_of_their_own_width(tiny, scheme, keeps, r
     head = file_blocks_["lm_head.weight"].to_module(torch.float32)
     x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(99))
     assert isinstance(model.lm.lm_head, BlockLinear) and torch.equal(model.lm.lm_head(x), head(x))
+
+
+def test_q4_0_blocks_are_ggml_reference_quantizers_and_exact_where_they_can_be():
+    g = torch.Generator().manual_seed(0)
+    outliers = 1 + 9 * (torch.rand(64, 256, generator=g) > 0.98)
+    w = torch.randn(64, 256, generator=g) * torch.rand(64, 1, generator=g) * outliers
+    blocks = quantize_q4_0(w)
+    assert blocks.qtype == "Q4_0" and int(blocks.codes.min()) == -8 and int(blocks.codes.max()) == 7
+    ggml = torch.from_numpy(dequantize(quantize(w.numpy(), T.Q4_0), T.Q4_0))
+    ours = blocks.dequantize()
+    assert float((ours != ggml).float().mean()) < 0.01              # gguf's quantizer, but for the d rounding
+    assert float((ours - w).square().sum()) <= float((ggml - w).square().sum())
+    x = torch.randn(3, 256, generator=g)
+    assert torch.equal(blocks.to_module(torch.float32)(x), BlockWeights.from_bytes(  # the same as a file's blocks
+        quantize(blocks.dequantize().numpy(), T.Q4_0).reshape(64, -1), "Q4_0").to_module(torch.float32)(x))
+    codes = torch.randint(-8, 8, (16, 256), generator=g)
+    codes[:, ::32] = -8                                            # every group's largest magnitude: -8 · 2^-6
+    exact = codes.float() * 2.0 ** -6
+    assert torch.equal(quantize_q4_0(exact).dequantize(), exact)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_q4_0(torch.randn(4, 40))
+
+
+def test_q4_0_requantizes_the_rest_and_a_q4_0_draft_keeps_speculation_exact(tiny):
+    target_path, draft_path = tiny
+    model = load(target_path, quantization="q4_0")
+    file_blocks_ = gguf_quantized_tensors(target_path, model.config, ("Q4_0",))
+    for i, (name, qtype, layer, columns) in enumerate(projections(model)):
+        assert isinstance(layer, BlockLinear) and (layer.layout.kind, layer.layout.offset) == (0, 8), name
+        if qtype == "Q4_0":                                        # the file's own Q4_0 blocks, not rounded again
+            x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(i))
+            assert torch.equal(layer(x)[:, columns], file_blocks_[name].to_module(torch.float32)(x)), name
+    assert model.lm.lm_head.layout.offset == 8                     # the head too (the file's is Q8_0)
+    target = load(target_path, batch_size=3, quantization="gguf")
+    prompts = [prompt_ids(5, 1, VOCAB), [5, 6, 7, 5, 6, 7, 5, 6], prompt_ids(12, 3, VOCAB)]
+    reference = target.generate(prompts, max_new_tokens=30, eos_token_id=[])
+    draft = DraftModel.from_pretrained(draft_path, target, quantization="q4_0", output_vocab_size=96)
+    assert draft.model.lm.layer_runners is not None                # its layers run as block_layer calls
+    gen = SpeculativeGenerator(draft, target, 3)
+    assert torch.equal(gen.generate(prompts, max_new_tokens=30, eos_token_id=[]), reference)
+    assert gen.last_stats.drafted > 0
 
 
 def test_greedy_speculation_equals_the_gguf_target(tiny, tmp_path_factory):

@@ -10,8 +10,9 @@ quantized to 8 bits per group of G (as llama.cpp does: ``kernels``), with exact 
 
 The layer packs the matrix in tiles of 16 output columns (``kernels.layout``): 4-bit codes two per byte
 (Q4_0, Q4_1, Q4_K), Q6_K's and Q5_0's in 6 and 5 bits, Q8_0's one byte each; d and dmin stay f16, as in the
-file. A call reads 4.625 bits a weight for Q4_K (the file: 4.5), 6.5625 for Q6_K (the same), 5.75 for Q5_0
-(5.5) and 8.75 for Q8_0 (8.5): the integer group scales and mins take a byte each. A row's output does not
+file. A call reads 4.625 bits a weight for Q4_K (the file: 4.5), 4.75 for Q4_0 (4.5), 5.5 for Q4_1 (5),
+6.5625 for Q6_K (the same), 5.75 for Q5_0 (5.5) and 8.75 for Q8_0 (8.5): the integer group scales and mins take
+a byte each. A row's output does not
 depend on how many rows the call has (row invariance), and a call of up to 16 rows reads the weights once.
 """
 from __future__ import annotations
@@ -23,8 +24,9 @@ from .kernels import dequantize, load_block_mm
 from .kernels.layout import LANES, Layout, pack, tiled, unpack, untiled
 
 U4_TYPES = ("Q4_0", "Q4_1", "Q4_K")     # unsigned 4-bit codes in groups of 32: packed two to a byte
+MIN_TYPES = ("Q4_1", "Q4_K")             # weights with a subtracted minimum: dmin · mn ≠ 0
 # GGML type → (kind, offset added to the signed code to store it): kinds 0 = u4, 1 = s8, 2 = u6, 3 = u5
-KINDS = {"Q4_0": (0, 0), "Q4_1": (0, 0), "Q4_K": (0, 0), "Q5_0": (3, 16), "Q6_K": (2, 32), "Q8_0": (1, 0)}
+KINDS = {"Q4_0": (0, 8), "Q4_1": (0, 0), "Q4_K": (0, 0), "Q5_0": (3, 16), "Q6_K": (2, 32), "Q8_0": (1, 0)}
 
 
 class BlockLinear(nn.Module):
@@ -45,7 +47,7 @@ class BlockLinear(nn.Module):
         """The layer computing with ``weights`` (a ``gguf_weights.BlockWeights``)."""
         kind, offset = KINDS[weights.qtype]
         n, k = weights.codes.shape
-        layout = Layout(kind, offset, weights.group, weights.superblock, k, weights.qtype in U4_TYPES)
+        layout = Layout(kind, offset, weights.group, weights.superblock, k, weights.qtype in MIN_TYPES)
         d, dmin = (tiled(exact_f16(getattr(weights, name), name)) for name in ("d", "dmin"))
         return cls(pack(weights.codes, layout), d, dmin, tiled(weights.sc.to(torch.int8)),
                    tiled(weights.mn.to(torch.int8)), n, layout, bias, dtype)
@@ -118,8 +120,8 @@ class BlockLinear(nn.Module):
 
 
 def exact_f16(values: torch.Tensor, name: str) -> torch.Tensor:
-    """``values`` as f16, which holds them exactly: GGUF stores every block's scales as f16 (Q4_0's dmin = 8 d
-    too); a value f16 cannot hold is an error, not a rounding."""
+    """``values`` as f16, which holds them exactly: GGUF stores every block's scales as f16; a value
+    f16 cannot hold is an error, not a rounding."""
     half = values.to(torch.float16)
     if not torch.equal(half.float(), values.float()):
         raise ValueError(f"BlockLinear: the block {name} values must be f16 numbers (GGUF's block scales are)")

@@ -22,17 +22,16 @@ GGML's block formats hold a row's (K = in features) consecutive weights in block
     weight = (d · sc) · code − (dmin · mn)          (each product and the difference in f32, in this order)
 
     type  code            G   SB   sc     mn   dmin
-    Q4_0  q in [0, 15]    32  32   1      1    8 d     (d q − 8 d = d (q − 8) exactly: d is an f16)
+    Q4_0  q − 8           32  32   1      0    0
     Q4_1  q in [0, 15]    32  32   1      1    −m      (d q − (−m) = d q + m)
     Q5_0  q − 16          32  32   1      0    0
     Q8_0  q               32  32   1      0    0
     Q4_K  q in [0, 15]    32  256  sc_j   m_j  dmin
     Q6_K  q − 32          16  256  sc_j   0    0
 
-which is ``gguf.quants.dequantize``'s value for every weight (the one difference: Q4_0's q = 8 with a
-negative d gives +0 where gguf gives −0). ``to_module`` puts every type on ``block_linear.BlockLinear``
-(the ``block_mm`` CPU kernel), which computes with exactly these weights: 4-bit codes two to a byte,
-the others one signed byte each. llama.cpp's converter stores the rows of ``attn_q`` / ``attn_k``
+which is ``gguf.quants.dequantize``'s value for every weight. ``to_module`` puts every type on
+``block_linear.BlockLinear`` (the ``block_mm`` CPU kernel), which computes with exactly these weights (4-, 5- and
+6-bit codes packed, Q8_0's one signed byte each). llama.cpp's converter stores the rows of ``attn_q`` / ``attn_k``
 permuted for its RoPE layout for llama-family models only (llama, mistral: a GGUF
 ``general.architecture`` "llama"; not qwen2); they are permuted back (whole rows, so blocks are
 untouched), as transformers does when it dequantizes. The tensors are found with ``gguf_index`` (the
@@ -93,9 +92,11 @@ def _decode(blocks: np.ndarray, qtype: str, codes: np.ndarray) -> tuple[np.ndarr
 
     d = f16(208 if qtype == "Q6_K" else 0)
     dmin, sc, mn = np.zeros_like(d), np.ones((r, b, sb // g), np.int16), np.zeros((r, b, sb // g), np.int16)
-    if qtype in ("Q4_0", "Q4_1"):               # d, (m,) 16 bytes: codes j, j + 16 in byte j's nibbles
-        codes[...] = _nibbles(blocks[..., 2 if qtype == "Q4_0" else 4:], 16)
-        dmin, mn = (8 * d if qtype == "Q4_0" else -f16(2)), np.ones_like(mn)
+    if qtype == "Q4_0":                         # d, 16 bytes: codes j, j + 16 in byte j's nibbles
+        signed(_nibbles(blocks[..., 2:], 16), 8)
+    elif qtype == "Q4_1":                       # d, m, 16 bytes as Q4_0
+        codes[...] = _nibbles(blocks[..., 4:], 16)
+        dmin, mn = -f16(2), np.ones_like(mn)
     elif qtype == "Q8_0":
         codes[...] = blocks[..., 2:].view(np.int8)
     elif qtype == "Q5_0":                       # d, qh: bit j of the little-endian u32 = code j's bit 4
@@ -259,7 +260,7 @@ def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...],
 # GGML types each scheme keeps as the file stores them (the rest is quantized by ``quant``, or for
 # "gguf" left in the compute dtype): (projections, LM head); int8 and int4 hold the head at up to 8 bits
 KEEP = {"gguf": (KEPT_TYPES, KEPT_TYPES), "int4": (U4_TYPES, ("Q8_0", "Q6_K")),
-        "int8": (("Q8_0",), ("Q8_0", "Q6_K"))}
+        "int8": (("Q8_0",), ("Q8_0", "Q6_K")), "q4_0": (("Q4_0",), ("Q4_0",))}
 
 
 def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[str, Shard],

@@ -84,9 +84,9 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
                          "or autotune=False")
     quantization = parse_quantization(requested.quantization)
     output_vocab_size = requested.output_vocab_size
-    if output_vocab_size is not None and quantization not in (None, "gguf"):
-        raise ValueError(f"output_vocab_size restricts a float LM head or a GGUF file's own blocks; "
-                         f"quantization={quantization!r} re-quantizes the head: use None or 'gguf'")
+    if output_vocab_size is not None and quantization not in (None, "gguf", "q4_0"):
+        raise ValueError(f"output_vocab_size restricts a float LM head or GGML blocks; quantization="
+                         f"{quantization!r} re-quantizes the head to int8: use None, 'gguf' or 'q4_0'")
     kv_cache_dtype = parse_kv_cache_dtype(requested.kv_cache_dtype)
     dtype = amp_dtype(requested.amp)
     if backend == "neuron":   # one process traces for every NeuronCore (SPMD)

@@ -17,7 +17,11 @@ PyTorch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``, any float dtype
 kept in the compute dtype), half of int8's bytes. Shapes: out features divisible by 16 and in
 features by 32 (per rank), else a ValueError says to use int8; CPU only.
 
-Quantized (either scheme): every attention and MLP projection (q, k, v, o, gate, up, down) with the
+``q4_0``: GGML's Q4_0 blocks (``quantize_q4_0``: per group of 32, d = f16(m / -8) for m the weight of
+largest magnitude, q = round(w / d) in [-8, 7]) on the ``block_mm`` CPU kernel (``block_linear``), the LM
+head too: 4.75 bits a weight read, for cheap drafts (a GGUF file's own Q4_0 tensors are kept as they are).
+
+Quantized (int8 or int4): every attention and MLP projection (q, k, v, o, gate, up, down) with the
 scheme, and the LM head with per-channel int8 under both (the output layer stays at 8 bits, as
 llama.cpp keeps it at >= 6 bits and the embedded GGUF file stores it as Q8_0; at the embedded model's
 49,152 × 576 it is a third of the bf16 bytes a decode step reads). Drafts, EAGLE heads and Medusa
@@ -39,10 +43,11 @@ from torch import nn
 
 from .block_linear import BlockLinear, cat_biases
 from .config import INT4_GROUP
+from .gguf_weights import BlockWeights
 from .parallel import TPGroup, all_reduce_max
 
 ALIASES = {"int8": "int8", "s8": "int8", "per_channel_symmetric": "int8", "int8_weight_only": "int8",
-           "int4": "int4", "s4": "int4", "int4_weight_only": "int4", "gguf": "gguf"}
+           "int4": "int4", "s4": "int4", "int4_weight_only": "int4", "gguf": "gguf", "q4_0": "q4_0"}
 INT4_PACK_ROWS = 64       # the CPU int4 packing's row blocks (``Int4Linear.cat_rows``)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")     # sharded along K (their input dimension) at tp > 1
@@ -54,8 +59,8 @@ def parse_quantization(name: str | None) -> str | None:
         return None
     if name in ALIASES:
         return ALIASES[name]
-    raise ValueError(f"quantization={name!r} is not supported: use None, 'int8', 'int4' or 'gguf' "
-                     f"(aliases: {', '.join(a for a in ALIASES if a not in ('int8', 'int4', 'gguf'))})")
+    raise ValueError(f"quantization={name!r} is not supported: use None, 'int8', 'int4', 'gguf' or 'q4_0' "
+                     f"(aliases: {', '.join(a for a in ALIASES if a != ALIASES[a])})")
 
 
 def quantize_int8(weight: torch.Tensor, row_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +126,28 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     scale = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
     q = torch.round((w - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15).to(torch.int32).view(n, k)
     return q, scale, low + 8 * scale
+
+
+QUANTIZE_WEIGHTS = 1 << 22                  # ``quantize_q4_0`` works on about this many weights at a time
+
+
+def quantize_q4_0(weight: torch.Tensor) -> BlockWeights:
+    """weight [N, K] (K divisible by 32) → GGML Q4_0 blocks (``gguf_weights.BlockWeights``), as llama.cpp's
+    reference quantizer makes them: per group of 32 with m its weight of largest magnitude, d = f16(m / -8) and
+    q = round(w / d) clamped to [-8, 7] (0 where d = 0), w ≈ d · q. (llama.cpp rounds with the f32 m / -8 and
+    stores its f16: the codes here are those of the stored d.)"""
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"Q4_0 needs in features divisible by 32; this layer is [{n}, {k}]: use 'int8'")
+    codes, scales = torch.empty(n, k, dtype=torch.int16), torch.empty(n, k // 32)
+    step = max(1, QUANTIZE_WEIGHTS // k)
+    for r in range(0, n, step):
+        w = weight[r:r + step].detach().float().reshape(-1, k // 32, 32)
+        d = (w.gather(-1, w.abs().argmax(-1, keepdim=True)) / -8).half().float()     # [R, K/32, 1]
+        q = torch.where(d == 0, 0, torch.round(w / d)).clamp_(-8, 7)
+        codes[r:r + step], scales[r:r + step] = q.view(-1, k).to(torch.int16), d[..., 0]
+    zeros, ones = torch.zeros_like(scales), torch.ones(n, k // 32, dtype=torch.int16)
+    return BlockWeights("Q4_0", codes, 32, 32, scales, zeros, ones, torch.zeros_like(ones))
 
 
 class Int4Linear(nn.Module):
@@ -252,8 +279,8 @@ def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup(),
     """Replace the layers named ``names`` (default: the attention and MLP projections ``PROJECTIONS``
     of every decoder layer) of every submodule of ``lm`` (a ``DecoderLM``, an EAGLE draft, Medusa
     heads) with ``scheme``'s quantized ones, and the layers named ``head_names`` (output projections:
-    default the ``lm_head``; Medusa's) with per-channel int8 ones, in place (a tied ``lm_head`` gets
-    its own int8 tensor; the embedding keeps its table). Layers sharing their
+    default the ``lm_head``; Medusa's) with per-channel int8 ones (``q4_0``: Q4_0 ones), in place (a tied
+    ``lm_head`` gets its own tensor; the embedding keeps its table). Layers sharing their
     weight and bias Parameters (tied Medusa projections) become one quantized module they all share.
     Layers already quantized (a GGUF file's own blocks, ``gguf_weights``) are left alone; ``"gguf"``
     quantizes nothing more: float tensors stay float. The loaders fuse projections afterwards
@@ -268,7 +295,8 @@ def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup(),
                 continue
             key = (id(linear.weight), id(linear.bias))
             if key not in done:
-                done[key] = _quantized(linear, "int8" if name in head_names else scheme, name in ROW_PARALLEL, tp)
+                head = name in head_names and scheme != "q4_0"
+                done[key] = _quantized(linear, "int8" if head else scheme, name in ROW_PARALLEL, tp)
             setattr(block, name, done[key])
     return lm
 
@@ -286,6 +314,8 @@ def _quantized(linear: nn.Linear, scheme: str, row_parallel: bool, tp: TPGroup) 
     all-reduced over the ranks (its rows are split along K at tp > 1)."""
     if scheme == "int4":     # groups lie within a row and a rank's K range: no cross-rank statistic
         return Int4Linear.from_linear(linear)
+    if scheme == "q4_0":
+        return quantize_q4_0(linear.weight).to_module(linear.weight.dtype, linear.bias)
     row_max = None
     if row_parallel and tp.size > 1:
         row_max = all_reduce_max(linear.weight.detach().float().abs().amax(dim=1), tp)

@@ -93,12 +93,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "Neuron SDK; compiles every graph the request needs first)")
     p.add_argument("--n-positions", type=n_positions_value, metavar="N", default=1024,
                    help="KV-cache length: prompt + new tokens (default: 1024)")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "q4_0"],
                    help="weight-only attention and MLP projections: int8 per channel (with --amp bf16 PyTorch's "
                         "int8 CPU kernel) or int4 in groups of 32 (PyTorch's int4 CPU kernel), the LM head int8 "
                         "under both; gguf (a GGUF model: the embedded one, the Qwen2.5-Coder pair): the file's own "
                         "Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 blocks, LM head included, exactly, on specdec's "
-                        "block_mm CPU kernel (8-bit activations, as llama.cpp)")
+                        "block_mm CPU kernel (8-bit activations, as llama.cpp); q4_0: GGML Q4_0 blocks on that "
+                        "kernel (a GGUF file's Q4_0 tensors kept, every other projection and the LM head "
+                        "re-quantized as llama.cpp's Q4_0: 4.75 bits a weight; for drafts)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3"],
                    help="8-bit KV cache with an f32 scale per (slot, KV head), dequantized when read "
                         "(default: the --amp dtype); drafts use it too")
@@ -150,7 +152,7 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         "emitting tokens faster than plain decode steps (measured after 4 steps of each; the "
                         "other kind is probed now and then), so speculation that does not pay falls back to "
                         "decoding; same output")
-    s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4"],
+    s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "gguf", "q4_0"],
                    help="model / eagle drafts: the draft's own weight-only scheme (default: --quantization's); "
                         "a cheaper draft step, the same output distribution")
     s.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",

@@ -27,6 +27,7 @@ slower, and a warning says so.
 from __future__ import annotations
 
 import hashlib
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -84,14 +85,15 @@ def load_block_mm() -> None:
     try:
         _build()
         _state["isa"] = torch.ops.specdec.block_mm_isa()
-    except (RuntimeError, OSError, ImportError) as e:   # no compiler, no headers: the op defined in Python
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:   # no compiler, no headers
         warnings.warn(f"specdec: the block_mm CPU kernel could not be built ({type(e).__name__}: {e}); "
                       "using the slower Python reference", stacklevel=2)
         _define_reference()
         _state["isa"] = "reference"
     torch.library.register_fake("specdec::block_mm")(_fake)
     torch.library.register_fake("specdec::cache_attention")(_fake_attention)
-    torch.library.register_fake("specdec::block_layer")(_fake_layer)
+    if _state["isa"] != "reference":     # the Python definition has no block_layer (``core.block_layer``)
+        torch.library.register_fake("specdec::block_layer")(_fake_layer)
 
 
 def _build() -> None:

@@ -11,13 +11,14 @@
 //   d, dmin f16 [T, K/SB, 16] (GGUF's own f16 fields);  sc, mn int8 [T, K/G, 16];  T = ceil(N / 16) tiles, column n = 16 t + lane;
 //   w[n, k] = (d · sc) · q − dmin · mn per group (GGML's dequantization; q the signed code).
 //   qs, by kind (the bytes of one (tile, group) are contiguous, tiles after groups: [T][K/G][bytes]):
-//     u4 (Q4_0 / Q4_1 / Q4_K, G = 32, q in [0, 15]): 4 vectors of 64 bytes; in vector v, lane j's byte i holds
-//         q[32 g + 8 v + i] (low nibble) and q[32 g + 8 v + 4 + i] (high nibble);
+//     u4 (Q4_0 / Q4_1 / Q4_K, G = 32; c = q + offset in [0, 15], offset 8 for Q4_0's q in [-8, 7], else 0):
+//         4 vectors of 64 bytes; in vector v, lane j's byte i holds c[32 g + 8 v + i] (low nibble) and
+//         c[32 g + 8 v + 4 + i] (high nibble);
 //     u6 (Q6_K, G = 16) and u5 (Q5_0, G = 32): c = q + offset in 6 / 5 bits: G/8 vectors of low 4 bits — lane j's
 //         byte i of vector w holds c[8 w + i] (low nibble) and c[8 w + 4 + i] (high nibble) — then one vector of
 //         the high bits: lane j's byte i holds c[4 v + i]'s high bits at bits b·v .. b·v + b − 1 (b = 2 / 1);
 //     s8 (Q8_0, q in [-128, 127]): G/2 vectors of 32 bytes; lane j's byte i of vector v = q[G g + 2 v + i].
-// Per lane (column) and superblock, in this order (dot = Σ q · xq over a group, exact; u6 / u5 compute it as
+// Per lane (column) and superblock, in this order (dot = Σ q · xq over a group, exact; computed as
 // Σ (q + offset) · xq − offset · sx):
 //   SB = G (one group):    a = d · sc,  b = 0 − dmin · mn,  isum = dot,             msum = sx;
 //   SB = 256 (K-quants):   a = d,       b = 0 − dmin,       isum = Σ_g sc · dot,    msum = Σ_g mn · sx (exact);
@@ -151,7 +152,7 @@ inline int32_t code(const Args& p, const uint8_t* tile_group, int j, int64_t i) 
   if (p.kind == U4) {
     const int64_t v = i / 8, within = i % 8;
     const uint8_t byte = tile_group[64 * v + 4 * j + within % 4];
-    return within < 4 ? (byte & 15) : (byte >> 4);
+    return (within < 4 ? (byte & 15) : (byte >> 4)) - static_cast<int32_t>(p.offset);
   }
   if (p.kind == U6 || p.kind == U5) {
     const int64_t v = i / 4, b = 4 * j + i % 4, hb = p.kind == U6 ? 2 : 1;
@@ -353,6 +354,9 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tens
               (kind != U4 || group == 32) && (kind != U6 || group == 16) && (kind != U5 || group == 32),
               "block_mm: group 16 or 32 (u4, u5: 32; u6: 16), superblock the group or 256");
   TORCH_CHECK(!mins || superblock == group || group == 32, "block_mm: mins with superblock 256 need group 32");
+  TORCH_CHECK(offset == 0 || (kind == U4 && offset == 8 && superblock == group) || (kind == U6 && offset == 32) ||
+                  (kind == U5 && offset == 16),
+              "block_mm: offset must be 0, or 8 (u4 with one group a superblock), 32 (u6), 16 (u5)");
   const int64_t M = x.size(0), K = x.size(1), T = (n + LANES - 1) / LANES;
   TORCH_CHECK(K % superblock == 0, "block_mm: K must be a multiple of the superblock");
   const int64_t gbytes = LANES * group * Args::bits(kind) / 8;
@@ -374,7 +378,7 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tens
   std::vector<float> dx(M * (K / superblock));
   std::vector<int32_t> sx(M * (K / group));
   quantize_rows(x.data_ptr<float>(), M, K, group, superblock, xq.data(), dx.data(), sx.data());
-  const int64_t off = kind == U6 || kind == U5 ? offset : 0;
+  const int64_t off = offset;
   std::vector<float> sxf(sx.size());
   std::vector<int16_t> sx16(sx.size());     // |sx| ≤ 32 · 127: exact in 16 bits, for vpmaddwd pairs of groups
   std::vector<int32_t> osx(sx.size());

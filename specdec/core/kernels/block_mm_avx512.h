@@ -68,8 +68,10 @@ SPECDEC_TARGET void SPECDEC_TILE(const Args& p, int64_t t, int64_t r0) {
             s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(lo[v], bcast32(xr + 8 * v)));
             s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(hi[v], bcast32(xr + 8 * v + 4)));
           }
-          const __m512i dot = _mm512_madd_epi16(s16, ones16);
+          __m512i dot = _mm512_madd_epi16(s16, ones16);
 #endif
+          if constexpr (!SUPER)   // Q4_0: codes stored + 8, so dot − 8 · sx (0 for Q4_1: no offset)
+            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(p.osx[rg0 + r * ng + g]));
           isum[r] = add_scaled<SUPER>(isum[r], dot, sc32);
         }
       } else if constexpr (KIND == U6 || KIND == U5) {

@@ -2,8 +2,8 @@
 
 Tiles of 16 output columns, each tile's groups of G weights one after the other, so that the kernel reads one
 contiguous stream and one 64-byte vector holds the same group of 16 columns. Codes are GGML's signed codes
-(``gguf_weights.BlockWeights``): ``pack`` stores them by kind (u4: two per byte; u8: plus an offset; s8 as
-they are) and ``unpack`` gives them back; per-column parameters [N, P] become [T, P, 16] (``tiled``).
+(``gguf_weights.BlockWeights``): ``pack`` stores them by kind (u4: plus an offset, two per byte; u6 / u5: plus
+an offset; s8 as they are) and ``unpack`` gives them back; per-column parameters [N, P] become [T, P, 16] (``tiled``).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ LANES = 16                               # output columns per tile
 @dataclass(frozen=True)
 class Layout:
     """How a ``BlockLinear``'s codes are packed: ``kind`` (0 u4, 1 s8, 2 u6, 3 u5), the ``offset`` stored
-    codes carry (u6, u5), the group G, the superblock SB, the input features K, and whether the layer has mins
-    (dmin · mn ≠ 0: Q4_0 / Q4_1 / Q4_K)."""
+    codes carry (Q4_0 8, Q6_K 32, Q5_0 16), the group G, the superblock SB, the input features K, and whether
+    the layer has mins (dmin · mn ≠ 0: Q4_1 / Q4_K)."""
 
     kind: int
     offset: int
@@ -37,8 +37,8 @@ def pack(codes: torch.Tensor, layout: Layout) -> torch.Tensor:
     n, k = codes.shape
     tiles, g = -(-n // LANES), layout.group
     c = torch.nn.functional.pad(codes.to(torch.int16), (0, 0, 0, tiles * LANES - n))
-    if layout.kind == 0:    # vector v, lane j, byte i: codes 8v + i (low nibble) and 8v + 4 + i (high)
-        c = c.to(torch.uint8).view(tiles, LANES, k // 32, 4, 2, 4)
+    if layout.kind == 0:    # vector v, lane j, byte i: codes + offset 8v + i (low nibble) and 8v + 4 + i (high)
+        c = (c + layout.offset).to(torch.uint8).view(tiles, LANES, k // 32, 4, 2, 4)
         qs = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)
     elif layout.kind in (2, 3):  # codes c + offset: G/8 vectors of low nibbles, 1 of the high bits (6 / 5 bits)
         v = g // 4
@@ -58,7 +58,7 @@ def unpack(qs: torch.Tensor, n: int, layout: Layout) -> torch.Tensor:
     tiles, k, g = qs.shape[0], layout.in_features, layout.group
     if layout.kind == 0:
         q = qs.view(tiles, k // 32, 4, LANES, 4).permute(0, 3, 1, 2, 4)
-        c = torch.stack([q & 15, q >> 4], dim=4).to(torch.int16)
+        c = torch.stack([q & 15, q >> 4], dim=4).to(torch.int16) - layout.offset
     elif layout.kind in (2, 3):
         v = g // 4
         low = qs[:, :, :32 * v].reshape(tiles, k // g, v // 2, LANES, 4).permute(0, 3, 1, 2, 4)   # [T, j, g, w, i]

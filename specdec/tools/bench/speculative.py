@@ -141,9 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
     parser.add_argument("--backend", default="compiled", choices=["eager", "compiled", "regional", "xla"])
     parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "q4_0"],
                         help="the target's weights (DecoderModel.from_pretrained(quantization=...)); drafts inherit it")
-    parser.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4"],
+    parser.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "gguf", "q4_0"],
                         help="the draft model's / EAGLE head's own weight-only scheme (default: the target's); "
                              "it changes what a draft step costs and which tokens it proposes, never the output")
     parser.add_argument("--autotune", action="store_true",
