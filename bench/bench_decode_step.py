@@ -17,6 +17,10 @@ q/k/v and gate/up are separate layers again (``split_projections``: the layout b
 ``quant.fuse_projections`` fused float projections), the two called in turn; adds the split copy's
 median and the median of the per-pair ratios split / fused.
 
+``--ab-quantization Q``: A/B in one process — each shape also runs on a second copy of the model loaded with
+``quantization=Q`` (e.g. a ``q4_0`` draft against its ``gguf`` blocks), the two called in turn; adds the copy's
+median (``<Q>_median_ms``) and the median of the per-pair ratios (``<Q>_over_fused_median``: Q ÷ the first).
+
 ``--ab-unfused-layers`` (a ``gguf`` model in f32 on the CPU, whose layers run as ``block_layer``'s five kernel
 calls): A/B in one process and on one copy of the weights — each shape also runs with the layers' own forward
 (RMSNorm, SDPA and the element-wise steps between the matmuls; on ``regional``, compiled per layer), the two
@@ -67,10 +71,13 @@ def main() -> None:
                     help="also time a copy with q/k/v and gate/up split (paired, in turn)")
     ap.add_argument("--ab-unfused-layers", action="store_true",
                     help="also time the layers' own forward instead of block_layer's kernel calls (in turn)")
+    ap.add_argument("--ab-quantization", default=None, choices=["int8", "int4", "gguf", "q4_0"],
+                    help="also time a copy loaded with this quantization (paired, in turn)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
-    if args.ab_split_projections and args.ab_unfused_layers:
-        ap.error("--ab-split-projections and --ab-unfused-layers are two different A/B runs: pass one")
+    if sum(map(bool, (args.ab_split_projections, args.ab_unfused_layers, args.ab_quantization))) > 1:
+        ap.error("--ab-split-projections, --ab-unfused-layers and --ab-quantization are different A/B runs: "
+                 "pass one")
     torch.set_num_threads(args.threads)
     from specdec import DecoderModel
     from specdec.core.graphs import compile_layers
@@ -80,15 +87,17 @@ def main() -> None:
     results = []
     for b, kv in dict.fromkeys((b, kv) for b, _, kv in shapes):      # one model per (batch, KV bucket)
         models = []
+        quantizations = [args.quantization] + ([args.ab_quantization] if args.ab_quantization else [])
         for split in (False, True)[:1 + args.ab_split_projections]:
-            model = DecoderModel.from_pretrained(args.model, batch_size=b, n_positions=kv, amp=args.amp,
-                                                 quantization=args.quantization,
-                                                 backend=args.backend, kv_buckets=[kv], context_buckets=[kv],
-                                                 progress=False, autotune=args.autotune,
-                                                 output_vocab_size=args.output_vocab_size)
-            if split:
-                split_projections(model)
-            models.append(model)
+            for quantization in quantizations:
+                model = DecoderModel.from_pretrained(args.model, batch_size=b, n_positions=kv, amp=args.amp,
+                                                     quantization=quantization,
+                                                     backend=args.backend, kv_buckets=[kv], context_buckets=[kv],
+                                                     progress=False, autotune=args.autotune,
+                                                     output_vocab_size=args.output_vocab_size)
+                if split:
+                    split_projections(model)
+                models.append(model)
         runners = [models[0].lm.layer_runners]
         if args.ab_unfused_layers:      # the same weights, run by the layers' own forward
             if runners[0] is None:
@@ -121,7 +130,7 @@ def main() -> None:
                 results[-1][f"vs_n{ns[0]}_median"] = round(statistics.median(ratios), 3)
             if len(models) > 1:
                 ratios = [other / fused for other, fused in zip(timed[1], timed[0])]
-                name = "unfused" if args.ab_unfused_layers else "split"
+                name = "unfused" if args.ab_unfused_layers else args.ab_quantization or "split"
                 results[-1] |= {f"{name}_median_ms": round(statistics.median(timed[1]), 2),
                                 f"{name}_over_fused_median": round(statistics.median(ratios), 3)}
             print(json.dumps(results[-1]), flush=True)

@@ -118,6 +118,21 @@ def graph_calls_table(*results: dict) -> str:
     return "\n".join(rows)
 
 
+def quantization_ab_table(result: dict) -> str:
+    """``bench_decode_step.py --ab-quantization Q``: each graph call of one model loaded two ways, called in turn."""
+    cfg = result["config"]
+    first, other = cfg["quantization"], cfg["ab_quantization"]
+    vocab = f" (ids < {cfg['output_vocab_size']:,})" if cfg.get("output_vocab_size") else ""
+    rows = [f"| model | tokens | `{first}` ms | `{other}` ms | `{other}` ÷ `{first}` |", "|---|---:|---:|---:|---:|"]
+    for r in result["results"]:
+        rows.append(f"| {cfg['model']}{vocab} | {r['n']} | {r['median_ms']:.1f} | {r[f'{other}_median_ms']:.1f} | "
+                    f"{r[f'{other}_over_fused_median']:.3f} |")
+    rows += ["", f"Batch 1, KV bucket {result['results'][0]['kv']}; {cfg['backend']} {cfg['amp']}, {cfg['threads']} "
+                 f"threads; medians of {cfg['repeats']} calls per shape ({cfg['warmup']} warm-up), both copies called "
+                 "in turn; the ratio is the median of the per-pair ratios."]
+    return "\n".join(rows)
+
+
 def index_table() -> str:
     """Every JSON under bench/results/: what wrote it, its commit and its machine."""
     rows = ["| file | written by | commit | machine |", "|---|---|---|---|"]
@@ -159,6 +174,7 @@ TABLES: dict[str, Table] = {
     "decode_step": Table(("decode_step", "decode_step_autotune"), decode_step_table),
     "fused_projections": Table(("fused_projections", "fused_projections_autotune"), fused_projections_table),
     "graph_calls_qwen": Table(("decode_step_qwen_target", "decode_step_qwen_draft"), graph_calls_table),
+    "draft_q4_0_qwen": Table(("decode_step_qwen_draft_q4_0",), quantization_ab_table),
     **dict(spec(name) for name in (
         "spec_eagle3_mtbench_allcat_b1", "spec_eagle3_mtbench_b1", "spec_eagle3_varied_b1", "spec_eagle3_mtbench_b4",
         "spec_trees_mtbench_b1", "spec_trees_varied_b1", "spec_trees_mtbench_b4", "spec_model_mtbench_b1",

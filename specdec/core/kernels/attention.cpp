@@ -105,6 +105,10 @@ SPECDEC_CLONES void attend(const float* q, const float* keys, const float* value
              scores, out);
 }
 
+}  // namespace
+
+namespace specdec {
+
 at::Tensor cache_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                            const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& rows_in, const at::Tensor& slots_in,
@@ -171,16 +175,6 @@ at::Tensor cache_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   return out;
 }
 
-}  // namespace
-
-namespace specdec {
-
-at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                           const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows,
-                           const at::Tensor& slots, const at::Tensor& mask) {
-  return ::cache_attention(q, k, v, cos, sin, k_cache, v_cache, rows, slots, mask);
-}
-
 }  // namespace specdec
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
@@ -189,5 +183,5 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("cache_attention", &cache_attention);
+  m.impl("cache_attention", &specdec::cache_attention);
 }

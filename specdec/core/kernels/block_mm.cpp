@@ -263,21 +263,16 @@ AVX2 void tile_avx2(const Args& p, int64_t t, int64_t r0) {
 
 using TileFn = void (*)(const Args&, int64_t, int64_t);
 
-// What a layer adds after its matmul (``block_mm``'s ``bias`` / ``residual``), in the unfused layer's order:
-// y = residual + (y + bias).
-void add_epilogue(at::Tensor& y, int64_t n, const std::optional<at::Tensor>& bias,
-                  const std::optional<at::Tensor>& residual) {
-  float* out = y.data_ptr<float>();
-  const int64_t M = y.size(0);
-  if (bias) {
-    const float* b = bias->data_ptr<float>();
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t c = 0; c < n; ++c) out[r * n + c] = out[r * n + c] + b[c];
-  }
-  if (residual) {
-    const float* h = residual->data_ptr<float>();
-    for (int64_t i = 0; i < M * n; ++i) out[i] = h[i] + out[i];
-  }
+// What a layer adds after its matmul (``block_mm``'s ``bias`` / ``residual``, either may be null), on columns
+// [c0, c1) of y [M, n], in the unfused layer's order: y = residual + (y + bias).
+void add_epilogue(float* y, int64_t M, int64_t n, int64_t c0, int64_t c1, const float* bias, const float* residual) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t c = c0; c < c1; ++c) {
+      float v = y[r * n + c];
+      if (bias) v = v + bias[c];
+      if (residual) v = residual[r * n + c] + v;
+      y[r * n + c] = v;
+    }
 }
 
 enum class Isa { portable, avx2, avx512, avx512vnni };   // each runs on the CPUs of the next
@@ -329,6 +324,10 @@ TileFn tile_fn(int R, Isa isa, std::integer_sequence<int, Rs...>) {
   ((fn = (R == Rs + 1) ? pick<Rs + 1>(isa) : fn), ...);
   return fn;
 }
+
+}  // namespace
+
+namespace specdec {
 
 at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& dmin,
                     const at::Tensor& sc, const at::Tensor& mn, int64_t n, int64_t group, int64_t superblock,
@@ -396,13 +395,21 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tens
   // the tile function of a full row chunk (RMAX rows) and of the last, shorter one: picked once per call
   const TileFn full = tile_fn(RMAX, isa, std::make_integer_sequence<int, RMAX>{});
   const TileFn last = M % RMAX ? tile_fn(static_cast<int>(M % RMAX), isa, std::make_integer_sequence<int, RMAX>{}) : full;
+  const float* bias_p = bias ? bias->data_ptr<float>() : nullptr;
+  const float* residual_p = residual ? residual->data_ptr<float>() : nullptr;
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
+    for (int64_t t = t0; t < t1; ++t) {
       for (int64_t r0 = 0; r0 < M; r0 += RMAX) (r0 + RMAX <= M ? full : last)(p, t, r0);
+      if (bias_p || residual_p)   // the tile's columns, while they are in cache
+        add_epilogue(p.y, M, n, t * LANES, std::min(n, (t + 1) * LANES), bias_p, residual_p);
+    }
   });
-  add_epilogue(y, n, bias, residual);
   return y;
 }
+
+}  // namespace specdec
+
+namespace {
 
 std::string isa_name() {
   switch (forced()) {
@@ -425,18 +432,6 @@ void set_isa(const std::string& name) {
 
 }  // namespace
 
-namespace specdec {
-
-at::Tensor block_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& dmin,
-                    const at::Tensor& sc, const at::Tensor& mn, int64_t n, int64_t group, int64_t superblock,
-                    int64_t kind, int64_t offset, bool mins, const std::optional<at::Tensor>& norm, double eps,
-                    bool gated, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
-  return ::block_mm(x, qs, d, dmin, sc, mn, n, group, superblock, kind, offset, mins, norm, eps, gated, bias,
-                    residual);
-}
-
-}  // namespace specdec
-
 TORCH_LIBRARY(specdec, m) {
   m.def("block_mm(Tensor x, Tensor qs, Tensor d, Tensor dmin, Tensor sc, Tensor mn, int n, int group, "
         "int superblock, int kind, int offset, bool mins, Tensor? norm=None, float eps=0., bool gated=False, "
@@ -453,5 +448,5 @@ TORCH_LIBRARY(specdec, m) {
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("block_mm", &block_mm);
+  m.impl("block_mm", &specdec::block_mm);
 }
