@@ -145,13 +145,13 @@ def test_quantized_model_equals_transformers_on_the_dequantized_weights(checkpoi
 
 
 @pytest.mark.parametrize("name,scheme", [("int8", "int8"), ("s8", "int8"), ("per_channel_symmetric", "int8"),
-                                         ("int4", "int4"), ("s4", "int4")])
+                                         ("int4", "int4"), ("s4", "int4"), ("q4_0", "q4_0")])
 def test_quantization_names(name, scheme):
     assert parse_quantization(name) == scheme
 
 
 @pytest.mark.parametrize("variant,name,match", [
-    ("llama", "fp4", "not supported: use None, 'int8', 'int4' or 'gguf'"),
+    ("llama", "fp4", "not supported: use None, 'int8', 'int4', 'gguf' or 'q4_0'"),
     ("llama-tp-padded", "int4", "divisible by 16 .* use quantization='int8'")])
 def test_unsupported_quantization_is_a_clear_error(checkpoint, variant, name, match):
     with pytest.raises(ValueError, match=match):
