@@ -169,14 +169,13 @@ def reference_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """``cache_attention`` in PyTorch ops (the fallback, and the tests' reference; ``attention.cpp`` gives the
     shapes): RoPE, the K / V writes, then softmax attention under ``mask`` with query head h on KV head
     h // (H / Hkv)."""
-    from ..model import apply_rope
-
     b, n, _ = q.shape
     hkv, dim = k_cache.shape[2], k_cache.shape[3]
     heads = q.shape[2] // dim
 
-    def rope(x: torch.Tensor) -> torch.Tensor:       # [b, n, heads, D]
-        return apply_rope(x, cos.unsqueeze(2), sin.unsqueeze(2))
+    def rope(x: torch.Tensor) -> torch.Tensor:       # [b, n, heads, D]: ``model.apply_rope``'s formula (kernels
+        c, s = cos.unsqueeze(2), sin.unsqueeze(2)     # may not import model: model's layers import kernels)
+        return x * c + torch.cat((-x[..., dim // 2:], x[..., :dim // 2]), -1) * s
 
     r = rows.view(b, 1)
     k_cache[r, slots] = rope(k.reshape(b, n, hkv, dim))
