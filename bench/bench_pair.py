@@ -243,13 +243,12 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
     if any(REGISTRY[s].part == "model" for s in cfg.strategies):
         log(f"loading the draft {cfg.draft_model} ...")
         drafts[""] = REGISTRY["model"].build(target, cfg.draft_model)
-        variants = {"": {}} | ({} if cfg.draft_vocab is None else {f"-v{cfg.draft_vocab}":
-                                                                   {"output_vocab_size": cfg.draft_vocab}})
+        variants = {} if cfg.draft_vocab is None else {f"-v{cfg.draft_vocab}": {"output_vocab_size": cfg.draft_vocab}}
         if cfg.draft_quantization is not None:
             variants |= {f"{name}-{cfg.draft_quantization}": kw | {"quantization": cfg.draft_quantization}
-                         for name, kw in variants.items()}
+                         for name, kw in {"": {}, **variants}.items()}
         for name, kw in variants.items():
-            drafts[name] = drafts[""] if not kw else REGISTRY["model"].build(target, cfg.draft_model, **kw)
+            drafts[name] = REGISTRY["model"].build(target, cfg.draft_model, **kw)
     for strategy in cfg.strategies:
         if strategy == "none":
             continue

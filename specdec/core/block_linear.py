@@ -12,8 +12,8 @@ The layer packs the matrix in tiles of 16 output columns (``kernels.layout``): 4
 (Q4_0, Q4_1, Q4_K), Q6_K's and Q5_0's in 6 and 5 bits, Q8_0's one byte each; d and dmin stay f16, as in the
 file. A call reads 4.625 bits a weight for Q4_K (the file: 4.5), 4.75 for Q4_0 (4.5), 5.5 for Q4_1 (5),
 6.5625 for Q6_K (the same), 5.75 for Q5_0 (5.5) and 8.75 for Q8_0 (8.5): the integer group scales and mins take
-a byte each. A row's output does not
-depend on how many rows the call has (row invariance), and a call of up to 16 rows reads the weights once.
+a byte each. A row's output does not depend on how many rows the call has (row invariance), and a call of up to
+16 rows reads the weights once.
 """
 from __future__ import annotations
 
