@@ -231,27 +231,23 @@ AVX512 inline __m512i add_scaled(__m512i isum, __m512i dot, __m512i sc) {
   return dot;
 }
 
-#define SPECDEC_TILE tile_avx512
-#define SPECDEC_TILE_ANY tile_avx512_any
+namespace avx512 {
 #define SPECDEC_TARGET AVX512
 #define SPECDEC_VNNI 0
 #include "block_mm_avx512.h"
-#undef SPECDEC_TILE
-#undef SPECDEC_TILE_ANY
 #undef SPECDEC_TARGET
 #undef SPECDEC_VNNI
+}  // namespace avx512
 
 // AVX512-VNNI (Cascade Lake, Ice Lake, Zen 4 and later): the same tile with fused integer multiply-adds
 #define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
-#define SPECDEC_TILE tile_vnni
-#define SPECDEC_TILE_ANY tile_vnni_any
+namespace vnni {
 #define SPECDEC_TARGET AVX512VNNI
 #define SPECDEC_VNNI 1
 #include "block_mm_avx512.h"
-#undef SPECDEC_TILE
-#undef SPECDEC_TILE_ANY
 #undef SPECDEC_TARGET
 #undef SPECDEC_VNNI
+}  // namespace vnni
 
 // ---------------------------------------------------------------------------------------- AVX2
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -311,8 +307,8 @@ Isa& forced() {
 template <int R>
 TileFn pick(Isa isa) {
 #ifdef SPECDEC_X86
-  if (isa == Isa::avx512vnni) return tile_vnni_any<R>;
-  if (isa == Isa::avx512) return tile_avx512_any<R>;
+  if (isa == Isa::avx512vnni) return vnni::tile_any<R>;
+  if (isa == Isa::avx512) return avx512::tile_any<R>;
   if (isa == Isa::avx2) return tile_avx2<R>;
 #endif
   return tile_portable<R>;
@@ -377,19 +373,18 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tens
   std::vector<float> dx(M * (K / superblock));
   std::vector<int32_t> sx(M * (K / group));
   quantize_rows(x.data_ptr<float>(), M, K, group, superblock, xq.data(), dx.data(), sx.data());
-  const int64_t off = offset;
   std::vector<float> sxf(sx.size());
   std::vector<int16_t> sx16(sx.size());     // |sx| ≤ 32 · 127: exact in 16 bits, for vpmaddwd pairs of groups
   std::vector<int32_t> osx(sx.size());
   for (size_t i = 0; i < sx.size(); ++i) {
     sxf[i] = static_cast<float>(sx[i]), sx16[i] = static_cast<int16_t>(sx[i]);
-    osx[i] = static_cast<int32_t>(off) * sx[i];
+    osx[i] = static_cast<int32_t>(offset) * sx[i];
   }
   std::vector<int16_t> xw(kind == S8 ? M * K : 0);     // s8: the activations widened once, for vpmaddwd
   for (size_t i = 0; i < xw.size(); ++i) xw[i] = xq[i];
   Args p{xq.data(), dx.data(), sx.data(), sxf.data(), sx16.data(), osx.data(), xw.data(), y.data_ptr<float>(),
          qs.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), dmin.data_ptr<at::Half>(), sc.data_ptr<int8_t>(),
-         mn.data_ptr<int8_t>(), M, n, K, group, superblock, off, static_cast<Kind>(kind), mins,
+         mn.data_ptr<int8_t>(), M, n, K, group, superblock, offset, static_cast<Kind>(kind), mins,
          M >= prefetch_min_rows() ? prefetch_bytes() : 0};
   const Isa isa = forced();
   // the tile function of a full row chunk (RMAX rows) and of the last, shorter one: picked once per call

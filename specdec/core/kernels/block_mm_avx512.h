@@ -1,16 +1,67 @@
-// The AVX-512 tile of block_mm.cpp (see its header), included there once per instruction set: the including
-// file defines SPECDEC_TILE / SPECDEC_TILE_ANY (the function names), SPECDEC_TARGET (their target attribute) and
-// SPECDEC_VNNI (1: the integer dot products with AVX512-VNNI's vpdpbusd / vpdpwssd, 4 or 2 products a lane
-// an instruction summed in 32 bits; 0: vpmaddubsw, 16-bit adds and vpmaddwd). Both compute the same exact
-// integer dot, so both paths give the same bits.
+// The AVX-512 tile of block_mm.cpp (see its header), included there once per instruction set inside a namespace of
+// its own (avx512, vnni), where the including file defines SPECDEC_TARGET (the functions' target attribute),
+// SPECDEC_VNNI (1: the integer dot products with AVX512-VNNI's vpdpbusd / vpdpwssd, 4 or 2 products a lane an
+// instruction summed in 32 bits; 0: vpmaddubsw, vpmaddwd and 32-bit adds). Both compute the same exact integer
+// dots, so both paths give the same bits.
+
+// Group tg's codes (u4 / u5 / u6, + offset, in [0, 63]) as G / 4 vectors: vector i, lane j holds the codes of
+// k = 4i .. 4i + 3 of column j (vpdpbusd's operand).
+template <Kind KIND>
+SPECDEC_TARGET inline void unpack(const uint8_t* tg, __m512i* q) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  if constexpr (KIND == U4) {     // vector v of 64 bytes: k = 8v + i in the low nibbles, 8v + 4 + i in the high
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      const __m512i b = _mm512_loadu_si512(tg + 64 * v);
+      q[2 * v] = _mm512_and_si512(b, low4);
+      q[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+    }
+  } else {
+    constexpr int NV = KIND == U6 ? 4 : 8;     // G / 4
+    // c[4v + i] = low nibble | high bits << 4: the high bits of vector v sit at bit HB·v of the last vector
+    constexpr int HB = KIND == U6 ? 2 : 1;
+    const __m512i h = _mm512_loadu_si512(tg + 64 * (NV / 2)), high = _mm512_set1_epi8(((1 << HB) - 1) << 4);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const __m512i l = _mm512_loadu_si512(tg + 64 * (v / 2));
+      const __m512i lo = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(l, 4) : l, low4);
+      const int shift = 4 - HB * v;    // moves bit HB·v to bit 4
+      const __m512i hi = shift >= 0 ? _mm512_slli_epi16(h, shift) : _mm512_srli_epi16(h, -shift);
+      q[v] = _mm512_or_si512(lo, _mm512_and_si512(hi, high));
+    }
+  }
+}
+
+// a group's 16 int8 scales (or mins), widened to 32 bits
+SPECDEC_TARGET inline __m512i group_scales(const int8_t* sc) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+}
+
+// Σ_k (code + offset) · xq over one group of a u-kind for one row's activations xr, per lane (exact)
+template <int NV>
+SPECDEC_TARGET inline __m512i dot_codes(const __m512i* q, const int8_t* xr) {
+  __m512i dot = _mm512_setzero_si512();
+#if SPECDEC_VNNI
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) dot = _mm512_dpbusd_epi32(dot, q[v], bcast32(xr + 4 * v));
+#else
+  const __m512i ones16 = _mm512_set1_epi16(1);
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; v += 2) {   // two products of a pair: ≤ 2 · 2 · 63 · 127 < 2^15 in 16 bits
+    const __m512i s16 = _mm512_add_epi16(_mm512_maddubs_epi16(q[v], bcast32(xr + 4 * v)),
+                                         _mm512_maddubs_epi16(q[v + 1], bcast32(xr + 4 * v + 4)));
+    dot = _mm512_add_epi32(dot, _mm512_madd_epi16(s16, ones16));
+  }
+#endif
+  return dot;
+}
 
 // Tile t, rows r0 .. r0 + R: every group's codes unpacked once, applied to the R rows; per superblock, each row's
 // integer sums (isum, msum) then its f32 steps (apply_scales). SUPER: superblocks of several groups (K-quants).
 template <int R, Kind KIND, bool SUPER>
-SPECDEC_TARGET void SPECDEC_TILE(const Args& p, int64_t t, int64_t r0) {
+SPECDEC_TARGET void tile(const Args& p, int64_t t, int64_t r0) {
   const int64_t ng = p.groups(), per = p.per(), nsb = p.K / p.SB, gb = p.group_bytes();
-  [[maybe_unused]] const __m512i ones16 = _mm512_set1_epi16(1);   // vpmaddwd's pair sums (not with VNNI)
-  const __m512i low4 = _mm512_set1_epi8(15);
+  constexpr int NV = KIND == U6 ? 4 : 8;    // a u-kind group's vectors (G / 4)
   // 16-bit element 2j ← element j, 2j + 1 ← element 16 + j: two groups' mins of lane j side by side
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -25,11 +76,10 @@ SPECDEC_TARGET void SPECDEC_TILE(const Args& p, int64_t t, int64_t r0) {
     const __m512 mv = p.mins ? load_f16(p.dmin + (t * nsb + s) * LANES) : _mm512_setzero_ps();
     __m512 a = dv, b = _mm512_sub_ps(_mm512_setzero_ps(), mv);
     if constexpr (!SUPER) {      // one group: its integer scale and min join the f32 ones
-      a = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.sc + (t * ng + g0) * LANES)))));
+      a = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(group_scales(p.sc + (t * ng + g0) * LANES)));
       if (p.mins)
-        b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.mn + (t * ng + g0) * LANES))))));
+        b = _mm512_sub_ps(_mm512_setzero_ps(),
+                          _mm512_mul_ps(mv, _mm512_cvtepi32_ps(group_scales(p.mn + (t * ng + g0) * LANES))));
     }
     __m512i isum[R];
     if constexpr (SUPER)
@@ -40,71 +90,15 @@ SPECDEC_TARGET void SPECDEC_TILE(const Args& p, int64_t t, int64_t r0) {
       const uint8_t* tg = p.qs + (t * ng + g) * gb;
       if (p.prefetch)     // this group's bytes a few KB ahead of the stream, into L2 (see block_mm.cpp)
         for (int64_t b = 0; b < gb; b += 64) _mm_prefetch(reinterpret_cast<const char*>(tg + p.prefetch + b), _MM_HINT_T1);
-      const __m512i sc32 = !SUPER ? _mm512_setzero_si512() : _mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.sc + (t * ng + g) * LANES)));
-      if constexpr (KIND == U4) {
-        __m512i lo[4], hi[4];
-#pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v) {
-          const __m512i q = _mm512_loadu_si512(tg + 64 * v);
-          lo[v] = _mm512_and_si512(q, low4);
-          hi[v] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xr = x0 + r * p.K + 32 * g;
-#if SPECDEC_VNNI
-          __m512i dot = _mm512_setzero_si512();       // 4 products a lane an instruction, summed in 32 bits
-#pragma GCC unroll 4
-          for (int v = 0; v < 4; ++v) {
-            dot = _mm512_dpbusd_epi32(dot, lo[v], bcast32(xr + 8 * v));
-            dot = _mm512_dpbusd_epi32(dot, hi[v], bcast32(xr + 8 * v + 4));
-          }
-#else
-          __m512i s16 = _mm512_maddubs_epi16(lo[0], bcast32(xr));      // |Σ| ≤ 8 · 2 · 15 · 127 < 2^15
-          s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(hi[0], bcast32(xr + 4)));
-#pragma GCC unroll 4
-          for (int v = 1; v < 4; ++v) {
-            s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(lo[v], bcast32(xr + 8 * v)));
-            s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(hi[v], bcast32(xr + 8 * v + 4)));
-          }
-          __m512i dot = _mm512_madd_epi16(s16, ones16);
-#endif
-          if constexpr (!SUPER)   // Q4_0: codes stored + 8, so dot − 8 · sx (0 for Q4_1: no offset)
-            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(p.osx[rg0 + r * ng + g]));
-          isum[r] = add_scaled<SUPER>(isum[r], dot, sc32);
-        }
-      } else if constexpr (KIND == U6 || KIND == U5) {
-        // codes + offset in [0, 63]: two products of a pair sum below 2^15, so two vpmaddubsw add in 16 bits
-        constexpr int NV = KIND == U6 ? 4 : 8;     // vectors of 4 codes per lane (G / 4)
-        // c[4v + i] = low nibble | high bits << 4: the high bits of vector v sit at bit HB·v of the last vector
-        constexpr int HB = KIND == U6 ? 2 : 1;
+      const __m512i sc32 = SUPER ? group_scales(p.sc + (t * ng + g) * LANES) : _mm512_setzero_si512();
+      if constexpr (KIND != S8) {
         __m512i q[NV];
-        const __m512i h = _mm512_loadu_si512(tg + 64 * (NV / 2)), high = _mm512_set1_epi8(((1 << HB) - 1) << 4);
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) {
-          const __m512i l = _mm512_loadu_si512(tg + 64 * (v / 2));
-          const __m512i lo = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(l, 4) : l, low4);
-          const int shift = 4 - HB * v;    // moves bit HB·v to bit 4
-          const __m512i hi = shift >= 0 ? _mm512_slli_epi16(h, shift) : _mm512_srli_epi16(h, -shift);
-          q[v] = _mm512_or_si512(lo, _mm512_and_si512(hi, high));
-        }
+        unpack<KIND>(tg, q);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          const int8_t* xr = x0 + r * p.K + p.G * g;
-          __m512i dot = _mm512_setzero_si512();
-#if SPECDEC_VNNI
-#pragma GCC unroll 8
-          for (int v = 0; v < NV; ++v) dot = _mm512_dpbusd_epi32(dot, q[v], bcast32(xr + 4 * v));
-#else
-#pragma GCC unroll 4
-          for (int v = 0; v < NV; v += 2) {
-            const __m512i s16 = _mm512_add_epi16(_mm512_maddubs_epi16(q[v], bcast32(xr + 4 * v)),
-                                                 _mm512_maddubs_epi16(q[v + 1], bcast32(xr + 4 * v + 4)));
-            dot = _mm512_add_epi32(dot, _mm512_madd_epi16(s16, ones16));
-          }
-#endif
-          dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(p.osx[rg0 + r * ng + g]));   // offset · sx, from memory
+          __m512i dot = dot_codes<NV>(q, x0 + r * p.K + p.G * g);
+          if (p.offset)   // codes stored + offset: dot − offset · sx, from memory
+            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(p.osx[rg0 + r * ng + g]));
           isum[r] = add_scaled<SUPER>(isum[r], dot, sc32);
         }
       } else {
@@ -165,10 +159,10 @@ SPECDEC_TARGET void SPECDEC_TILE(const Args& p, int64_t t, int64_t r0) {
 }
 
 template <int R>
-SPECDEC_TARGET void SPECDEC_TILE_ANY(const Args& p, int64_t t, int64_t r0) {
+SPECDEC_TARGET void tile_any(const Args& p, int64_t t, int64_t r0) {
   const bool super = p.SB > p.G;
-  if (p.kind == U4) return super ? SPECDEC_TILE<R, U4, true>(p, t, r0) : SPECDEC_TILE<R, U4, false>(p, t, r0);
-  if (p.kind == U6) return super ? SPECDEC_TILE<R, U6, true>(p, t, r0) : SPECDEC_TILE<R, U6, false>(p, t, r0);
-  if (p.kind == U5) return super ? SPECDEC_TILE<R, U5, true>(p, t, r0) : SPECDEC_TILE<R, U5, false>(p, t, r0);
-  return super ? SPECDEC_TILE<R, S8, true>(p, t, r0) : SPECDEC_TILE<R, S8, false>(p, t, r0);
+  if (p.kind == U4) return super ? tile<R, U4, true>(p, t, r0) : tile<R, U4, false>(p, t, r0);
+  if (p.kind == U6) return super ? tile<R, U6, true>(p, t, r0) : tile<R, U6, false>(p, t, r0);
+  if (p.kind == U5) return super ? tile<R, U5, true>(p, t, r0) : tile<R, U5, false>(p, t, r0);
+  return super ? tile<R, S8, true>(p, t, r0) : tile<R, S8, false>(p, t, r0);
 }
