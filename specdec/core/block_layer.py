@@ -18,6 +18,9 @@ decode, verify and batched calls agree bit for bit. ``use_block_layers`` install
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
+
 import torch
 
 from .block_linear import BlockLinear
@@ -54,26 +57,45 @@ def _parts(module: torch.nn.Module, fused: str, names: tuple[str, ...]) -> list[
 
 def use_block_layers(lm: DecoderLM) -> bool:
     """Run every decoder layer of ``lm`` as ``run_block_layer`` when ``block_layers_apply``; returns whether
-    it does."""
+    it does. Each layer's kernel arguments are gathered here, once (``BlockLayerArgs``): call it again after
+    replacing a layer's projections or norms."""
     if not block_layers_apply(lm):
         return False
-    lm.layer_runners = [run_block_layer] * len(lm.model.layers)
+    lm.layer_runners = [partial(run_block_layer, args=BlockLayerArgs.of(layer)) for layer in lm.model.layers]
     return True
+
+
+@dataclass(frozen=True)
+class BlockLayerArgs:
+    """A decoder layer's ``block_layer`` arguments that do not change between calls: ``weights`` (each
+    projection's qs, d, dmin, sc, mn and bias, in the order qkv or q / k / v, o, gate_up or gate / up, down,
+    then the two RMSNorm weights), ``layout`` (the counts of attention and MLP input projections, then each
+    projection's ``BlockLinear.kernel_layout``) and the RMSNorm ``eps``."""
+    weights: list[torch.Tensor]
+    layout: list[int]
+    eps: float
+
+    @classmethod
+    def of(cls, layer: DecoderLayer) -> BlockLayerArgs:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn_in = _parts(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        mlp_in = _parts(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+        projections = [*attn_in, attn.o_proj, *mlp_in, mlp.down_proj]
+        weights = [t for p in projections for t in p.kernel_weights()]
+        weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        layout = [len(attn_in), len(mlp_in), *(v for p in projections for v in p.kernel_layout())]
+        return cls(weights, layout, layer.input_layernorm.eps)
 
 
 def run_block_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     slots: torch.Tensor, mask: torch.Tensor, kv_len: int,
-                    seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+                    seq_ids: torch.Tensor | None = None, args: BlockLayerArgs | None = None) -> torch.Tensor:
     """``layer(x, cos, sin, slots, mask, kv_len, seq_ids)`` (``model.DecoderLayer.forward``'s contract: x
     [b, n, H] f32, cos / sin [b, n, D], slots [b, n], mask [b, 1, n, kv_len]) as one ``block_layer`` call
-    (``kernels/block_layer.cpp``: the five kernel calls above, made from C++)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    attn_in = _parts(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
-    mlp_in = _parts(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
-    projections = [*attn_in, attn.o_proj, *mlp_in, mlp.down_proj]
-    weights = [t for p in projections for t in p.kernel_weights()]
-    weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    layout = [len(attn_in), len(mlp_in), *(v for p in projections for v in p.kernel_layout())]
+    (``kernels/block_layer.cpp``: the five kernel calls above, made from C++). ``args``: the layer's
+    ``BlockLayerArgs``, gathered once (``use_block_layers``); None gathers them now."""
+    attn = layer.self_attn
+    args = args or BlockLayerArgs.of(layer)
     rows = torch.arange(x.shape[0], device=x.device) if seq_ids is None else seq_ids
-    return torch.ops.specdec.block_layer(x, cos, sin, attn.k_cache, attn.v_cache, rows, slots, mask, weights, layout,
-                                         layer.input_layernorm.eps)
+    return torch.ops.specdec.block_layer(x, cos, sin, attn.k_cache, attn.v_cache, rows, slots, mask, args.weights,
+                                         args.layout, args.eps)

@@ -51,6 +51,9 @@ ALIASES = {"int8": "int8", "s8": "int8", "per_channel_symmetric": "int8", "int8_
 INT4_PACK_ROWS = 64       # the CPU int4 packing's row blocks (``Int4Linear.cat_rows``)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")     # sharded along K (their input dimension) at tp > 1
+# The scheme of the output projections (the LM head, Medusa's) under each scheme: int8 per channel, as the
+# logits feel a head's error most, except under q4_0, which exists to read the fewest bytes (a draft's head)
+HEAD_SCHEMES = {"int8": "int8", "int4": "int8", "q4_0": "q4_0"}
 
 
 def parse_quantization(name: str | None) -> str | None:
@@ -279,7 +282,7 @@ def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup(),
     """Replace the layers named ``names`` (default: the attention and MLP projections ``PROJECTIONS``
     of every decoder layer) of every submodule of ``lm`` (a ``DecoderLM``, an EAGLE draft, Medusa
     heads) with ``scheme``'s quantized ones, and the layers named ``head_names`` (output projections:
-    default the ``lm_head``; Medusa's) with per-channel int8 ones (``q4_0``: Q4_0 ones), in place (a tied
+    default the ``lm_head``; Medusa's) with ``HEAD_SCHEMES[scheme]``'s, in place (a tied
     ``lm_head`` gets its own tensor; the embedding keeps its table). Layers sharing their
     weight and bias Parameters (tied Medusa projections) become one quantized module they all share.
     Layers already quantized (a GGUF file's own blocks, ``gguf_weights``) are left alone; ``"gguf"``
@@ -295,8 +298,8 @@ def quantize_linears(lm: nn.Module, scheme: str | None, tp: TPGroup = TPGroup(),
                 continue
             key = (id(linear.weight), id(linear.bias))
             if key not in done:
-                head = name in head_names and scheme != "q4_0"
-                done[key] = _quantized(linear, "int8" if head else scheme, name in ROW_PARALLEL, tp)
+                layer_scheme = HEAD_SCHEMES[scheme] if name in head_names else scheme
+                done[key] = _quantized(linear, layer_scheme, name in ROW_PARALLEL, tp)
             setattr(block, name, done[key])
     return lm
 

@@ -27,7 +27,9 @@
 // Cost flat in M: a (tile, group)'s codes are loaded and unpacked once and applied to up to RMAX rows held in
 // registers; integer multiply-adds (vpmaddubsw / vpmaddwd, or with AVX512-VNNI vpdpbusd / vpdpwssd, which also
 // accumulate) do 32 or 64 weight·activation products an instruction, and a K-quant's superblock costs a row one
-// integer multiply-add per group and its f32 steps once. Threads: at::parallel_for over tiles.
+// integer multiply-add per group and its f32 steps once. Threads: at::parallel_for over tiles. (AMX does not pay
+// here: a group is 16 columns × 32 k, a quarter of one TDPBSSD, and each group's dots must be stored and read
+// back for its scale; on a Sapphire Rapids core that cost more than 8 vpdpbusd a row up to 16 rows.)
 // Each thread reads its tiles' bytes as one sequential stream. The more rows a call has, the longer a group's
 // arithmetic, so the out-of-order window covers fewer groups, fewer of the stream's misses are in flight and the
 // arithmetic and the memory time add up; a software prefetch into L2 (prefetcht1) of the bytes
