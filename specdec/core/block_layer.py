@@ -95,7 +95,8 @@ def run_block_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin
     (``kernels/block_layer.cpp``: the five kernel calls above, made from C++). ``args``: the layer's
     ``BlockLayerArgs``, gathered once (``use_block_layers``); None gathers them now."""
     attn = layer.self_attn
-    args = args or BlockLayerArgs.of(layer)
+    if args is None:
+        args = BlockLayerArgs.of(layer)
     rows = torch.arange(x.shape[0], device=x.device) if seq_ids is None else seq_ids
     return torch.ops.specdec.block_layer(x, cos, sin, attn.k_cache, attn.v_cache, rows, slots, mask, args.weights,
                                          args.layout, args.eps)

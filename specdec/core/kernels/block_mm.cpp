@@ -377,11 +377,9 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tens
   quantize_rows(x.data_ptr<float>(), M, K, group, superblock, xq.data(), dx.data(), sx.data());
   std::vector<float> sxf(sx.size());
   std::vector<int16_t> sx16(sx.size());     // |sx| ≤ 32 · 127: exact in 16 bits, for vpmaddwd pairs of groups
-  std::vector<int32_t> osx(sx.size());
-  for (size_t i = 0; i < sx.size(); ++i) {
-    sxf[i] = static_cast<float>(sx[i]), sx16[i] = static_cast<int16_t>(sx[i]);
-    osx[i] = static_cast<int32_t>(offset) * sx[i];
-  }
+  std::vector<int32_t> osx(offset ? sx.size() : 0);   // offset · sx: read only where the layer has an offset
+  for (size_t i = 0; i < sx.size(); ++i) sxf[i] = static_cast<float>(sx[i]), sx16[i] = static_cast<int16_t>(sx[i]);
+  for (size_t i = 0; i < osx.size(); ++i) osx[i] = static_cast<int32_t>(offset) * sx[i];
   std::vector<int16_t> xw(kind == S8 ? M * K : 0);     // s8: the activations widened once, for vpmaddwd
   for (size_t i = 0; i < xw.size(); ++i) xw[i] = xq[i];
   Args p{xq.data(), dx.data(), sx.data(), sxf.data(), sx16.data(), osx.data(), xw.data(), y.data_ptr<float>(),

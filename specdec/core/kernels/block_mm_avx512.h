@@ -4,7 +4,11 @@
 // instruction summed in 32 bits; 0: vpmaddubsw, vpmaddwd and 32-bit adds). Both compute the same exact integer
 // dots, so both paths give the same bits.
 
-// Group tg's codes (u4 / u5 / u6, + offset, in [0, 63]) as G / 4 vectors: vector i, lane j holds the codes of
+// The vectors of a u-kind group's unpacked codes: G / 4 (u6: G = 16; u4, u5: G = 32)
+template <Kind KIND>
+constexpr int NVEC = KIND == U6 ? 4 : 8;
+
+// Group tg's codes (u4 / u5 / u6, + offset, in [0, 63]) as NVEC = G / 4 vectors: vector i, lane j holds the codes of
 // k = 4i .. 4i + 3 of column j (vpdpbusd's operand).
 template <Kind KIND>
 SPECDEC_TARGET inline void unpack(const uint8_t* tg, __m512i* q) {
@@ -17,7 +21,7 @@ SPECDEC_TARGET inline void unpack(const uint8_t* tg, __m512i* q) {
       q[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
     }
   } else {
-    constexpr int NV = KIND == U6 ? 4 : 8;     // G / 4
+    constexpr int NV = NVEC<KIND>;
     // c[4v + i] = low nibble | high bits << 4: the high bits of vector v sit at bit HB·v of the last vector
     constexpr int HB = KIND == U6 ? 2 : 1;
     const __m512i h = _mm512_loadu_si512(tg + 64 * (NV / 2)), high = _mm512_set1_epi8(((1 << HB) - 1) << 4);
@@ -61,7 +65,7 @@ SPECDEC_TARGET inline __m512i dot_codes(const __m512i* q, const int8_t* xr) {
 template <int R, Kind KIND, bool SUPER>
 SPECDEC_TARGET void tile(const Args& p, int64_t t, int64_t r0) {
   const int64_t ng = p.groups(), per = p.per(), nsb = p.K / p.SB, gb = p.group_bytes();
-  constexpr int NV = KIND == U6 ? 4 : 8;    // a u-kind group's vectors (G / 4)
+  constexpr int NV = NVEC<KIND>;
   // 16-bit element 2j ← element j, 2j + 1 ← element 16 + j: two groups' mins of lane j side by side
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
