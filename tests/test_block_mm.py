@@ -27,7 +27,7 @@ TYPES = {"Q4_K": (32, 256, (0, 16), True), "Q4_0": (32, 32, (-8, 8), False), "Q4
 
 def blocks(qtype: str, n: int, k: int, seed: int = 0) -> BlockWeights:
     """Random blocks of one GGML type: f16-valued d / dmin as in a GGUF file, the type's code range, 6-bit
-    scales and mins (Q4_K), signed int8 scales (Q6_K), unit scales elsewhere."""
+    scales and mins (Q4_K), signed int8 scales (Q6_K), unit scales (and Q4_1's unit mins) elsewhere."""
     group, superblock, (lo, hi), mins = TYPES[qtype]
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int16)
@@ -39,7 +39,10 @@ def blocks(qtype: str, n: int, k: int, seed: int = 0) -> BlockWeights:
         sc = torch.randint(0, 64, (n, k // group), generator=g, dtype=torch.int16)
     else:
         sc = torch.ones(n, k // group, dtype=torch.int16)
-    mn = torch.randint(0, 64, (n, k // group), generator=g, dtype=torch.int16) if mins else torch.zeros_like(sc)
+    if qtype == "Q4_K":
+        mn = torch.randint(0, 64, (n, k // group), generator=g, dtype=torch.int16)
+    else:       # Q4_1 as the file gives it: the block's min in dmin, mn = 1
+        mn = torch.ones_like(sc) if mins else torch.zeros_like(sc)
     return BlockWeights(qtype, codes, group, superblock, d, dmin, sc, mn)
 
 
@@ -230,3 +233,13 @@ def test_python_fallback_defines_the_same_op(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root,
                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_one_group_superblocks_need_unit_scales():
+    """Q4_0 / Q4_1 / Q5_0 / Q8_0 carry their scale and min in d and dmin; the kernel does not read sc / mn there, so
+    a layer whose sc (or, with mins, mn) is not 1 is refused rather than computed wrongly."""
+    for qtype, field in (("Q4_0", "sc"), ("Q8_0", "sc"), ("Q4_1", "mn")):
+        w = blocks(qtype, 20, 64)
+        getattr(w, field)[3, 1] = 2
+        with pytest.raises(ValueError, match="must all be 1"):
+            BlockLinear.from_blocks(w, torch.float32)

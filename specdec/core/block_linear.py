@@ -10,10 +10,11 @@ quantized to 8 bits per group of G (as llama.cpp does: ``kernels``), with exact 
 
 The layer packs the matrix in tiles of 16 output columns (``kernels.layout``): 4-bit codes two per byte
 (Q4_0, Q4_1, Q4_K), Q6_K's and Q5_0's in 6 and 5 bits, Q8_0's one byte each; d and dmin stay f16, as in the
-file. A call reads 4.625 bits a weight for Q4_K (the file: 4.5), 4.75 for Q4_0 (4.5), 5.5 for Q4_1 (5),
-6.5625 for Q6_K (the same), 5.75 for Q5_0 (5.5) and 8.75 for Q8_0 (8.5): the integer group scales and mins take
-a byte each. A row's output does not depend on how many rows the call has (row invariance), and a call of up to
-16 rows reads the weights once.
+file. A call reads 4.625 bits a weight for Q4_K (the file: 4.5) and 6.5625 for Q6_K (the same): the integer group
+scales and mins take a byte each; Q4_0, Q4_1, Q5_0 and Q8_0 carry one scale (and min) a block in d (and dmin), so
+a call reads what the file holds (4.5, 5, 5.5, 8.5 bits), and their sc / mn buffers (all 1) are not read. A row's
+output does not depend on how many rows the call has (row invariance), and a call of up to 16 rows reads the
+weights once.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class BlockLinear(nn.Module):
                  out_features: int, layout: Layout, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         load_block_mm()
+        if layout.superblock == layout.group:
+            check_unit_scales(untiled(sc, out_features), untiled(mn, out_features), layout.mins)
         self.out_features, self.in_features, self._layout, self._dtype = out_features, layout.in_features, layout, dtype
         for name, t in (("qs", qs), ("d", d), ("dmin", dmin), ("sc", sc), ("mn", mn)):
             self.register_buffer(name, t.contiguous())
@@ -117,6 +120,14 @@ class BlockLinear(nn.Module):
                                        layout.group, layout.superblock, layout.kind, layout.offset, layout.mins)
         y = y.to(self._dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def check_unit_scales(sc: torch.Tensor, mn: torch.Tensor, mins: bool) -> None:
+    """ValueError unless a layout of one group a superblock has sc = 1 (and, with mins, mn = 1): GGML's Q4_0 / Q4_1 /
+    Q5_0 / Q8_0 carry one scale (and min) a block in d (and dmin), and the kernel does not read sc / mn there."""
+    if not bool((sc == 1).all()) or (mins and not bool((mn == 1).all())):
+        raise ValueError("BlockLinear: blocks of one group a superblock (Q4_0, Q4_1, Q5_0, Q8_0) carry their scale "
+                         "and min in d and dmin: their integer scales sc (and mins mn) must all be 1")
 
 
 def exact_f16(values: torch.Tensor, name: str) -> torch.Tensor:

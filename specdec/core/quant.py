@@ -19,7 +19,7 @@ features by 32 (per rank), else a ValueError says to use int8; CPU only.
 
 ``q4_0``: GGML's Q4_0 blocks (``quantize_q4_0``: per group of 32, d = f16(m / -8) for m the weight of
 largest magnitude, q = round(w / d) in [-8, 7]) on the ``block_mm`` CPU kernel (``block_linear``), the LM
-head too: 4.75 bits a weight read, for cheap drafts (a GGUF file's own Q4_0 tensors are kept as they are).
+head too: 4.5 bits a weight read, for cheap drafts (a GGUF file's own Q4_0 tensors are kept as they are).
 
 Quantized (int8 or int4): every attention and MLP projection (q, k, v, o, gate, up, down) with the
 scheme, and the LM head with per-channel int8 under both (the output layer stays at 8 bits, as

@@ -100,7 +100,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 blocks, LM head included, exactly, on specdec's "
                         "block_mm CPU kernel (8-bit activations, as llama.cpp); q4_0: GGML Q4_0 blocks on that "
                         "kernel (a GGUF file's Q4_0 tensors kept, every other projection and the LM head "
-                        "re-quantized as llama.cpp's Q4_0: 4.75 bits a weight; for drafts)")
+                        "re-quantized as llama.cpp's Q4_0: 4.5 bits a weight; for drafts)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3"],
                    help="8-bit KV cache with an f32 scale per (slot, KV head), dequantized when read "
                         "(default: the --amp dtype); drafts use it too")

@@ -20,7 +20,8 @@
 //     s8 (Q8_0, q in [-128, 127]): G/2 vectors of 32 bytes; lane j's byte i of vector v = q[G g + 2 v + i].
 // Per lane (column) and superblock, in this order (dot = Σ q · xq over a group, exact; computed as
 // Σ (q + offset) · xq − offset · sx):
-//   SB = G (one group):    a = d · sc,  b = 0 − dmin · mn,  isum = dot,             msum = sx;
+//   SB = G (one group):    a = d,       b = 0 − dmin,       isum = dot,             msum = sx
+//     (GGML's Q4_0 / Q4_1 / Q5_0 / Q8_0: sc = mn = 1, so d · sc = d and dmin · mn = dmin; the tile does not read them);
 //   SB = 256 (K-quants):   a = d,       b = 0 − dmin,       isum = Σ_g sc · dot,    msum = Σ_g mn · sx (exact);
 //   u = a · float(isum),  u = fma(b, float(msum), u) (only where the layer has mins),  acc = fma(u, dx, acc).
 //
@@ -214,10 +215,10 @@ AVX512 inline __m512i bcast32(const T* p) {
 
 // acc + dx · (a · float(isum) + b · float(msum)) for one row and superblock, per lane in the order of the header
 // (b only with mins); dx is broadcast from memory (a load, not a shuffle).
-AVX512 inline __m512 apply_scales(const Args& p, __m512 a, __m512 b, __m512i isum, __m512 msum, const float* dx,
+AVX512 inline __m512 apply_scales(bool mins, __m512 a, __m512 b, __m512i isum, __m512 msum, const float* dx,
                                   __m512 acc) {
   __m512 u = _mm512_mul_ps(a, _mm512_cvtepi32_ps(isum));
-  if (p.mins) u = _mm512_fmadd_ps(b, msum, u);
+  if (mins) u = _mm512_fmadd_ps(b, msum, u);
   return _mm512_fmadd_ps(u, _mm512_broadcastss_ps(_mm_load_ss(dx)), acc);
 }
 

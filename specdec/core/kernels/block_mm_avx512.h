@@ -41,14 +41,20 @@ SPECDEC_TARGET inline __m512i group_scales(const int8_t* sc) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
 }
 
-// Σ_k (code + offset) · xq over one group of a u-kind for one row's activations xr, per lane (exact)
+// Σ_k (code + offset) · xq over one group of a u-kind for one row's activations xr, per lane (exact). VNNI: four
+// independent vpdpbusd chains summed at the end (the integer sum is the same in any order), so a group's dot waits
+// on two multiply-add latencies, not NV, and more groups overlap in the out-of-order window.
 template <int NV>
 SPECDEC_TARGET inline __m512i dot_codes(const __m512i* q, const int8_t* xr) {
-  __m512i dot = _mm512_setzero_si512();
 #if SPECDEC_VNNI
-#pragma GCC unroll 8
-  for (int v = 0; v < NV; ++v) dot = _mm512_dpbusd_epi32(dot, q[v], bcast32(xr + 4 * v));
+  __m512i part[4];
+#pragma GCC unroll 4
+  for (int v = 0; v < 4; ++v) part[v] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[v], bcast32(xr + 4 * v));
+#pragma GCC unroll 4
+  for (int v = 4; v < NV; ++v) part[v % 4] = _mm512_dpbusd_epi32(part[v % 4], q[v], bcast32(xr + 4 * v));
+  return _mm512_add_epi32(_mm512_add_epi32(part[0], part[1]), _mm512_add_epi32(part[2], part[3]));
 #else
+  __m512i dot = _mm512_setzero_si512();
   const __m512i ones16 = _mm512_set1_epi16(1);
 #pragma GCC unroll 4
   for (int v = 0; v < NV; v += 2) {   // two products of a pair: ≤ 2 · 2 · 63 · 127 < 2^15 in 16 bits
@@ -56,15 +62,22 @@ SPECDEC_TARGET inline __m512i dot_codes(const __m512i* q, const int8_t* xr) {
                                          _mm512_maddubs_epi16(q[v + 1], bcast32(xr + 4 * v + 4)));
     dot = _mm512_add_epi32(dot, _mm512_madd_epi16(s16, ones16));
   }
-#endif
   return dot;
+#endif
 }
 
 // Tile t, rows r0 .. r0 + R: every group's codes unpacked once, applied to the R rows; per superblock, each row's
-// integer sums (isum, msum) then its f32 steps (apply_scales). SUPER: superblocks of several groups (K-quants).
+// integer sums (isum, msum) then its f32 steps (apply_scales). SUPER: superblocks of several groups (K-quants); else
+// one group a superblock, whose scale and min are d and dmin themselves (sc = mn = 1: not read). The stream's
+// pointers advance group by group and the layer's flags are read once, so a group's loop is its loads, unpacking
+// and multiply-adds.
 template <int R, Kind KIND, bool SUPER>
 SPECDEC_TARGET void tile(const Args& p, int64_t t, int64_t r0) {
-  const int64_t ng = p.groups(), per = p.per(), nsb = p.K / p.SB, gb = p.group_bytes();
+  const int64_t ng = p.groups(), per = SUPER ? p.per() : 1, nsb = p.K / p.SB, K = p.K, G = p.G;
+  // a group's bytes: a constant for the u-kinds (the prefetch loop unrolls), G · 16 for s8
+  const int64_t gb = KIND == U4 ? 256 : KIND == U5 ? 320 : KIND == U6 ? 192 : p.group_bytes();
+  const int64_t prefetch = p.prefetch;
+  const bool offset = p.offset != 0, mins = p.mins;
   constexpr int NV = NVEC<KIND>;
   // 16-bit element 2j ← element j, 2j + 1 ← element 16 + j: two groups' mins of lane j side by side
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -72,49 +85,44 @@ SPECDEC_TARGET void tile(const Args& p, int64_t t, int64_t r0) {
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int8_t* x0 = p.xq + r0 * p.K;
-  const int64_t rg0 = r0 * ng;      // (row, group) index of row r0's group 0
-  for (int64_t s = 0; s < nsb; ++s) {
+  const uint8_t* tg = p.qs + t * ng * gb;              // group g's bytes
+  const int8_t* x0 = p.xq + r0 * K;                     // row r0's activations (row r: + r · K)
+  const int32_t* osx = offset ? p.osx + r0 * ng : nullptr;   // row r0's offset · sx of group g (row r: + r · ng)
+  const at::Half* dp = p.d + t * nsb * LANES;
+  const at::Half* mp = p.dmin + t * nsb * LANES;
+  const float* dx = p.dx + r0 * nsb;                    // row r0's superblock scale (row r: + r · nsb)
+  for (int64_t s = 0; s < nsb; ++s, dp += LANES, mp += LANES, ++dx) {
     const int64_t g0 = s * per;
-    const __m512 dv = load_f16(p.d + (t * nsb + s) * LANES);
-    const __m512 mv = p.mins ? load_f16(p.dmin + (t * nsb + s) * LANES) : _mm512_setzero_ps();
-    __m512 a = dv, b = _mm512_sub_ps(_mm512_setzero_ps(), mv);
-    if constexpr (!SUPER) {      // one group: its integer scale and min join the f32 ones
-      a = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(group_scales(p.sc + (t * ng + g0) * LANES)));
-      if (p.mins)
-        b = _mm512_sub_ps(_mm512_setzero_ps(),
-                          _mm512_mul_ps(mv, _mm512_cvtepi32_ps(group_scales(p.mn + (t * ng + g0) * LANES))));
-    }
+    const __m512 a = load_f16(dp);
+    const __m512 b = mins ? _mm512_sub_ps(_mm512_setzero_ps(), load_f16(mp)) : _mm512_setzero_ps();
     __m512i isum[R];
     if constexpr (SUPER)
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-    for (int64_t gi = 0; gi < (SUPER ? per : 1); ++gi) {
-      const int64_t g = g0 + gi;
-      const uint8_t* tg = p.qs + (t * ng + g) * gb;
-      if (p.prefetch)     // this group's bytes a few KB ahead of the stream, into L2 (see block_mm.cpp)
-        for (int64_t b = 0; b < gb; b += 64) _mm_prefetch(reinterpret_cast<const char*>(tg + p.prefetch + b), _MM_HINT_T1);
-      const __m512i sc32 = SUPER ? group_scales(p.sc + (t * ng + g) * LANES) : _mm512_setzero_si512();
+    for (int64_t gi = 0, k = g0 * G; gi < per; ++gi, tg += gb, k += G) {
+      if (prefetch)     // this group's bytes a few KB ahead of the stream, into L2 (see block_mm.cpp)
+        for (int64_t c = 0; c < gb; c += 64) _mm_prefetch(reinterpret_cast<const char*>(tg + prefetch + c), _MM_HINT_T1);
+      const __m512i sc32 = SUPER ? group_scales(p.sc + (t * ng + g0 + gi) * LANES) : _mm512_setzero_si512();
       if constexpr (KIND != S8) {
         __m512i q[NV];
         unpack<KIND>(tg, q);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          __m512i dot = dot_codes<NV>(q, x0 + r * p.K + p.G * g);
-          if (p.offset)   // codes stored + offset: dot − offset · sx, from memory
-            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(p.osx[rg0 + r * ng + g]));
+          __m512i dot = dot_codes<NV>(q, x0 + r * K + k);
+          if (offset)     // codes stored + offset: dot − offset · sx, from memory
+            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(osx[r * ng + g0 + gi]));
           isum[r] = add_scaled<SUPER>(isum[r], dot, sc32);
         }
       } else {
         // signed codes: widened to 16 bits, vpmaddwd with the activations' pairs
-        const int64_t nv = p.G / 2;     // 8 or 16 vectors of 16 lanes × 2 codes
+        const int64_t nv = G / 2;     // 8 or 16 vectors of 16 lanes × 2 codes
         __m512i q[16];
 #pragma GCC unroll 16
         for (int v = 0; v < 16; ++v)
           if (v < nv) q[v] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 32 * v)));
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          const int16_t* xr = p.xw + (r0 + r) * p.K + p.G * g;
+          const int16_t* xr = p.xw + (r0 + r) * K + k;
           __m512i dot = _mm512_setzero_si512();
 #pragma GCC unroll 16
           for (int v = 0; v < 16; ++v) {
@@ -131,18 +139,18 @@ SPECDEC_TARGET void tile(const Args& p, int64_t t, int64_t r0) {
     }
     // the mins' sums, then the f32 steps of every row
     __m512i mnpair[4];        // K-quants with mins (Q4_K): 8 groups, as 4 pairs of 16-bit mins per lane
-    if (SUPER && p.mins)
+    if (SUPER && mins)
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i)
         mnpair[i] = _mm512_permutexvar_epi16(interleave, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(p.mn + (t * ng + g0 + 2 * i) * LANES))));
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const int64_t rg = rg0 + r * ng + g0;
+      const int64_t rg = (r0 + r) * ng + g0;
       __m512 msum = _mm512_setzero_ps();
-      if (!SUPER && p.mins) {
+      if (!SUPER && mins) {
         msum = _mm512_broadcastss_ps(_mm_load_ss(p.sxf + rg));
-      } else if (p.mins) {
+      } else if (mins) {
         __m512i m = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i)
@@ -153,7 +161,7 @@ SPECDEC_TARGET void tile(const Args& p, int64_t t, int64_t r0) {
 #endif
         msum = _mm512_cvtepi32_ps(m);
       }
-      acc[r] = apply_scales(p, a, b, isum[r], msum, p.dx + (r0 + r) * nsb + s, acc[r]);
+      acc[r] = apply_scales(mins, a, b, isum[r], msum, dx + r * nsb, acc[r]);
     }
   }
   const int64_t lanes = std::min<int64_t>(LANES, p.N - t * LANES);
