@@ -10,7 +10,8 @@ A shape is BATCHxNxKV. Every row holds KV - n - 1 cached tokens (so the step fil
 run ``--warmup`` times, then timed ``--repeats`` times (median, min in ms). Shapes of one batch size and KV
 bucket share a model and are timed in turn, repeat after repeat, so that each one's median ratio to the first
 of them (``vs_n<n>_median``: e.g. a verify in decode steps) is measured under the same memory bandwidth.
-Prints JSON.
+The A/B variants below are called in alternating order (A B, then B A), so that neither always runs right
+after the other with its weights possibly still in the last-level cache. Prints JSON.
 
 ``--ab-split-projections``: A/B in one process — each shape also runs on a second copy of the model whose
 q/k/v and gate/up are separate layers again (``split_projections``: the layout before
@@ -113,7 +114,10 @@ def main() -> None:
         times = {n: [[] for _ in models] for n in ns}
         for i in range(args.warmup + args.repeats):      # the shapes (and models) in turn, repeat after repeat
             for n in ns:
-                for j, (model, timed) in enumerate(zip(models, times[n])):
+                # the variants in turn, in alternating order (ABBA), so that neither always runs right after the
+                # other (a call can find the previous call's weights still in the last-level cache)
+                order = list(enumerate(zip(models, times[n])))
+                for j, (model, timed) in (order if i % 2 == 0 else order[::-1]):
                     if args.ab_unfused_layers:
                         model.lm.layer_runners = runners[j]
                     model.set_lengths(torch.full((b,), kv - n - 1))

@@ -113,8 +113,8 @@ def graph_calls_table(*results: dict) -> str:
     cfg = results[0]["config"]
     rows += ["", f"Batch 1, KV bucket {results[0]['results'][0]['kv']}; {cfg['backend']} {cfg['amp']} "
                  f"{cfg['quantization']}, {cfg['threads']} threads; medians of {cfg['repeats']} calls per shape "
-                 f"({cfg['warmup']} warm-up), a model's shapes and both variants called in turn; unfused / fused is "
-                 "the median of the per-pair ratios."]
+                 f"({cfg['warmup']} warm-up), a model's shapes and both variants called in turn (alternating which "
+                 "goes first); unfused / fused is the median of the per-pair ratios."]
     return "\n".join(rows)
 
 
@@ -129,7 +129,7 @@ def quantization_ab_table(result: dict) -> str:
                     f"{r[f'{other}_over_fused_median']:.3f} |")
     rows += ["", f"Batch 1, KV bucket {result['results'][0]['kv']}; {cfg['backend']} {cfg['amp']}, {cfg['threads']} "
                  f"threads; medians of {cfg['repeats']} calls per shape ({cfg['warmup']} warm-up), both copies called "
-                 "in turn; the ratio is the median of the per-pair ratios."]
+                 "in turn (alternating which goes first); the ratio is the median of the per-pair ratios."]
     return "\n".join(rows)
 
 
