@@ -82,7 +82,7 @@ struct Args {
   int64_t groups() const { return K / G; }
   int64_t per() const { return SB / G; }       // groups a superblock: 1, or 8 / 16 for the K-quants
   int64_t group_bytes() const { return LANES * G * bits(kind) / 8; }
-  static int64_t bits(int64_t kind) { return kind == U4 ? 4 : kind == U6 ? 6 : kind == U5 ? 5 : 8; }
+  static constexpr int64_t bits(int64_t kind) { return kind == U4 ? 4 : kind == U6 ? 6 : kind == U5 ? 5 : 8; }
 };
 
 // ---------------------------------------------------------------------------------------- activations
@@ -376,10 +376,14 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tens
   std::vector<float> dx(M * (K / superblock));
   std::vector<int32_t> sx(M * (K / group));
   quantize_rows(x.data_ptr<float>(), M, K, group, superblock, xq.data(), dx.data(), sx.data());
-  std::vector<float> sxf(sx.size());
-  std::vector<int16_t> sx16(sx.size());     // |sx| ≤ 32 · 127: exact in 16 bits, for vpmaddwd pairs of groups
-  std::vector<int32_t> osx(offset ? sx.size() : 0);   // offset · sx: read only where the layer has an offset
-  for (size_t i = 0; i < sx.size(); ++i) sxf[i] = static_cast<float>(sx[i]), sx16[i] = static_cast<int16_t>(sx[i]);
+  // float(sx) (one-group layers) and sx in 16 bits (K-quants; |sx| ≤ 32 · 127, exact, for vpmaddwd pairs of
+  // groups): read only where the layer has mins; offset · sx only where it has an offset
+  const bool one_group = superblock == group;
+  std::vector<float> sxf(mins && one_group ? sx.size() : 0);
+  std::vector<int16_t> sx16(mins && !one_group ? sx.size() : 0);
+  std::vector<int32_t> osx(offset ? sx.size() : 0);
+  for (size_t i = 0; i < sxf.size(); ++i) sxf[i] = static_cast<float>(sx[i]);
+  for (size_t i = 0; i < sx16.size(); ++i) sx16[i] = static_cast<int16_t>(sx[i]);
   for (size_t i = 0; i < osx.size(); ++i) osx[i] = static_cast<int32_t>(offset) * sx[i];
   std::vector<int16_t> xw(kind == S8 ? M * K : 0);     // s8: the activations widened once, for vpmaddwd
   for (size_t i = 0; i < xw.size(); ++i) xw[i] = xq[i];

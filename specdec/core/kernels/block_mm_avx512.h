@@ -74,8 +74,8 @@ SPECDEC_TARGET inline __m512i dot_codes(const __m512i* q, const int8_t* xr) {
 template <int R, Kind KIND, bool SUPER>
 SPECDEC_TARGET void tile(const Args& p, int64_t t, int64_t r0) {
   const int64_t ng = p.groups(), per = SUPER ? p.per() : 1, nsb = p.K / p.SB, K = p.K, G = p.G;
-  // a group's bytes: a constant for the u-kinds (the prefetch loop unrolls), G · 16 for s8
-  const int64_t gb = KIND == U4 ? 256 : KIND == U5 ? 320 : KIND == U6 ? 192 : p.group_bytes();
+  // a group's bytes: for the u-kinds a constant (G = 4 · NVEC; the prefetch loop unrolls), for s8 G · 16
+  const int64_t gb = KIND == S8 ? p.group_bytes() : LANES * 4 * NVEC<KIND> * Args::bits(KIND) / 8;
   const int64_t prefetch = p.prefetch;
   const bool offset = p.offset != 0, mins = p.mins;
   constexpr int NV = NVEC<KIND>;
