@@ -78,6 +78,7 @@ from specdec import DecoderModel, DraftModel, SpecStats, SpeculativeGenerator
 from specdec.core.chat import chat_ids
 from specdec.core.named_models import is_named_model, named_model_path
 from specdec.registry import REGISTRY, name_list
+from specdec.tools.arguments import int_list
 from specdec.tools.bench import emit_json
 from specdec.tools.bench.llamacpp import (
     LlamaCppRun,
@@ -85,7 +86,7 @@ from specdec.tools.bench.llamacpp import (
     run_completion,
     run_speculative,
 )
-from specdec.tools.bench.prompts import int_list, load_records, resolve_prompts
+from specdec.tools.bench.prompts import load_records, resolve_prompts
 from specdec.tools.bench.runtime import git_commit, machine_info
 
 TARGET = "qwen2.5-coder-1.5b-instruct"

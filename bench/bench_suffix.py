@@ -55,6 +55,7 @@ from specdec import DecoderModel, Engine
 from specdec.core.chat import chat_ids, conversation_ids
 from specdec.generator import SpeculativeGenerator
 from specdec.options import (
+    DRAFT_QUANTIZATIONS,
     EMBEDDED_NAME,
     SUFFIX_SETTINGS,
     ModelOptions,
@@ -65,7 +66,7 @@ from specdec.options import (
 )
 from specdec.registry import REGISTRY, name_list
 from specdec.serving.server import ServeOptions
-from specdec.tools.arguments import add_suffix_arguments
+from specdec.tools.arguments import add_suffix_arguments, int_list
 from specdec.tools.bench import emit_json
 from specdec.tools.bench.prompts import load_records
 from specdec.tools.bench.runtime import git_commit, machine_info
@@ -79,17 +80,19 @@ TARGET = "target"
 @dataclass(frozen=True)
 class SuffixBenchOptions:
     """What the benchmark runs (the flags of ``parse_args``, same names): the target ``model`` and the
-    ``draft_model`` of suffix+model (None: the shipped draft) scoring ``draft_vocab`` ids (None: all), the
+    ``draft_model`` of suffix+model (None: the shipped draft) scoring ``draft_vocab`` ids (None: all) with its own
+    weight-only ``draft_quantization`` (None: the target's), the
     suffix ``strategies``, the ``workloads``, the ``modes`` (offline, server), ``requests`` per workload (agent:
     sessions of ``turns`` requests), ``max_new_tokens`` per request, the server's ``concurrency``, ``k`` (None:
     the strategy's), ``gate`` (every speculative system with the cost gate: ``gate=True``, ``specdec.gate``),
-    the runtime (``backend``, ``amp``, ``quantization``, ``n_positions``, ``threads``), the workloads' ``seed``,
-    ``output`` (None: bench/results/suffix_<model>.json) and the suffix options (``SpeculationOptions``'
-    suffix fields)."""
+    the runtime (``backend``, ``amp``, ``quantization``, ``n_positions``, ``context_buckets``, ``threads``),
+    the workloads' ``seed``, ``output`` (None: bench/results/suffix_<model>.json) and the suffix options
+    (``SpeculationOptions``' suffix fields)."""
 
     model: str = EMBEDDED_NAME
     draft_model: str | None = None
     draft_vocab: int | None = None
+    draft_quantization: str | None = None
     strategies: list[str] = field(default_factory=lambda: ["suffix", "suffix+model"])
     workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
     modes: list[str] = field(default_factory=lambda: ["offline", "server"])
@@ -103,6 +106,7 @@ class SuffixBenchOptions:
     amp: str = "f32"
     quantization: str | None = None
     n_positions: int = 2048
+    context_buckets: list[int] | None = None
     threads: int = field(default_factory=available_cores)
     seed: int = 0
     output: str | None = None
@@ -261,7 +265,8 @@ def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: Deco
         s = REGISTRY[name]
         if s.part is not None and s.part not in parts:
             vocab = {} if cfg.draft_vocab is None or s.part != "model" else {"output_vocab_size": cfg.draft_vocab}
-            parts[s.part] = REGISTRY[s.part].build(target, cfg.draft_model, progress=False, **vocab)
+            quant = {} if cfg.draft_quantization is None else {"quantization": cfg.draft_quantization}
+            parts[s.part] = REGISTRY[s.part].build(target, cfg.draft_model, progress=False, **vocab, **quant)
         return s.build(target, part=parts.get(s.part), suffix=options_from(SpeculationOptions, cfg).suffix_settings())
 
     def generator(name: str) -> SpeculativeGenerator | None:
@@ -339,9 +344,11 @@ def serve_options(cfg: SuffixBenchOptions, strategy: str) -> ServeOptions:
     suffix = {name: getattr(cfg, name) for name in SUFFIX_SETTINGS} if s.suffix else {}
     speculation = SpeculationOptions(draft=strategy, draft_model=cfg.draft_model if s.part == "model" else None,
                                      draft_vocab=cfg.draft_vocab if s.part == "model" else None,
+                                     draft_quantization=cfg.draft_quantization if s.part is not None else None,
                                      k=cfg.k if cfg.k and strategy != "none" else None,
                                      gate=cfg.gate and strategy != "none", **suffix)
     model = ModelOptions(model=cfg.model, backend=cfg.backend, amp=cfg.amp, n_positions=cfg.n_positions,
+                         context_buckets=cfg.context_buckets,
                          quantization=cfg.quantization)
     return ServeOptions(model=model, speculation=speculation.checked(cfg.model), batch_size=cfg.concurrency,
                         max_waiting=4 * cfg.concurrency)
@@ -423,6 +430,9 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
                         "or a checkpoint directory; default: the shipped draft, trained for the embedded model)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft model scores only token ids [0, N) (a smaller LM head; greedy output unchanged)")
+    p.add_argument("--draft-quantization", default=None, choices=DRAFT_QUANTIZATIONS,
+                   help="the draft network's own weight-only scheme (q4_0: a GGUF draft's blocks requantized to "
+                        "Q4_0; default: the target's)")
     p.add_argument("--strategies", type=name_list(SUFFIX), default=["suffix", "suffix+model"],
                    help=f"comma list of {', '.join(SUFFIX)} (target-only always runs)")
     p.add_argument("--workloads", type=name_list_of(WORKLOADS), default=list(WORKLOADS), help="comma list")
@@ -441,6 +451,8 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     p.add_argument("--quantization", default=None, choices=("int8", "int4", "gguf"),
                    help="the target's weights (gguf: a GGUF model's own blocks, e.g. the Qwen2.5-Coder pair)")
     p.add_argument("--n-positions", type=int, default=2048, help="KV positions: the longest agent turn must fit")
+    p.add_argument("--context-buckets", type=int_list, default=None,
+                   help="prompt-length buckets, e.g. 64,128,192,256,384,512,768,1024 (default: powers of two)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     p.add_argument("--seed", type=int, default=0, help="the workloads' generator seed")
     p.add_argument("--output", default=None,
@@ -486,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(),
                     "machine": machine_info(), "config": {**asdict(cfg), "output": output}}
     log(f"loading {cfg.model} ...")
-    target = DecoderModel.from_pretrained(cfg.model, batch_size=1, n_positions=cfg.n_positions, amp=cfg.amp,
+    target = DecoderModel.from_pretrained(cfg.model, batch_size=1, n_positions=cfg.n_positions,
+                                          context_buckets=cfg.context_buckets, amp=cfg.amp,
                                           backend=cfg.backend, quantization=cfg.quantization, progress=False)
     workloads = [workload(w, target.tokenizer, cfg.requests, cfg.turns, cfg.seed) for w in cfg.workloads]
     longest = max(len(p) for wl in workloads for p in wl.prompts or [wl.sessions[0]([])])

@@ -95,7 +95,8 @@ class ModelOptions:
 
     model: a checkpoint directory, a ``.gguf`` file, a named model (``core.named_models``) or None / the
     embedded model's name; amp: weights / KV dtype ("f32", "bf16", "f16"); backend: a graph backend
-    (``core.graphs.BACKENDS``); n_positions: the KV-cache length (prompt + new tokens); quantization:
+    (``core.graphs.BACKENDS``); n_positions: the KV-cache length (prompt + new tokens); context_buckets: the
+    prompt-length buckets of the context graphs (None: powers of two up to n_positions); quantization:
     weight-only projections ("int8", "int4", "gguf") or None; kv_cache_dtype: an 8-bit KV cache ("int8",
     "fp8_e4m3") or None (the amp dtype); autotune: compiled graphs with frozen weights and timed kernel choice;
     tp_degree: tensor-parallel processes (NeuronCores with the neuron backend); gqa_strategy: how KV heads are
@@ -106,12 +107,17 @@ class ModelOptions:
     amp: str = "bf16"
     backend: str = "compiled"
     n_positions: int = 1024
+    context_buckets: tuple[int, ...] | None = None
     quantization: str | None = None
     kv_cache_dtype: str | None = None
     autotune: bool = False
     tp_degree: int = 1
     gqa_strategy: str | None = None
     saved_graphs: bool = True
+
+    def __post_init__(self):
+        if self.context_buckets is not None:     # a list from the command line: kept as a tuple (hashable)
+            object.__setattr__(self, "context_buckets", tuple(self.context_buckets))
 
     @property
     def name(self) -> str:
@@ -121,8 +127,10 @@ class ModelOptions:
     def load(self, *, batch_size: int = 1, sampling: SamplingConfig | None = None,
              progress: bool = True) -> DecoderModel:
         """The target (this rank's shard at ``tp_degree`` > 1), ``batch_size`` rows; graphs build lazily."""
+        buckets = None if self.context_buckets is None else list(self.context_buckets)
         return DecoderModel.from_pretrained(self.model, batch_size=batch_size, n_positions=self.n_positions,
-                                            amp=self.amp, backend=self.backend, sampling=sampling,
+                                            context_buckets=buckets, amp=self.amp, backend=self.backend,
+                                            sampling=sampling,
                                             tp_degree=self.tp_degree, gqa_strategy=self.gqa_strategy,
                                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                                             autotune=self.autotune, saved_graphs=self.saved_graphs,
@@ -155,6 +163,10 @@ def _strategies(test) -> list[str]:
 def _is_named(text: str | None) -> bool:
     from .core.named_models import is_named_model
     return is_named_model(text)
+
+
+DRAFT_QUANTIZATIONS = ("none", "int8", "int4", "gguf", "q4_0")
+"""What ``draft_quantization`` may be: a draft network's own weight-only scheme (``--draft-quantization``)."""
 
 
 @dataclass(frozen=True)

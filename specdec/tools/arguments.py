@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..core.graphs import BACKENDS
 from ..core.named_models import NAMED_MODELS, is_named_model
-from ..options import EMBEDDED_NAME
+from ..options import DRAFT_QUANTIZATIONS, EMBEDDED_NAME
 from ..registry import REGISTRY
 
 # ---------------------------------------------------------------------------------------------------
@@ -55,6 +55,14 @@ def token_ids(text: str) -> list[int]:
 def named_models_text() -> str:
     """The named models a --model / --draft-path may give, for help and error texts."""
     return ", ".join(NAMED_MODELS)
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: ``"2,4,6"`` -> ``[2, 4, 6]``."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def model_path(text: str) -> str:
@@ -101,6 +109,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "block_mm CPU kernel (8-bit activations, as llama.cpp); q4_0: GGML Q4_0 blocks on that "
                         "kernel (a GGUF file's Q4_0 tensors kept, every other projection and the LM head "
                         "re-quantized as llama.cpp's Q4_0: 4.5 bits a weight; for drafts)")
+    p.add_argument("--context-buckets", type=int_list, default=None, metavar="N,N,...",
+                   help="prompt-length buckets: a prompt runs in the smallest context graph that holds it, so finer "
+                        "buckets waste less prefill on padding (one more graph each to build); e.g. "
+                        "32,64,96,128,192,256,384,512,768,1024 (default: powers of two up to --n-positions)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3"],
                    help="8-bit KV cache with an f32 scale per (slot, KV head), dequantized when read "
                         "(default: the --amp dtype); drafts use it too")
@@ -152,7 +164,7 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         "emitting tokens faster than plain decode steps (measured after 4 steps of each; the "
                         "other kind is probed now and then), so speculation that does not pay falls back to "
                         "decoding; same output")
-    s.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "gguf", "q4_0"],
+    s.add_argument("--draft-quantization", default=None, choices=DRAFT_QUANTIZATIONS,
                    help="model / eagle drafts: the draft's own weight-only scheme (default: --quantization's); "
                         "a cheaper draft step, the same output distribution")
     s.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",

@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 
 from ...options import options_from
+from ..arguments import int_list
 from . import runtime
-from .prompts import int_list, load_records
+from .prompts import load_records
 
 SIZES = (8192, 16384, 24576, 32768)
 

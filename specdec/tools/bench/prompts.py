@@ -100,14 +100,6 @@ def categories(path: str | Path | None = None) -> list[str]:
     return list(dict.fromkeys(cat for _, cat, _ in load_records(path)))
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type: ``"2,4,6"`` -> ``[2, 4, 6]``."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def add_prompt_arguments(parser: argparse.ArgumentParser, num_prompts: int = 10) -> None:
     """``--prompts`` and ``--num-prompts``, shared by both benchmarks."""
     parser.add_argument("--prompts", default=None,

@@ -49,7 +49,8 @@ from pathlib import Path
 
 from ...core.chat import chat_ids
 from ...options import options_from
-from .prompts import add_prompt_arguments, int_list, load_questions, resolve_prompts
+from ..arguments import int_list
+from .prompts import add_prompt_arguments, load_questions, resolve_prompts
 
 SYSTEMS = ("hf-eager-f32", "hf-compile-f32", "specdec-eager-f32", "specdec-eager-bf16",
            "specdec-compiled-f32", "specdec-compiled-bf16", "specdec-compiled-int8", "specdec-compiled-int4",

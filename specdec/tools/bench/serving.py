@@ -29,8 +29,9 @@ from tqdm.auto import tqdm
 from ...core.chat import chat_ids
 from ...options import ModelOptions, SpeculationOptions
 from ...registry import name_list
+from ..arguments import int_list
 from . import runtime
-from .prompts import add_prompt_arguments, int_list, load_prompts, resolve_prompts
+from .prompts import add_prompt_arguments, load_prompts, resolve_prompts
 from .runtime import machine_info
 
 

@@ -68,10 +68,11 @@ from ...eagle.proposer import EagleDraft
 from ...eagle.smollm2 import embedded_eagle_path
 from ...eagle.tree import DynamicTree
 from ...medusa.draft import MedusaDraft
-from ...options import options_from
+from ...options import DRAFT_QUANTIZATIONS, options_from
 from ...registry import REGISTRY, name_list
+from ..arguments import int_list
 from . import runtime
-from .prompts import add_prompt_arguments, int_list, load_records, resolve_prompts
+from .prompts import add_prompt_arguments, load_records, resolve_prompts
 
 SPECULATIVE = tuple(name for name, s in REGISTRY.items() if s.speculative)
 """The registry's strategies a ``--strategy`` may name (target-only runs in every benchmark)."""
@@ -143,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--amp", default="bf16", choices=["f32", "bf16"])
     parser.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "q4_0"],
                         help="the target's weights (DecoderModel.from_pretrained(quantization=...)); drafts inherit it")
-    parser.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "gguf", "q4_0"],
+    parser.add_argument("--draft-quantization", default=None, choices=DRAFT_QUANTIZATIONS,
                         help="the draft model's / EAGLE head's own weight-only scheme (default: the target's); "
                              "it changes what a draft step costs and which tokens it proposes, never the output")
     parser.add_argument("--autotune", action="store_true",
