@@ -212,6 +212,24 @@ def test_warns_when_output_stops_at_n_positions(checkpoint, capsys):
 
 
 # ------------------------------------------------------------------ errors: exit code 2, one line
+def test_context_buckets_option(checkpoint, capsys):
+    """--context-buckets reaches the model (a prompt runs in the smallest bucket that holds it) and leaves the
+    greedy output alone; a prompt longer than the largest bucket is refused with the buckets named."""
+    target = checkpoint("llama").path
+    rc, out, err = run(generate_args(target), capsys)
+    assert rc == 0, err
+    reference = new_ids(out)
+    exact = generate_args(target, PROMPT, 20, 64, "--context-buckets", f"{len(PROMPT)},32")
+    rc, out, err = run(exact, capsys)
+    assert rc == 0, err
+    assert new_ids(out) == reference
+    model = options.options_from(options.ModelOptions, cli.build_parser().parse_args([str(a) for a in exact])).load(
+        progress=False)
+    assert model.context_buckets == [len(PROMPT), 32]
+    with pytest.raises(ValueError, match=r"prompt 0 has 33 tokens; the largest context bucket is 32"):
+        model.generate([list(range(1, 34))], max_new_tokens=2)
+
+
 def test_bad_arguments_exit_2_with_one_line(checkpoint, tmp_path, capsys):
     target = checkpoint("llama").path
     cases = [
@@ -229,6 +247,12 @@ def test_bad_arguments_exit_2_with_one_line(checkpoint, tmp_path, capsys):
         (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--draft-path", tmp_path / "nope"),
          "argument --draft-path: " + f"{tmp_path / 'nope'} is not a directory"),
         (["generate", "--prompt-ids", "1,a"], "argument --prompt-ids: '1,a' is not a comma-separated list"),
+        (generate_args(target, PROMPT, 8, 64, "--context-buckets", "16,x"),
+         "argument --context-buckets: expected comma-separated integers, got '16,x'"),
+        (generate_args(target, PROMPT, 8, 64, "--context-buckets", "16,128"),
+         "context_buckets=[16, 128]: buckets must be positive and at most n_positions=64"),
+        (generate_args(target, PROMPT, 8, 64, "--context-buckets", "8"),
+         "prompt 0 has 9 tokens; the largest context bucket is 8"),
         (["generate", "--model", target], "give a prompt text or --prompt-ids"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "model"),
          f"--draft model without --draft-path uses the shipped weights, trained for the embedded model "
