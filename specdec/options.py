@@ -107,17 +107,13 @@ class ModelOptions:
     amp: str = "bf16"
     backend: str = "compiled"
     n_positions: int = 1024
-    context_buckets: tuple[int, ...] | None = None
+    context_buckets: list[int] | None = None
     quantization: str | None = None
     kv_cache_dtype: str | None = None
     autotune: bool = False
     tp_degree: int = 1
     gqa_strategy: str | None = None
     saved_graphs: bool = True
-
-    def __post_init__(self):
-        if self.context_buckets is not None:     # a list from the command line: kept as a tuple (hashable)
-            object.__setattr__(self, "context_buckets", tuple(self.context_buckets))
 
     @property
     def name(self) -> str:
@@ -127,11 +123,9 @@ class ModelOptions:
     def load(self, *, batch_size: int = 1, sampling: SamplingConfig | None = None,
              progress: bool = True) -> DecoderModel:
         """The target (this rank's shard at ``tp_degree`` > 1), ``batch_size`` rows; graphs build lazily."""
-        buckets = None if self.context_buckets is None else list(self.context_buckets)
         return DecoderModel.from_pretrained(self.model, batch_size=batch_size, n_positions=self.n_positions,
-                                            context_buckets=buckets, amp=self.amp, backend=self.backend,
-                                            sampling=sampling,
-                                            tp_degree=self.tp_degree, gqa_strategy=self.gqa_strategy,
+                                            context_buckets=self.context_buckets, amp=self.amp, backend=self.backend,
+                                            sampling=sampling, tp_degree=self.tp_degree, gqa_strategy=self.gqa_strategy,
                                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                                             autotune=self.autotune, saved_graphs=self.saved_graphs,
                                             progress=progress)
