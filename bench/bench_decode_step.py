@@ -99,14 +99,14 @@ def main() -> None:
                 if split:
                     split_projections(model)
                 models.append(model)
-        runners = [models[0].lm.layer_runners]
+        runners = [(models[0].lm.layer_runners, models[0].lm.stack_runner)]
         if args.ab_unfused_layers:      # the same weights, run by the layers' own forward
-            if runners[0] is None:
+            if runners[0][0] is None:
                 ap.error("--ab-unfused-layers needs a model whose layers run as kernel calls (gguf, f32, CPU)")
-            models[0].lm.layer_runners = None
+            models[0].lm.layer_runners = models[0].lm.stack_runner = None
             if args.backend == "regional":
                 compile_layers(models[0].lm)
-            runners.append(models[0].lm.layer_runners)
+            runners.append((models[0].lm.layer_runners, None))
             models.append(models[0])
         ns = [n for b_, n, kv_ in shapes if (b_, kv_) == (b, kv)]
         params = models[0].sampling_params(do_sample=False)
@@ -119,7 +119,7 @@ def main() -> None:
                 order = list(enumerate(zip(models, times[n])))
                 for j, (model, timed) in (order if i % 2 == 0 else order[::-1]):
                     if args.ab_unfused_layers:
-                        model.lm.layer_runners = runners[j]
+                        model.lm.layer_runners, model.lm.stack_runner = runners[j]
                     model.set_lengths(torch.full((b,), kv - n - 1))
                     start = time.perf_counter()
                     model.step(tokens[n], params, advance=False).tokens.cpu()

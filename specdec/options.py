@@ -96,7 +96,8 @@ class ModelOptions:
     model: a checkpoint directory, a ``.gguf`` file, a named model (``core.named_models``) or None / the
     embedded model's name; amp: weights / KV dtype ("f32", "bf16", "f16"); backend: a graph backend
     (``core.graphs.BACKENDS``); n_positions: the KV-cache length (prompt + new tokens); context_buckets: the
-    prompt-length buckets of the context graphs (None: powers of two from 128 to n_positions); quantization:
+    prompt-length buckets of the context graphs (None: ``core.buckets.fine_buckets`` where the layers run as
+    block kernels on eager / regional, else powers of two from 128 to n_positions); quantization:
     weight-only projections ("int8", "int4", "gguf") or None; kv_cache_dtype: an 8-bit KV cache ("int8",
     "fp8_e4m3") or None (the amp dtype); autotune: compiled graphs with frozen weights and timed kernel choice;
     tp_degree: tensor-parallel processes (NeuronCores with the neuron backend); gqa_strategy: how KV heads are

@@ -8,8 +8,9 @@ from functools import partial
 import pytest
 import torch
 
-from specdec.core.block_layer import block_layers_apply, run_block_layer
+from specdec.core.block_layer import BlockStack, block_layers_apply, run_block_layer, runs_block_layers
 from specdec.core.block_linear import BlockLinear
+from specdec.core.buckets import default_buckets, fine_buckets
 from specdec.core.graphs import compile_layers
 from specdec.core.kernels import block_mm_isa, load_block_mm, reference_block_mm, reference_cache_attention
 
@@ -180,7 +181,7 @@ def test_a_gguf_model_runs_its_layers_as_kernel_calls(tiny, backend):
         assert runner.func is run_block_layer and runner.keywords["args"].weights[-1] is \
             layer.post_attention_layernorm.weight
     plain = load(target, quantization="gguf", backend="eager")
-    plain.lm.layer_runners = None                 # the layers' own forward: RMSNorm, SDPA, ... between matmuls
+    plain.lm.layer_runners = plain.lm.stack_runner = None     # the layers' own forward: RMSNorm, SDPA, ...
     params = fused.sampling_params(do_sample=False)
     prompt = torch.tensor(prompt_ids(11, 4, VOCAB))
     outs = [m.prefill([prompt], params).logits[0, -1] for m in (fused, plain)]
@@ -188,6 +189,52 @@ def test_a_gguf_model_runs_its_layers_as_kernel_calls(tiny, backend):
     tokens = torch.tensor([prompt_ids(4, 5, VOCAB)])
     outs = [m.step(tokens, params).logits[0] for m in (fused, plain)]
     assert torch.allclose(*outs, atol=2e-3 * float(outs[1].abs().max()))
+
+
+def test_the_layer_stack_gives_the_per_layer_calls_bits(tiny):
+    """``BlockStack`` (all layers in one ``block_layers`` call) replaces the per-layer loop of a block-layer model:
+    a prefill and a 4-token verify give the same logits and KV caches, bit for bit, as ``run_block_layer`` layer by
+    layer; a forward that returns feature layers (EAGLE-3 targets) keeps the loop; bad lists fail clearly."""
+    stacked, looped = (load(tiny, quantization="gguf", backend="eager") for _ in range(2))
+    assert isinstance(stacked.lm.stack_runner, BlockStack)
+    looped.lm.stack_runner = None
+    params = stacked.sampling_params(do_sample=False)
+    prompt, tokens = torch.tensor(prompt_ids(11, 4, VOCAB)), torch.tensor([prompt_ids(4, 5, VOCAB)])
+    outs = [(m.prefill([prompt], params).logits, m.step(tokens, params).logits) for m in (stacked, looped)]
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    for a, b in zip(stacked.lm.model.layers, looped.lm.model.layers):
+        assert torch.equal(a.self_attn.k_cache, b.self_attn.k_cache) and torch.equal(a.self_attn.v_cache,
+                                                                                      b.self_attn.v_cache)
+    featured = load(tiny, quantization="gguf", backend="eager", feature_layers=(1,))
+
+    def unused(*args):
+        raise AssertionError("a forward returning feature layers ran the stack")
+    featured.lm.stack_runner = unused
+    assert torch.equal(featured.prefill([prompt], params).logits, outs[0][0])
+    stack = stacked.lm.stack_runner
+    x = torch.zeros(1, 1, stacked.config.hidden_size)
+    with pytest.raises(RuntimeError, match="block_layers: "):
+        torch.ops.specdec.block_layers(x, x, x, [], [stacked.lm.model.layers[0].self_attn.v_cache], x, x, x,
+                                       stack.weights, stack.layout, stack.eps)
+
+
+def test_uncompiled_block_layer_models_default_to_fine_context_buckets(tiny):
+    """Layers run as block kernels on eager / regional compile nothing per prompt bucket, so those models
+    default to ``fine_buckets`` (a 20-token prompt runs in the 32-row graph, not the 128-row one); the
+    kernels are row-invariant, so the bucket changes no logit bit. Compiled graphs, float layers and a
+    given list keep their buckets."""
+    prompt = torch.tensor(prompt_ids(20, 6, VOCAB))
+    logits = {}
+    for backend, quantization, buckets, expected in (
+            ("regional", "gguf", None, fine_buckets(256)), ("eager", "gguf", None, fine_buckets(256)),
+            ("eager", "gguf", [128, 256], [128, 256]), ("compiled", "gguf", None, default_buckets(256)),
+            ("eager", None, None, default_buckets(256))):
+        model = load(tiny, quantization=quantization, backend=backend, n_positions=256, context_buckets=buckets)
+        assert model.context_buckets == expected, (backend, quantization, buckets)
+        assert runs_block_layers(model.lm) == (quantization == "gguf")
+        if quantization and backend != "compiled":
+            logits[tuple(expected)] = model.prefill([prompt], model.sampling_params(do_sample=False)).logits[0, -1]
+    assert torch.equal(*logits.values())       # bucket 32 and bucket 128: the same bits
 
 
 def test_bf16_and_sharded_models_keep_the_layers_forward(tiny):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.core.buckets import check_buckets, default_buckets, pick_bucket
+from specdec.core.buckets import check_buckets, default_buckets, fine_buckets, pick_bucket
 
 from conftest import hf_greedy, load, prompt_ids
 
@@ -36,9 +36,20 @@ def test_default_buckets(n_positions, smallest):
     assert not inner or inner[-1] * 2 >= n_positions
 
 
+@pytest.mark.parametrize("n_positions", [16, 32, 40, 48, 64, 100, 256, 1000, 1024, 4096])
+def test_fine_buckets_pad_a_prompt_by_less_than_half(n_positions):
+    b = fine_buckets(n_positions)
+    assert b[-1] == n_positions and b == sorted(set(b)) and b[0] == min(32, n_positions)
+    for length in range(b[0] + 1, n_positions + 1):      # every length the smallest bucket does not hold
+        assert pick_bucket(b, length) < 1.5 * length
+    assert fine_buckets(1024) == [32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+
+
 def test_check_buckets():
     assert check_buckets("kv", [64, 16, 32, 16], 64) == [16, 32, 64]
     assert check_buckets("kv", None, 512) == default_buckets(512)
+    assert check_buckets("context", None, 512, fine=True) == fine_buckets(512)
+    assert check_buckets("context", [64, 16], 512, fine=True) == [16, 64]      # a given list wins
     for bad in ([], [0, 16], [16, 65]):
         with pytest.raises(ValueError, match=r"kv=.*buckets must be positive and at most n_positions=64"):
             check_buckets("kv", bad, 64)

@@ -14,12 +14,13 @@ one call (``kernels/attention.cpp``), instead of a dozen element-wise kernels an
 five calls are made from C++ (``kernels/block_layer.cpp``), one dispatch a layer. On a 2-core CPU the steps
 between the matmuls took a third of a 0.5B draft step (docs/real-pair.md). Every step is row-invariant, so
 decode, verify and batched calls agree bit for bit. ``use_block_layers`` installs the runner as
-``DecoderLM.layer_runners``; the ``regional`` backend then compiles nothing (there is nothing left to fuse).
+``DecoderLM.layer_runners``, and all the layers in one call (``BlockStack``, ``block_layers``) as
+``DecoderLM.stack_runner``; the ``regional`` backend then compiles nothing (there is nothing left to fuse).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 
 import torch
 
@@ -56,13 +57,22 @@ def _parts(module: torch.nn.Module, fused: str, names: tuple[str, ...]) -> list[
 
 
 def use_block_layers(lm: DecoderLM) -> bool:
-    """Run every decoder layer of ``lm`` as ``run_block_layer`` when ``block_layers_apply``; returns whether
-    it does. Each layer's kernel arguments are gathered here, once (``BlockLayerArgs``): call it again after
-    replacing a layer's projections or norms."""
+    """Run every decoder layer of ``lm`` as ``run_block_layer`` when ``block_layers_apply``, and all of them in
+    one call (``BlockStack``, ``DecoderLM.stack_runner``) where the forward returns no feature layers; returns
+    whether it does. Each layer's kernel arguments are gathered here, once (``BlockLayerArgs``): call it again
+    after replacing a layer's projections or norms."""
     if not block_layers_apply(lm):
         return False
-    lm.layer_runners = [partial(run_block_layer, args=BlockLayerArgs.of(layer)) for layer in lm.model.layers]
+    args = [BlockLayerArgs.of(layer) for layer in lm.model.layers]
+    lm.layer_runners = [partial(run_block_layer, args=a) for a in args]
+    lm.stack_runner = BlockStack.of(lm, args)
     return True
+
+
+def runs_block_layers(lm: torch.nn.Module) -> bool:
+    """Whether ``use_block_layers`` installed its runners on ``lm`` (any other module, e.g. an EAGLE head: no)."""
+    runners = (lm.layer_runners or []) if isinstance(lm, DecoderLM) else []
+    return bool(runners) and all(isinstance(r, partial) and r.func is run_block_layer for r in runners)
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,43 @@ def run_block_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin
     attn = layer.self_attn
     if args is None:
         args = BlockLayerArgs.of(layer)
-    rows = torch.arange(x.shape[0], device=x.device) if seq_ids is None else seq_ids
+    rows = all_rows(x.shape[0], x.device) if seq_ids is None else seq_ids
     return torch.ops.specdec.block_layer(x, cos, sin, attn.k_cache, attn.v_cache, rows, slots, mask, args.weights,
                                          args.layout, args.eps)
+
+
+@dataclass(frozen=True)
+class BlockStack:
+    """A ``DecoderLM.stack_runner``: every decoder layer in one ``block_layers`` call (``kernels/block_layer.cpp``:
+    ``block_layer`` for each layer in turn, from C++), the same bits as the layers' ``run_block_layer`` calls
+    one by one without a Python call and a dispatch a layer (on a 24-layer 0.5B draft step 1.8 of 14 ms).
+    ``layers``: the decoder layers (their KV caches are read at each call); ``weights`` / ``layout``: their
+    ``BlockLayerArgs`` one after the other; ``eps``: the RMSNorm epsilon they share."""
+    layers: list[DecoderLayer]
+    weights: list[torch.Tensor]
+    layout: list[int]
+    eps: float
+
+    @classmethod
+    def of(cls, lm: DecoderLM, args: list[BlockLayerArgs]) -> BlockStack | None:
+        """The stack of ``lm``'s layers with their ``args``; None where the layers' epsilons differ."""
+        if len({a.eps for a in args}) != 1:
+            return None
+        return cls(list(lm.model.layers), [t for a in args for t in a.weights], [v for a in args for v in a.layout],
+                   args[0].eps)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 mask: torch.Tensor, seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The layers on x [b, n, H] (``model.DecoderLayer.forward``'s inputs, each layer's output the next one's
+        input) → the last layer's output [b, n, H]."""
+        attns = [layer.self_attn for layer in self.layers]
+        rows = all_rows(x.shape[0], x.device) if seq_ids is None else seq_ids
+        return torch.ops.specdec.block_layers(x, cos, sin, [a.k_cache for a in attns], [a.v_cache for a in attns],
+                                              rows, slots, mask, self.weights, self.layout, self.eps)
+
+
+@cache
+def all_rows(b: int, device: torch.device) -> torch.Tensor:
+    """The cache rows 0 .. b-1 (every row of the batch), made once per batch size and device and shared by
+    every layer and call (``block_layer`` only reads it)."""
+    return torch.arange(b, device=device)

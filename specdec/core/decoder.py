@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .block_layer import runs_block_layers
 from .buckets import check_buckets, pick_bucket
 from .config import ModelConfig, amp_dtype
 from .graph_cache import GraphCache
@@ -52,7 +53,10 @@ class DecoderModel:
     def __init__(self, path: Path, config: ModelConfig, lm: DecoderLM, settings: RuntimeSettings):
         self.path, self.config, self.lm, self.settings = path, config, lm, settings
         self.source = path      # what ``load`` reloads from: the checkpoint directory, or the GGUF file
-        self.context_buckets = check_buckets("context_buckets", settings.context_buckets, settings.n_positions)
+        # graphs that compile nothing per prompt bucket (layers as row-invariant block kernels, eager or regional)
+        # get fine default context buckets: a prompt pads by less than half its length, at no compile cost
+        fine = settings.backend in ("eager", "regional") and runs_block_layers(lm)
+        self.context_buckets = check_buckets("context_buckets", settings.context_buckets, settings.n_positions, fine)
         self.kv_buckets = check_buckets("kv_buckets", settings.kv_buckets, settings.n_positions)
         self.device = torch.device(settings.device)
         self.graphs = GraphCache(lm, settings, partial(rank_weights, lm, path, config))

@@ -297,6 +297,9 @@ class DecoderLM(nn.Module):
         # per layer, a callable run(layer, *inputs) replacing layer(*inputs): ``graphs.compile_layers`` (regional),
         # ``block_layer.run_block_layer`` (a GGUF file's blocks in f32 on the CPU)
         self.layer_runners: list[Callable] | None = None
+        # all the layers in one call, run(x, cos, sin, slots, mask, seq_ids), instead of the per-layer loop when
+        # the forward returns no feature layers: ``block_layer.BlockStack``
+        self.stack_runner: Callable | None = None
         self.layout = layout or head_layout(config.num_heads, config.num_kv_heads, tp.size)
         self.model = Backbone(config, batch_size, n_positions, dtype, self.layout, tp, kv_cache_dtype)
         self.out_vocab = config.output_vocab_size or config.vocab_size
@@ -369,13 +372,16 @@ class DecoderLM(nn.Module):
         cos, sin = rope_tables(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
         slots, mask = new_token_slots(cache_lengths, token_mask, kv_len)
         aux = []
-        for i, layer in enumerate(self.model.layers):
-            if i in self.feature_layers:
-                aux.append(x)
-            if self.layer_runners is None:
-                x = layer(x, cos, sin, slots, mask, kv_len, seq_ids)
-            else:
-                x = self.layer_runners[i](layer, x, cos, sin, slots, mask, kv_len, seq_ids)
+        if self.stack_runner is not None and not self.feature_layers:
+            x = self.stack_runner(x, cos, sin, slots, mask, seq_ids)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                if i in self.feature_layers:
+                    aux.append(x)
+                if self.layer_runners is None:
+                    x = layer(x, cos, sin, slots, mask, kv_len, seq_ids)
+                else:
+                    x = self.layer_runners[i](layer, x, cos, sin, slots, mask, kv_len, seq_ids)
         if len(self.model.layers) in self.feature_layers:
             aux.append(x)
         hidden = self.model.norm(x)

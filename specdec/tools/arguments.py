@@ -112,7 +112,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-buckets", type=int_list, default=None, metavar="N,N,...",
                    help="prompt-length buckets: a prompt runs in the smallest context graph that holds it, so finer "
                         "buckets waste less prefill on padding (one more graph each to build); e.g. "
-                        "32,64,96,128,192,256,384,512,768,1024 (default: powers of two from 128 to --n-positions)")
+                        "32,64,96,128,192,256,384,512,768,1024 (default: 32, 48, 64, 96, 128, 192, ... to "
+                        "--n-positions where the layers run as block kernels on eager / regional, which compile "
+                        "nothing per bucket — --quantization gguf / q4_0 in f32 on the CPU; else powers of two "
+                        "from 128)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "fp8_e4m3"],
                    help="8-bit KV cache with an f32 scale per (slot, KV head), dequantized when read "
                         "(default: the --amp dtype); drafts use it too")

@@ -94,6 +94,7 @@ def load_block_mm() -> None:
     torch.library.register_fake("specdec::cache_attention")(_fake_attention)
     if _state["isa"] != "reference":     # the Python definition has no block_layer (``core.block_layer``)
         torch.library.register_fake("specdec::block_layer")(_fake_layer)
+        torch.library.register_fake("specdec::block_layers")(_fake_layer)
 
 
 def _build() -> None:

@@ -74,13 +74,40 @@ at::Tensor block_layer(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   return down(hidden_mlp, std::nullopt, 0., true, flat).view({b, n, hidden});
 }
 
+// specdec::block_layers — a model's decoder layers in one call: block_layer for each layer in turn, k_caches /
+// v_caches one per layer, weights and layout each layer's block_layer weights and layout one after the other
+// (a layer's counts are the first two entries of its layout). The same bits as the calls one by one.
+at::Tensor block_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
+                        at::TensorList v_caches, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& mask,
+                        at::TensorList weights, at::IntArrayRef layout, double eps) {
+  TORCH_CHECK(k_caches.size() == v_caches.size(), "block_layers: one K and one V cache per layer");
+  at::Tensor h = x;
+  size_t w = 0, l = 0;
+  for (size_t i = 0; i < k_caches.size(); ++i) {
+    TORCH_CHECK(l + 2 <= layout.size(), "block_layers: the layout ends before layer ", i);
+    const int64_t count = layout[l] + layout[l + 1] + 2;
+    const size_t nl = 2 + FIELDS * count, nw = FIELDS * count + 2;
+    TORCH_CHECK(l + nl <= layout.size() && w + nw <= weights.size(), "block_layers: layer ", i,
+                "'s weights or layout run past the lists");
+    at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
+    h = block_layer(h, cos, sin, k_cache, v_cache, rows, slots, mask, weights.slice(w, nw), layout.slice(l, nl), eps);
+    w += nw;
+    l += nl;
+  }
+  TORCH_CHECK(w == weights.size() && l == layout.size(), "block_layers: more weights or layout than layers");
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("block_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, "
         "Tensor slots, Tensor mask, Tensor[] weights, int[] layout, float eps) -> Tensor");
+  m.def("block_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor rows, "
+        "Tensor slots, Tensor mask, Tensor[] weights, int[] layout, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("block_layer", &block_layer);
+  m.impl("block_layers", &block_layers);
 }
