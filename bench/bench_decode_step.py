@@ -26,6 +26,10 @@ median (``<Q>_median_ms``) and the median of the per-pair ratios (``<Q>_over_fus
 calls): A/B in one process and on one copy of the weights — each shape also runs with the layers' own forward
 (RMSNorm, SDPA and the element-wise steps between the matmuls; on ``regional``, compiled per layer), the two
 called in turn; adds that variant's median and the median of the per-pair ratios unfused / fused.
+
+``--ab-layer-loop`` (such a model): A/B in one process and on one copy of the weights — each shape also runs
+with the layers' ``block_layer`` calls one by one from Python instead of all of them in one ``block_layers`` call
+(``block_layer.BlockStack``); adds that variant's median and the median of the per-pair ratios loop / stack.
 """
 from __future__ import annotations
 
@@ -72,13 +76,16 @@ def main() -> None:
                     help="also time a copy with q/k/v and gate/up split (paired, in turn)")
     ap.add_argument("--ab-unfused-layers", action="store_true",
                     help="also time the layers' own forward instead of block_layer's kernel calls (in turn)")
+    ap.add_argument("--ab-layer-loop", action="store_true",
+                    help="also time the block_layer calls one layer at a time instead of one block_layers call")
     ap.add_argument("--ab-quantization", default=None, choices=["int8", "int4", "gguf", "q4_0"],
                     help="also time a copy loaded with this quantization (paired, in turn)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
-    if sum(map(bool, (args.ab_split_projections, args.ab_unfused_layers, args.ab_quantization))) > 1:
-        ap.error("--ab-split-projections, --ab-unfused-layers and --ab-quantization are different A/B runs: "
-                 "pass one")
+    if sum(map(bool, (args.ab_split_projections, args.ab_unfused_layers, args.ab_layer_loop,
+                      args.ab_quantization))) > 1:
+        ap.error("--ab-split-projections, --ab-unfused-layers, --ab-layer-loop and --ab-quantization are "
+                 "different A/B runs: pass one")
     torch.set_num_threads(args.threads)
     from specdec import DecoderModel
     from specdec.core.graphs import compile_layers
@@ -100,13 +107,18 @@ def main() -> None:
                     split_projections(model)
                 models.append(model)
         runners = [(models[0].lm.layer_runners, models[0].lm.stack_runner)]
+        one_copy = args.ab_unfused_layers or args.ab_layer_loop
+        if one_copy and runners[0][1] is None:
+            ap.error("--ab-unfused-layers / --ab-layer-loop need a model whose layers run as kernel calls "
+                     "(gguf, f32, CPU)")
         if args.ab_unfused_layers:      # the same weights, run by the layers' own forward
-            if runners[0][0] is None:
-                ap.error("--ab-unfused-layers needs a model whose layers run as kernel calls (gguf, f32, CPU)")
             models[0].lm.layer_runners = models[0].lm.stack_runner = None
             if args.backend == "regional":
                 compile_layers(models[0].lm)
             runners.append((models[0].lm.layer_runners, None))
+            models.append(models[0])
+        elif args.ab_layer_loop:        # the same kernels, one block_layer call a layer
+            runners.append((runners[0][0], None))
             models.append(models[0])
         ns = [n for b_, n, kv_ in shapes if (b_, kv_) == (b, kv)]
         params = models[0].sampling_params(do_sample=False)
@@ -118,7 +130,7 @@ def main() -> None:
                 # other (a call can find the previous call's weights still in the last-level cache)
                 order = list(enumerate(zip(models, times[n])))
                 for j, (model, timed) in (order if i % 2 == 0 else order[::-1]):
-                    if args.ab_unfused_layers:
+                    if one_copy:
                         model.lm.layer_runners, model.lm.stack_runner = runners[j]
                     model.set_lengths(torch.full((b,), kv - n - 1))
                     start = time.perf_counter()
@@ -134,7 +146,8 @@ def main() -> None:
                 results[-1][f"vs_n{ns[0]}_median"] = round(statistics.median(ratios), 3)
             if len(models) > 1:
                 ratios = [other / fused for other, fused in zip(timed[1], timed[0])]
-                name = "unfused" if args.ab_unfused_layers else args.ab_quantization or "split"
+                name = ("unfused" if args.ab_unfused_layers else "loop" if args.ab_layer_loop
+                        else args.ab_quantization or "split")
                 results[-1] |= {f"{name}_median_ms": round(statistics.median(timed[1]), 2),
                                 f"{name}_over_fused_median": round(statistics.median(ratios), 3)}
             print(json.dumps(results[-1]), flush=True)
