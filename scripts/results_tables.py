@@ -98,23 +98,28 @@ def fused_projections_table(plain: dict, tuned: dict) -> str:
 
 
 def graph_calls_table(*results: dict) -> str:
-    """``bench_decode_step.py --ab-unfused-layers`` on named models: each graph call with the layers as
-    ``block_layer``'s kernel calls, its ratio to the first model's decode step, and the layers' own forward in
-    turn (unfused / fused > 1: the kernel calls are faster)."""
+    """``bench_decode_step.py --ab-unfused-layers`` or ``--ab-layer-loop`` on named models: each graph call with
+    the layers as ``block_layer``'s kernel calls (all in one ``block_layers`` call), its ratio to the first model's
+    decode step, and the other variant in turn — the layers' own forward (unfused / fused > 1: the kernel calls are
+    faster) or one ``block_layer`` call a layer (loop / one call > 1: the one call is faster)."""
     decode = results[0]["results"][0]["median_ms"]
-    rows = ["| model | tokens | median ms | ÷ first model's decode | unfused layers ms | unfused / fused |",
+    key, column, ratio = (("unfused", "unfused layers ms", "unfused / fused")
+                          if results[0]["config"].get("ab_unfused_layers") else
+                          ("loop", "a call a layer ms", "loop / one call"))
+    rows = [f"| model | tokens | median ms | ÷ first model's decode | {column} | {ratio} |",
             "|---|---:|---:|---:|---:|---:|"]
     for result in results:
         cfg = result["config"]
         vocab = f" (ids < {cfg['output_vocab_size']:,})" if cfg.get("output_vocab_size") else ""
         for r in result["results"]:
-            rows.append(f"| {cfg['model']}{vocab} | {r['n']} | {r['median_ms']:.1f} | {r['median_ms'] / decode:.2f} | "
-                        f"{r['unfused_median_ms']:.1f} | {r['unfused_over_fused_median']:.3f} |")
+            rows.append(f"| {cfg['model']} `{cfg['quantization']}`{vocab} | {r['n']} | {r['median_ms']:.1f} | "
+                        f"{r['median_ms'] / decode:.2f} | {r[f'{key}_median_ms']:.1f} | "
+                        f"{r[f'{key}_over_fused_median']:.3f} |")
     cfg = results[0]["config"]
-    rows += ["", f"Batch 1, KV bucket {results[0]['results'][0]['kv']}; {cfg['backend']} {cfg['amp']} "
-                 f"{cfg['quantization']}, {cfg['threads']} threads; medians of {cfg['repeats']} calls per shape "
+    rows += ["", f"Batch 1, KV bucket {results[0]['results'][0]['kv']}; {cfg['backend']} {cfg['amp']}, "
+                 f"{cfg['threads']} threads; medians of {cfg['repeats']} calls per shape "
                  f"({cfg['warmup']} warm-up), a model's shapes and both variants called in turn (alternating which "
-                 "goes first); unfused / fused is the median of the per-pair ratios."]
+                 f"goes first); {ratio} is the median of the per-pair ratios."]
     return "\n".join(rows)
 
 
@@ -174,6 +179,7 @@ TABLES: dict[str, Table] = {
     "decode_step": Table(("decode_step", "decode_step_autotune"), decode_step_table),
     "fused_projections": Table(("fused_projections", "fused_projections_autotune"), fused_projections_table),
     "graph_calls_qwen": Table(("decode_step_qwen_target", "decode_step_qwen_draft"), graph_calls_table),
+    "layer_stack_qwen": Table(("decode_step_qwen_target_stack", "decode_step_qwen_draft_stack"), graph_calls_table),
     "draft_q4_0_qwen": Table(("decode_step_qwen_draft_q4_0",), quantization_ab_table),
     **dict(spec(name) for name in (
         "spec_eagle3_mtbench_allcat_b1", "spec_eagle3_mtbench_b1", "spec_eagle3_varied_b1", "spec_eagle3_mtbench_b4",
