@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .model import Attention, DecoderLM
 from .sampling import penalised, sample
@@ -237,6 +238,17 @@ def own_frame(graph: Callable):
     return run
 
 
+def own_outputs(compiled: Callable) -> Callable:
+    """``compiled`` (a graph compiled with CUDA graphs) with outputs of its own: Inductor's CUDA graph trees
+    replay every graph of a process into one memory pool, so a graph's outputs are overwritten by the next
+    replay of any graph (the target's tokens by the draft's prefill); each call starts a new step and copies
+    its outputs out of the pool."""
+    def run(*inputs):
+        torch.compiler.cudagraph_mark_step_begin()
+        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, compiled(*inputs))
+    return run
+
+
 AUTOTUNE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                     "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 """Inductor settings of ``autotune`` graphs (the ``compiled`` backend on the CPU): the weights are frozen
@@ -392,8 +404,10 @@ def build_graph(graph: nn.Module, backend: str, batch_size: int, name: str | Non
         return graph
     if backend == "compiled":
         configure_compile_cache()
-        mode = "reduce-overhead" if graph_device(graph).type == "cuda" else None
-        compiled = torch.compile(own_frame(graph), fullgraph=True, dynamic=False, mode=mode, options=COMPILE_OPTIONS)
+        if graph_device(graph).type == "cuda":     # CUDA graphs ("reduce-overhead"'s option; a mode or options)
+            options = COMPILE_OPTIONS | {"triton.cudagraphs": True}
+            return own_outputs(torch.compile(own_frame(graph), fullgraph=True, dynamic=False, options=options))
+        compiled = torch.compile(own_frame(graph), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
         return autotuned(compiled) if autotune else compiled
     if backend == "xla":
         from .xla import build_xla_graph
