@@ -17,7 +17,8 @@ def default_buckets(n_positions: int, smallest: int = 128) -> list[int]:
 
 def fine_buckets(n_positions: int, smallest: int = 32) -> list[int]:
     """Powers of two and one and a half times powers of two from ``smallest`` up to (and always including)
-    ``n_positions`` (32, 48, 64, 96, 128, 192, ...): a prompt is padded by less than half its length."""
+    ``n_positions`` (32, 48, 64, 96, 128, 192, ...): a prompt longer than the smallest bucket is padded by
+    less than half its length."""
     buckets, b = [], smallest
     while b < n_positions:
         buckets += [b] if b * 3 // 2 >= n_positions else [b, b * 3 // 2]

@@ -54,7 +54,7 @@ class DecoderModel:
         self.path, self.config, self.lm, self.settings = path, config, lm, settings
         self.source = path      # what ``load`` reloads from: the checkpoint directory, or the GGUF file
         # graphs that compile nothing per prompt bucket (layers as row-invariant block kernels, eager or regional)
-        # get fine default context buckets: a prompt pads by less than half its length, at no compile cost
+        # get fine default context buckets (a prompt over 32 tokens pads by under half its length), at no compile cost
         fine = settings.backend in ("eager", "regional") and runs_block_layers(lm)
         self.context_buckets = check_buckets("context_buckets", settings.context_buckets, settings.n_positions, fine)
         self.kv_buckets = check_buckets("kv_buckets", settings.kv_buckets, settings.n_positions)
