@@ -218,6 +218,39 @@ def test_the_layer_stack_gives_the_per_layer_calls_bits(tiny):
                                        stack.weights, stack.layout, stack.eps)
 
 
+def test_padding_tokens_are_skipped_and_change_no_real_bit(tiny):
+    """Tokens marked padding (``model.padding_mask``: a diagonal entry of the token mask cleared) are not computed
+    by the layer kernels: a verify's padded positions and a prompt's bucket padding come out as zero hidden states
+    and zero cache slots, while every real token's logits and cache slots keep the bits of the same call without
+    padding; the layers' own forward (no kernels) gives the real tokens the same values up to f32 rounding."""
+    from specdec.core.model import padding_mask
+
+    skipping, full, plain = (load(tiny, quantization="gguf", backend="eager", batch_size=2) for _ in range(3))
+    looped = load(tiny, quantization="gguf", backend="eager", batch_size=2)
+    looped.lm.stack_runner = None                                     # the per-layer block_layer calls
+    plain.lm.layer_runners = plain.lm.stack_runner = None             # RMSNorm, SDPA, ...
+    params = skipping.sampling_params(do_sample=False)
+    prompts = [torch.tensor(prompt_ids(11, 4, VOCAB)), torch.tensor(prompt_ids(7, 9, VOCAB))]
+    models = (skipping, full, looped, plain)
+    pre = [m.prefill(prompts, params) for m in models]
+    assert pre[0].hidden.shape[1] == 16                               # both prompts padded to the 16 bucket
+    assert not pre[0].hidden[0, 11:].any() and not pre[0].hidden[1, 7:].any() and pre[0].hidden[1, :7].any(-1).all()
+    assert torch.equal(pre[0].logits, pre[1].logits) and torch.equal(pre[0].logits, pre[2].logits)
+    tokens = torch.tensor([prompt_ids(5, 5, VOCAB), prompt_ids(5, 6, VOCAB)])
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    real = torch.tensor([[True] * 3 + [False] * 2, [True] * 5])
+    masks = (padding_mask(causal, real), causal, padding_mask(causal, real), padding_mask(causal, real))
+    outs = [m.step(tokens, params, token_mask=mask, advance=False) for m, mask in zip(models, masks)]
+    assert not outs[0].hidden[0, 3:].any() and outs[0].hidden[0, :3].any(-1).all()
+    for out in outs[1:3]:
+        assert torch.equal(outs[0].logits[0, :3], out.logits[0, :3]) and torch.equal(outs[0].logits[1], out.logits[1])
+    assert torch.allclose(outs[0].logits[real], outs[3].logits[real], atol=2e-3 * float(outs[3].logits.abs().max()))
+    for a, b in zip(skipping.lm.model.layers, full.lm.model.layers):
+        for mine, theirs in ((a.self_attn.k_cache, b.self_attn.k_cache), (a.self_attn.v_cache, b.self_attn.v_cache)):
+            assert torch.equal(mine[0, :14], theirs[0, :14]) and torch.equal(mine[1, :12], theirs[1, :12])
+            assert not mine[0, 14:16].any() and theirs[0, 14:16].any()
+
+
 def test_uncompiled_block_layer_models_default_to_fine_context_buckets(tiny):
     """Layers run as block kernels on eager / regional compile nothing per prompt bucket, so those models
     default to ``fine_buckets`` (a 20-token prompt runs in the 32-row graph, not the 128-row one); the

@@ -115,6 +115,27 @@ def test_a_rows_output_does_not_depend_on_the_number_of_rows(qtype):
                 assert torch.equal(layer(x[start:start + m]), full[start:start + m]), (isa, m, start)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_0"])
+def test_rows_of_zeros_give_the_epilogue_alone(qtype):
+    """A call computes only its rows that hold a nonzero value: rows of zeros (``block_layer``'s padding tokens
+    reaching an LM head) come out as 0 + bias (+ residual) and the other rows keep their bits, on every path."""
+    layer = BlockLinear.from_blocks(blocks(qtype, 45, 512, seed=2), torch.float32, torch.randn(45))
+    x = torch.randn(7, 512)
+    x[[0, 3, 4]] = 0.0
+    x[5, :256] = -0.0
+    residual = torch.randn(7, 45)
+    for isa in isas():
+        set_block_mm_isa(isa)
+        n, group, superblock, kind, offset, mins = layer.kernel_layout()
+        y = torch.ops.specdec.block_mm(x, layer.qs, layer.d, layer.dmin, layer.sc, layer.mn, n, group, superblock,
+                                       kind, offset, bool(mins), None, 0.0, False, layer.bias, residual)
+        for r in range(7):
+            alone = layer.fused(x[r:r + 1], residual=residual[r:r + 1])
+            assert torch.equal(y[r:r + 1], alone), (isa, r)
+        assert torch.equal(y[[0, 3, 4]], residual[[0, 3, 4]] + (0.0 + layer.bias)), isa
+        assert torch.equal(layer(torch.zeros(3, 512)), torch.zeros(3, 45) + layer.bias)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_every_instruction_set_gives_the_same_bits(qtype):
     if len(isas()) < 2:

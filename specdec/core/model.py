@@ -19,6 +19,9 @@ Invariants:
 - ``position_ids`` are RoPE positions (``cache_lengths + i`` for a chain, ``cache_lengths + depth``
   for a tree), independent of the slot a token is written to;
 - a new token i attends to all committed slots of its row and to new token j iff ``token_mask[b, i, j]``;
+- a new token i with ``token_mask[b, i, i]`` False is padding (``padding_mask``: a prompt's bucket padding, a
+  verify's positions past a row's real drafts): its logits, hidden state and cache slot are unspecified and
+  no real token may attend to it; kernels may skip it (``block_layer`` computes only the real tokens);
 - attention reads only the first ``kv_len`` slots (the KV bucket); stale slots past a row's length
   are masked, so rollback is just lowering ``cache_lengths``;
 - with ``kv_cache_dtype`` ("int8" / "fp8_e4m3", ``kv_quant``) each slot holds 8-bit K/V and f32 scales
@@ -266,6 +269,17 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, batch_size, n_positions, dtype, layout, tp, kv_cache_dtype)
                                     for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+def padding_mask(token_mask: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """token_mask [n, n] or [B, n, n] with token i of row b marked padding where ``real`` [B, n] bool is False
+    (its diagonal entry cleared) → [B, n, n]. A padding token must come after every real token that attends to
+    its slot's position in the mask (e.g. a causal mask's tail), and token 0 must stay real: a padding token
+    still attends to the tokens before it, so no attention row is empty."""
+    b, n = real.shape
+    mask = token_mask.expand(b, n, n).clone()
+    mask.diagonal(dim1=1, dim2=2).logical_and_(real)
+    return mask
 
 
 def attention_mask(cache_lengths: torch.Tensor, token_mask: torch.Tensor, kv_len: int) -> torch.Tensor:

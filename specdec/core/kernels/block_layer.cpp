@@ -10,6 +10,14 @@
 //   layout: [attention inputs, MLP inputs, then per projection n, group, superblock, kind, offset, mins];
 //   eps: the RMSNorm epsilon
 //   → x + attention + MLP [b, n, H], the same bits as the five calls.
+//
+// Padding: token i of row r is padding where it does not attend to its own slot (mask[r, 0, i, slots[r, i]]
+// false: ``model.attention_mask`` of a token_mask whose diagonal is false there — a verify's positions past a
+// row's real drafts, a prompt's bucket padding). The projections run on the real tokens only (their rows packed,
+// so a verify costs the rows it really has); the attention sees zeros for a padding token's q, k and v, writes
+// those zeros into its slot (past the row's length: never read before it is rewritten), and a padding token's
+// output is zero. A real token's bits do not change: every kernel is row-invariant, and no real token attends
+// to a padding one (it comes after them in its row, or the mask says so).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
@@ -42,15 +50,42 @@ at::Tensor project(const std::vector<Projection>& parts, const at::Tensor& x, co
   return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
 }
 
-at::Tensor block_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                       at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& mask,
-                       at::TensorList weights, at::IntArrayRef layout, double eps) {
+// The flat indices r · n + i of the real tokens of a [b, n] call (see Padding above); undefined where all are.
+at::Tensor real_tokens(const at::Tensor& mask, const at::Tensor& slots) {
+  TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == at::kBool && slots.dim() == 2 &&
+              slots.size(0) == mask.size(0) && slots.size(1) == mask.size(2),
+              "block_layer: mask must be a bool [b, 1, n, L] and slots [b, n]");
+  const at::Tensor m = mask.contiguous(), s = slots.to(at::kLong).contiguous();
+  const int64_t tokens = s.numel(), L = m.size(3);
+  const bool* allow = m.data_ptr<bool>();
+  const int64_t* slot = s.data_ptr<int64_t>();
+  std::vector<int64_t> real;
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slot[t] < 0 || slot[t] >= L || allow[t * L + slot[t]]) real.push_back(t);
+  if (static_cast<int64_t>(real.size()) == tokens) return {};
+  return at::tensor(real, at::kLong);
+}
+
+// x [M, W]'s rows at ``real`` (all of x where undefined).
+at::Tensor pack(const at::Tensor& x, const at::Tensor& real) {
+  return real.defined() ? x.index_select(0, real) : x;
+}
+
+// The packed rows x [N, W] back at their ``real`` indices of [tokens, W], zeros elsewhere (x where undefined).
+at::Tensor unpack(const at::Tensor& x, const at::Tensor& real, int64_t tokens) {
+  return real.defined() ? at::zeros({tokens, x.size(1)}, x.options()).index_copy_(0, real, x) : x;
+}
+
+// One decoder layer on h [N, H], the real tokens of a [b, n] call (``real``: their flat indices; undefined: all b · n).
+at::Tensor layer(const at::Tensor& h_in, int64_t b, int64_t n, const at::Tensor& real, const at::Tensor& cos,
+                 const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows,
+                 const at::Tensor& slots, const at::Tensor& mask, at::TensorList weights, at::IntArrayRef layout,
+                 double eps) {
   TORCH_CHECK(layout.size() >= 2, "block_layer: layout must start with the attention and MLP input counts");
   const int64_t attn_in = layout[0], mlp_in = layout[1], count = attn_in + mlp_in + 2;
   TORCH_CHECK(attn_in >= 1 && mlp_in >= 1 && static_cast<int64_t>(layout.size()) == 2 + FIELDS * count &&
               static_cast<int64_t>(weights.size()) == FIELDS * count + 2,
               "block_layer: ", FIELDS, " weights and ints per projection, then the two norms");
-  TORCH_CHECK(x.dim() == 3 && mask.dim() == 4, "block_layer: x must be [b, n, H] and mask [b, 1, n, L]");
   std::vector<Projection> all;
   for (int64_t p = 0; p < count; ++p) all.push_back({&weights[FIELDS * p], &layout[2 + FIELDS * p]});
   const std::vector<Projection> qkv(all.begin(), all.begin() + attn_in);
@@ -58,10 +93,8 @@ at::Tensor block_layer(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   const Projection o = all[attn_in], down = all.back();
   const at::Tensor& norm_in = weights[FIELDS * count];
   const at::Tensor& norm_post = weights[FIELDS * count + 1];
-  const int64_t b = x.size(0), n = x.size(1), hidden = x.size(2);
   const int64_t kv_width = k_cache.size(2) * k_cache.size(3);
-  at::Tensor flat = x.reshape({b * n, hidden}).contiguous();
-  const at::Tensor joined = project(qkv, flat, norm_in, eps);
+  const at::Tensor joined = unpack(project(qkv, h_in, norm_in, eps), real, b * n);
   const int64_t q_width = joined.size(1) - 2 * kv_width;
   TORCH_CHECK(q_width > 0, "block_layer: the q / k / v projections are narrower than the cache's K and V");
   const at::Tensor q = joined.narrow(1, 0, q_width).reshape({b, n, q_width});
@@ -69,9 +102,20 @@ at::Tensor block_layer(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   const at::Tensor v = joined.narrow(1, q_width + kv_width, kv_width).reshape({b, n, kv_width});
   const at::Tensor attended = specdec::cache_attention(q, k, v, cos, sin, k_cache, v_cache, rows, slots,
                                                        mask.select(1, 0));
-  flat = o(attended.reshape({b * n, q_width}), std::nullopt, 0., false, flat);
-  const at::Tensor hidden_mlp = project(gate_up, flat, norm_post, eps);
-  return down(hidden_mlp, std::nullopt, 0., true, flat).view({b, n, hidden});
+  const at::Tensor h = o(pack(attended.reshape({b * n, q_width}), real), std::nullopt, 0., false, h_in);
+  const at::Tensor hidden_mlp = project(gate_up, h, norm_post, eps);
+  return down(hidden_mlp, std::nullopt, 0., true, h);
+}
+
+at::Tensor block_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                       at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& mask,
+                       at::TensorList weights, at::IntArrayRef layout, double eps) {
+  TORCH_CHECK(x.dim() == 3, "block_layer: x must be [b, n, H]");
+  const int64_t b = x.size(0), n = x.size(1), hidden = x.size(2);
+  const at::Tensor real = real_tokens(mask, slots);
+  const at::Tensor h = pack(x.reshape({b * n, hidden}).contiguous(), real);
+  const at::Tensor out = layer(h, b, n, real, cos, sin, k_cache, v_cache, rows, slots, mask, weights, layout, eps);
+  return unpack(out, real, b * n).view({b, n, hidden});
 }
 
 // specdec::block_layers — a model's decoder layers in one call: block_layer for each layer in turn, k_caches /
@@ -81,7 +125,10 @@ at::Tensor block_layers(const at::Tensor& x, const at::Tensor& cos, const at::Te
                         at::TensorList v_caches, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& mask,
                         at::TensorList weights, at::IntArrayRef layout, double eps) {
   TORCH_CHECK(k_caches.size() == v_caches.size(), "block_layers: one K and one V cache per layer");
-  at::Tensor h = x;
+  TORCH_CHECK(x.dim() == 3, "block_layers: x must be [b, n, H]");
+  const int64_t b = x.size(0), n = x.size(1), hidden = x.size(2);
+  const at::Tensor real = real_tokens(mask, slots);      // packed once, for every layer
+  at::Tensor h = pack(x.reshape({b * n, hidden}).contiguous(), real);
   size_t w = 0, l = 0;
   for (size_t i = 0; i < k_caches.size(); ++i) {
     TORCH_CHECK(l + 2 <= layout.size(), "block_layers: the layout ends before layer ", i);
@@ -90,12 +137,13 @@ at::Tensor block_layers(const at::Tensor& x, const at::Tensor& cos, const at::Te
     TORCH_CHECK(l + nl <= layout.size() && w + nw <= weights.size(), "block_layers: layer ", i,
                 "'s weights or layout run past the lists");
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-    h = block_layer(h, cos, sin, k_cache, v_cache, rows, slots, mask, weights.slice(w, nw), layout.slice(l, nl), eps);
+    h = layer(h, b, n, real, cos, sin, k_cache, v_cache, rows, slots, mask, weights.slice(w, nw), layout.slice(l, nl),
+              eps);
     w += nw;
     l += nl;
   }
   TORCH_CHECK(w == weights.size() && l == layout.size(), "block_layers: more weights or layout than layers");
-  return h;
+  return unpack(h, real, b * n).view({b, n, hidden});
 }
 
 }  // namespace
