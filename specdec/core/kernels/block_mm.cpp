@@ -29,10 +29,11 @@
 // registers; integer multiply-adds (vpmaddubsw / vpmaddwd, or with AVX512-VNNI vpdpbusd / vpdpwssd, which also
 // accumulate) do 32 or 64 weight·activation products an instruction, and a K-quant's superblock costs a row one
 // integer multiply-add per group and its f32 steps once (Q4_K with VNNI: the group's dot in two vpdpbusd chains that
-// fit 16 bits, each scaled by one vpdpwssd, instead of four chains, their adds and vpmulld: with 512-bit integer
-// multiplies on one port this is what bounds a many-row call; measured with the layer in L2, 1024 × 1536, 2 threads,
-// 5-12 % less time at 5-16 rows). Threads: at::parallel_for over tiles. (AMX does not pay
-// here: a group is 16 columns × 32 k, so each group's dots must be stored and read back for its scale. Measured
+// fit 16 bits, each scaled by one vpdpwssd, instead of four chains, their adds and vpmulld: 10 instructions a row
+// and group instead of 14, where 512-bit integer multiplies on one port bound a many-row call; bench_block_mm.py's
+// streamed 1.5B stack does not resolve the difference from run to run). Threads: at::parallel_for over tiles.
+// (AMX does not pay here: a group is 16 columns × 32 k, so each group's dots must be stored and read back for its
+// scale. Measured
 // on a Sapphire Rapids class Xeon, a TDPBSUD tile over 64 k with A rows = (row, group) pairs — activations of one
 // group, zeros over the other — gives the same bits but, with the unpacked codes stored for the B tile and C
 // stored for the scales, took 1.3× the VNNI time at 5 rows and 1.0× at 16 with the weights in L2, and on the 1.5B's
