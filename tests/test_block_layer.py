@@ -219,11 +219,11 @@ def test_the_layer_stack_gives_the_per_layer_calls_bits(tiny):
 
 
 def test_padding_tokens_are_skipped_and_change_no_real_bit(tiny):
-    """Tokens marked padding (``model.padding_mask``: a diagonal entry of the token mask cleared) are not computed
+    """Tokens marked padding (``model.causal_mask`` of row lengths: a diagonal entry cleared) are not computed
     by the layer kernels: a verify's padded positions and a prompt's bucket padding come out as zero hidden states
     and zero cache slots, while every real token's logits and cache slots keep the bits of the same call without
     padding; the layers' own forward (no kernels) gives the real tokens the same values up to f32 rounding."""
-    from specdec.core.model import padding_mask
+    from specdec.core.model import causal_mask
 
     skipping, full, plain = (load(tiny, quantization="gguf", backend="eager", batch_size=2) for _ in range(3))
     looped = load(tiny, quantization="gguf", backend="eager", batch_size=2)
@@ -237,9 +237,11 @@ def test_padding_tokens_are_skipped_and_change_no_real_bit(tiny):
     assert not pre[0].hidden[0, 11:].any() and not pre[0].hidden[1, 7:].any() and pre[0].hidden[1, :7].any(-1).all()
     assert torch.equal(pre[0].logits, pre[1].logits) and torch.equal(pre[0].logits, pre[2].logits)
     tokens = torch.tensor([prompt_ids(5, 5, VOCAB), prompt_ids(5, 6, VOCAB)])
-    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    causal, padded = causal_mask(5), causal_mask(5, torch.tensor([3, 5]))
     real = torch.tensor([[True] * 3 + [False] * 2, [True] * 5])
-    masks = (padding_mask(causal, real), causal, padding_mask(causal, real), padding_mask(causal, real))
+    assert torch.equal(padded.diagonal(dim1=1, dim2=2), real) and torch.equal(causal, torch.ones(5, 5).tril().bool())
+    assert torch.equal(padded | torch.eye(5, dtype=torch.bool), causal.expand(2, 5, 5))   # only diagonals differ
+    masks = (padded, causal, padded, padded)
     outs = [m.step(tokens, params, token_mask=mask, advance=False) for m, mask in zip(models, masks)]
     assert not outs[0].hidden[0, 3:].any() and outs[0].hidden[0, :3].any(-1).all()
     for out in outs[1:3]:
@@ -249,6 +251,29 @@ def test_padding_tokens_are_skipped_and_change_no_real_bit(tiny):
         for mine, theirs in ((a.self_attn.k_cache, b.self_attn.k_cache), (a.self_attn.v_cache, b.self_attn.v_cache)):
             assert torch.equal(mine[0, :14], theirs[0, :14]) and torch.equal(mine[1, :12], theirs[1, :12])
             assert not mine[0, 14:16].any() and theirs[0, 14:16].any()
+
+
+def test_a_rows_that_are_not_active_are_not_computed(tiny):
+    """A decode step computes the active rows only (``engine.decode_step``: the others' tokens are padding), a
+    speculation step verifies none of their drafts (``speculative.narrowed``), and the active rows keep their
+    bits."""
+    from specdec.core.engine import decode_step
+    from specdec.speculation.proposer import Proposal
+    from specdec.speculation.speculative import narrowed
+
+    model = load(tiny, quantization="gguf", backend="eager", batch_size=3)
+    params = model.sampling_params(do_sample=False)
+    model.prefill([torch.tensor(prompt_ids(9, s, VOCAB)) for s in (1, 2, 3)], params)
+    tail = torch.tensor([[1, 5], [1, 6], [1, 7]])
+    everyone = decode_step(model, tail, params, None, torch.tensor([True, True, True]))
+    some = decode_step(model, tail, params, None, torch.tensor([True, False, True]))
+    assert not some.hidden[1].any() and everyone.hidden[1].any(-1).all()
+    assert torch.equal(some.logits[[0, 2]], everyone.logits[[0, 2]])
+    chain = Proposal(torch.zeros(3, 4, dtype=torch.long), num_drafts=torch.tensor([2, 4, 1]))
+    proposal, k = narrowed(chain, 4, None, torch.tensor([True, False, True]))
+    assert k == 2 and proposal.num_drafts.tolist() == [2, 0, 1] and proposal.tokens.shape == (3, 2)
+    proposal, k = narrowed(Proposal(chain.tokens), 4, None, torch.tensor([False, True, True]), shrink=False)
+    assert k == 4 and proposal.num_drafts.tolist() == [0, 4, 4]
 
 
 def test_uncompiled_block_layer_models_default_to_fine_context_buckets(tiny):

@@ -30,7 +30,7 @@ from .graph_cache import GraphCache
 from .graphs import COMPILING, GraphKey, StepGraph
 from .kv_state import KVState
 from .loading import RuntimeSettings, load_decoder, rank_weights
-from .model import DecoderLM, check_feature_layers, padding_mask, split_hidden
+from .model import DecoderLM, causal_mask, check_feature_layers, split_hidden
 from .parallel import TPGroup
 from .persistence import load_compiled, read_saved, save_compiled
 from .prompts import prompt_rows
@@ -371,7 +371,7 @@ class DecoderModel:
         b = self.batch_size
         key = self._key(bucket, 1, bucket, params)
         out = self._run(key, ids, torch.arange(bucket).expand(b, bucket), torch.zeros(b, dtype=torch.long),
-                        prompt_mask(lens, bucket), (lens - 1).unsqueeze(1), params, rng, _fit(features, bucket))
+                        causal_mask(bucket, lens), (lens - 1).unsqueeze(1), params, rng, _fit(features, bucket))
         self.kv.lengths.copy_(lens)
         return out
 
@@ -387,7 +387,7 @@ class DecoderModel:
         row_params = params[row:row + 1]
         key = replace(self._key(bucket, 1, bucket, row_params), single_row=True)
         out = self._run(key, ids, torch.arange(bucket).unsqueeze(0), torch.zeros(1, dtype=torch.long),
-                        prompt_mask(torch.tensor([n]), bucket), torch.tensor([[n - 1]]), row_params, rng,
+                        causal_mask(bucket, torch.tensor([n])), torch.tensor([[n - 1]]), row_params, rng,
                         _fit(features, bucket), torch.tensor([row]))
         self.kv.lengths[row] = n
         return out
@@ -418,7 +418,7 @@ class DecoderModel:
             raise ValueError(f"a row would reach {needed} positions; n_positions={self.n_positions}")
         kv = pick_bucket(self.kv_buckets, needed, "KV length")
         if token_mask is None:
-            token_mask = torch.ones(n, n, dtype=torch.bool).tril()
+            token_mask = causal_mask(n)
         if token_mask.dim() == 2:
             token_mask = token_mask.expand(b, n, n)
         if position_ids is None:
@@ -460,13 +460,6 @@ class DecoderModel:
         load_compiled(self.graphs, directory, keys, progress, compaction_slots)
         self.reset()
         return self
-
-
-def prompt_mask(lens: torch.Tensor, bucket: int) -> torch.Tensor:
-    """The causal token mask [b, bucket, bucket] of prompts of ``lens`` [b] tokens padded to ``bucket``, their
-    padding marked (``model.padding_mask``): kernels that can skip it compute only the prompts' tokens."""
-    causal = torch.ones(bucket, bucket, dtype=torch.bool).tril()
-    return padding_mask(causal, torch.arange(bucket) < lens.unsqueeze(1))
 
 
 def _fit(features: torch.Tensor | None, n: int) -> torch.Tensor | None:

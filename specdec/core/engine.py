@@ -40,6 +40,7 @@ from typing import Protocol
 
 import torch
 
+from .model import causal_mask
 from .request import format_output, prepare_request, stop_requested
 from .sampling import RowGenerators
 from .stats import SpecStats
@@ -56,11 +57,13 @@ class StepResult:
     drafted: torch.Tensor
 
 
-def decode_step(target: Target, tail: torch.Tensor, params: torch.Tensor, rng: RowGenerators) -> StepResult:
-    """A plain decode step (k = 0): S[-1] = tail[:, 1] at slot len(S) - 1 → the next token per row."""
-    out = target.step(tail[:, 1:], params, rng, advance=False)
-    zeros = torch.zeros(target.batch_size, dtype=torch.long)
-    return StepResult(zeros, out.tokens.cpu(), zeros)
+def decode_step(target: Target, tail: torch.Tensor, params: torch.Tensor, rng: RowGenerators,
+                active: torch.Tensor) -> StepOutput:
+    """A plain decode step (k = 0): S[-1] = tail[:, 1] at slot len(S) - 1 → the next token per row. The token of
+    a row that is not ``active`` [B] bool is padding (``model.causal_mask``: kernels that skip padding do not
+    compute it; its output is meaningless); such a row's cache holds at least the dummy sequence's first slot, so
+    it still attends to something."""
+    return target.step(tail[:, 1:], params, rng, token_mask=causal_mask(1, active.long()), advance=False)
 
 
 class Speculator(Protocol):
@@ -174,7 +177,9 @@ class Engine:
         self.target.set_lengths(lengths - 1)
         if self.speculator is None:
             with self.stats.timer("verify"):
-                result = decode_step(self.target, tail, self.params, self.rng)
+                zeros = torch.zeros(B, dtype=torch.long)
+                result = StepResult(zeros, decode_step(self.target, tail, self.params, self.rng, active).tokens.cpu(),
+                                    zeros)
         else:
             result = self.speculator.step(tail, lengths, active, self.params, self.rng, self.stats)
         with self.stats.timer("other"):

@@ -282,6 +282,16 @@ def padding_mask(token_mask: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def causal_mask(n: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """The causal token mask of n new tokens: [n, n]; with ``lengths`` [B] (each ≥ 1), [B, n, n] with row b's
+    tokens from lengths[b] on marked padding (``padding_mask``: a prompt's bucket padding, a verify's positions
+    past a row's real drafts), so kernels that skip padding compute each row's real tokens only."""
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    if lengths is None:
+        return causal
+    return padding_mask(causal, torch.arange(n) < lengths.cpu().view(-1, 1))
+
+
 def attention_mask(cache_lengths: torch.Tensor, token_mask: torch.Tensor, kv_len: int) -> torch.Tensor:
     """Boolean mask [B, 1, n, kv_len]: committed slots of the row, plus new tokens per ``token_mask``."""
     b, n, _ = token_mask.shape

@@ -30,7 +30,7 @@ from dataclasses import replace
 import torch
 
 from ..core.decoder import DecoderModel
-from ..core.engine import StepResult
+from ..core.engine import StepResult, decode_step
 from ..core.sampling import RowGenerators, any_sampled
 from ..core.stats import SpecStats
 from .adaptive import AdaptiveK
@@ -97,7 +97,7 @@ class Speculator:
                                        shrink=not any_sampled(params))
         if k == 0:   # no room to draft, the gate, or no row drafted: a plain decode step; the proposer still reads it
             with stats.timer("verify"):
-                out = self.target.step(tail[:, 1:], params, rng, advance=False)
+                out = decode_step(self.target, tail, params, rng, active)
                 none = torch.zeros_like(out.tokens[:, 0])
                 verified = Verified(none, out.tokens, out, none)
         else:
@@ -118,20 +118,20 @@ class Speculator:
 
 def narrowed(proposal: Proposal, k: int, caps: torch.Tensor | None, active: torch.Tensor,
              shrink: bool = True) -> tuple[Proposal, int]:
-    """A chain ``proposal`` of k drafts [B, k] capped per row at ``caps`` [B] (adaptive k; None: no cap) and
-    at the proposer's own ``num_drafts`` (a "padded" proposer's real drafts), then, with ``shrink``, cut to
-    the longest active row's drafts → (the proposal, the step's k; 0: nothing to verify, a plain decode
-    step). A tree, or a chain with neither, passes unchanged (k: a tree's depth). Sampling steps keep k
-    (``shrink`` False): a row draws its acceptance and sampling noise per verified position, so a width set
-    by its neighbours would change its random stream (rows are independent of their batch). Lossless: a
-    row's acceptance over its first d_r drafts is a d_r-draft step (causal mask), and d_r depends on S and
-    earlier steps only, never on this step's random draws."""
-    num = None if proposal.num_drafts is None else proposal.num_drafts.cpu()
-    if caps is not None:
-        num = caps if num is None else torch.minimum(num, caps)
-    if proposal.tree is not None or num is None:
+    """A chain ``proposal`` of k drafts [B, k] capped per row at ``caps`` [B] (adaptive k; None: no cap), at
+    the proposer's own ``num_drafts`` (a "padded" proposer's real drafts) and, for a row that is not ``active``,
+    at none (its verify positions are padding), then, with ``shrink``, cut to the longest active row's drafts
+    → (the proposal, the step's k; 0: nothing to verify, a plain decode step). A tree passes unchanged (k: its
+    depth). Sampling steps keep k (``shrink`` False): a row draws its acceptance and sampling noise per
+    verified position, so a width set by its neighbours would change its random stream (rows are independent
+    of their batch). Lossless: a row's acceptance over its first d_r drafts is a d_r-draft step (causal mask),
+    and d_r depends on S and earlier steps only, never on this step's random draws."""
+    if proposal.tree is not None:
         return proposal, k
-    num = num.clamp(max=k)
+    num = torch.full_like(active, k, dtype=torch.long) if proposal.num_drafts is None else proposal.num_drafts.cpu()
+    if caps is not None:
+        num = torch.minimum(num, caps)
+    num = torch.where(active, num.clamp(max=k), 0)      # a row that is not active verifies nothing: padding
     width = (int(num[active].max()) if bool(active.any()) else 0) if shrink else k
     if width == k:
         return replace(proposal, num_drafts=num), k

@@ -5,8 +5,8 @@ S[:-1]). Both verifiers feed S[-1] and the drafts in one multi-token forward, dr
 from the rows' own generators, and return a ``Verified`` (``specdec.speculation.proposer``). The caller then sets
 the target's length to len(S) + num_accepted.
 
-- ``ChainVerifier``: [S[-1], x_1 .. x_k] at slots len(S)-1 .. len(S)-1+k with a causal mask (``chain_mask``:
-  a row's positions past its real drafts are padding) →
+- ``ChainVerifier``: [S[-1], x_1 .. x_k] at slots len(S)-1 .. len(S)-1+k with a causal mask (``model.causal_mask``: a
+  row's positions past its real drafts are padding) →
   ``acceptance.accept`` (greedy rows: longest prefix equal to the target argmax; sampled rows:
   lossless rejection sampling, with the draft probabilities or the one-hot rule), each row over its
   first ``proposal.num_drafts`` drafts when that is set.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..core.decoder import DecoderModel
-from ..core.model import padding_mask
+from ..core.model import causal_mask
 from ..core.parallel import broadcast
 from ..core.sampling import RowGenerators, any_sampled, greedy_rows
 from .acceptance import accept, accept_tree_greedy, accept_tree_sampled, accept_tree_typical
@@ -44,8 +44,9 @@ class ChainVerifier:
         drafts = proposal.tokens
         k = drafts.shape[1]
         sampled = any_sampled(params)
+        real = None if proposal.num_drafts is None else proposal.num_drafts + 1      # S[-1] and the row's drafts
         out = target.step(torch.cat([tail[:, 1:].to(drafts.device), drafts], 1), params, rng,
-                          token_mask=chain_mask(k, proposal.num_drafts), advance=False, return_probs=sampled)
+                          token_mask=causal_mask(k + 1, real), advance=False, return_probs=sampled)
         uniform = residual = None
         if sampled:
             u = rng.uniform(k + 1).to(out.probs.device)
@@ -57,16 +58,6 @@ class ChainVerifier:
                             uniform=uniform, residual_uniform=residual)
         n, emitted = _broadcast_decision(target, n, emitted)
         return Verified(n, emitted, out, n)
-
-
-def chain_mask(k: int, num_drafts: torch.Tensor | None) -> torch.Tensor:
-    """The causal token mask of [S[-1], x_1 .. x_k]: [k+1, k+1], or [B, k+1, k+1] with row b's positions past its
-    ``num_drafts`` [B] real drafts marked padding (``model.padding_mask``: the acceptance never reads them), so
-    kernels that skip padding verify each row's real drafts only."""
-    causal = torch.ones(k + 1, k + 1, dtype=torch.bool).tril()
-    if num_drafts is None:
-        return causal
-    return padding_mask(causal, torch.arange(k + 1) <= num_drafts.cpu().view(-1, 1))
 
 
 class TreeVerifier:

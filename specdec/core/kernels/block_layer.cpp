@@ -107,17 +107,6 @@ at::Tensor layer(const at::Tensor& h_in, int64_t b, int64_t n, const at::Tensor&
   return down(hidden_mlp, std::nullopt, 0., true, h);
 }
 
-at::Tensor block_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                       at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& mask,
-                       at::TensorList weights, at::IntArrayRef layout, double eps) {
-  TORCH_CHECK(x.dim() == 3, "block_layer: x must be [b, n, H]");
-  const int64_t b = x.size(0), n = x.size(1), hidden = x.size(2);
-  const at::Tensor real = real_tokens(mask, slots);
-  const at::Tensor h = pack(x.reshape({b * n, hidden}).contiguous(), real);
-  const at::Tensor out = layer(h, b, n, real, cos, sin, k_cache, v_cache, rows, slots, mask, weights, layout, eps);
-  return unpack(out, real, b * n).view({b, n, hidden});
-}
-
 // specdec::block_layers — a model's decoder layers in one call: block_layer for each layer in turn, k_caches /
 // v_caches one per layer, weights and layout each layer's block_layer weights and layout one after the other
 // (a layer's counts are the first two entries of its layout). The same bits as the calls one by one.
@@ -144,6 +133,13 @@ at::Tensor block_layers(const at::Tensor& x, const at::Tensor& cos, const at::Te
   }
   TORCH_CHECK(w == weights.size() && l == layout.size(), "block_layers: more weights or layout than layers");
   return unpack(h, real, b * n).view({b, n, hidden});
+}
+
+// block_layers of one layer.
+at::Tensor block_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                       at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& mask,
+                       at::TensorList weights, at::IntArrayRef layout, double eps) {
+  return block_layers(x, cos, sin, {k_cache}, {v_cache}, rows, slots, mask, weights, layout, eps);
 }
 
 }  // namespace
