@@ -276,6 +276,22 @@ def test_a_rows_that_are_not_active_are_not_computed(tiny):
     assert k == 4 and proposal.num_drafts.tolist() == [0, 4, 4]
 
 
+def test_suffix_trees_padding_is_skipped_and_greedy_output_is_target_only(tiny):
+    """A suffix tree's unused slots are padding (``tree.row_trees``): the layer kernels skip them (their zero
+    logits would be garbage), no rule accepts them, and greedy speculation stays target-only's, cold and with
+    the cache holding the first outputs."""
+    from specdec import SpeculativeGenerator
+    from specdec.suffix import SuffixCache, SuffixDraft
+
+    target = load(tiny, quantization="gguf", backend="eager", batch_size=2)
+    prompts = [prompt_ids(5, 1, VOCAB) * 3, prompt_ids(9, 2, VOCAB)]
+    reference = target.generate(prompts, max_new_tokens=24, eos_token_id=[])
+    gen = SpeculativeGenerator(SuffixDraft(target, SuffixCache(), depth=4, num_nodes=6), target)
+    for _ in range(2):
+        assert torch.equal(gen.generate(prompts, max_new_tokens=24, eos_token_id=[]), reference)
+    assert gen.last_stats.mean_acceptance_length > 1.5
+
+
 def test_uncompiled_block_layer_models_default_to_fine_context_buckets(tiny):
     """Layers run as block kernels on eager / regional compile nothing per prompt bucket, so those models
     default to ``fine_buckets`` (a 20-token prompt runs in the 32-row graph, not the 128-row one); the

@@ -16,7 +16,7 @@ from specdec.speculation.acceptance import (
     accept_tree_typical,
     draw_tree_uniforms,
 )
-from specdec.speculation.tree import TokenTree, tree_buffers
+from specdec.speculation.tree import TokenTree, row_trees, tree_buffers
 
 PAD = -1
 SMALL = TokenTree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])
@@ -54,6 +54,28 @@ def test_greedy_duplicate_siblings():
     assert (n.tolist(), best.tolist(), out.tolist()) == ([2], [5], [[3, 7, 21]])
     # equal depth 1 only: rank 0
     assert greedy(tokens, [[3, 99, 98, 0, 0, 0]])[1].tolist() == [1]
+
+
+def test_padding_nodes_are_not_computed_and_never_accepted():
+    """``row_trees``' padding (a row's unused slots: leaves below the root after its real nodes) has its mask
+    diagonal cleared, is no node's child, and no rule accepts it even where its token is the target's choice."""
+    parent = torch.tensor([[0, 0, 1, 0, 0]])                 # root -> 1 -> 2; nodes 3, 4 pad the width
+    real = torch.tensor([[True, True, True, False, False]])
+    trees = row_trees(parent, 2, 4, real)
+    assert trees.mask.diagonal(dim1=1, dim2=2).tolist() == real.tolist()
+    assert trees.mask[0, 3].tolist() == [True, False, False, False, False]      # it still attends to the root
+    assert trees.child_nodes[0, 0].tolist() == [1, PAD, PAD, PAD]
+    tokens = torch.tensor([[9, 3, 4, 7, 7]])
+    targets = torch.tensor([[7, 0, 0, 5, 5]])                  # the root's argmax is the padding's token 7
+    assert accept_tree_greedy(tokens, targets, trees.parent, trees.ancestors)[0].tolist() == [1]   # unmarked
+    n, best, out = accept_tree_greedy(tokens, targets, trees.parent, trees.ancestors, real=real)
+    assert (n.tolist(), best.tolist(), out.tolist()) == ([0], [0], [[7, PAD, PAD]])
+    probs = torch.nn.functional.one_hot(targets, 10).float()
+    u, v = draw_tree_uniforms(1, 2, 4, torch.Generator().manual_seed(0))
+    assert accept_tree_sampled(tokens, probs, trees.child_nodes, u, v)[0].tolist() == [0]
+    for bad in ([[True, False, True, False, False]], [[False] + [True] * 4]):   # a padding parent; the root
+        with pytest.raises(ValueError, match="padding nodes must be leaves below the root"):
+            row_trees(parent, 2, 4, torch.tensor(bad))
 
 
 def lm_next(seq, V):

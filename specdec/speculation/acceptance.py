@@ -342,14 +342,15 @@ def _node_depth(ancestors: torch.Tensor) -> torch.Tensor:
 
 
 def accept_tree_greedy(tree_tokens: torch.Tensor, target_tokens: torch.Tensor, parent: torch.Tensor,
-                       ancestors: torch.Tensor, *, pad_token_id: int = -1):
+                       ancestors: torch.Tensor, *, real: torch.Tensor | None = None, pad_token_id: int = -1):
     """Greedy tree rule: the deepest node whose whole path matches the target argmax.
 
     Node i (not the root) matches iff tree_tokens[i] == target_tokens[parent[i]]; a node is accepted
     iff every node on its path matches; best_node = the accepted node of largest depth (the longest
     accepted path), ties broken by the lowest node index (= lexicographically lowest ranks: among
     siblings repeating a token, the lowest-rank one unless a higher-rank one leads to a longer accepted
-    path). out = the path's tokens, then target_tokens[best_node].
+    path). out = the path's tokens, then target_tokens[best_node]. A node that is not ``real`` [B, N+1] bool
+    (None: all are; ``tree.row_trees``' padding) never matches.
 
     Every accepted token equals the target argmax after its prefix, so the emitted tokens are exactly
     what target-only greedy decoding produces (whichever of several equally long matching paths is
@@ -360,6 +361,8 @@ def accept_tree_greedy(tree_tokens: torch.Tensor, target_tokens: torch.Tensor, p
     parent, ancestors = _per_row(parent, B, 1), _per_row(ancestors, B, 2)
     is_root = torch.arange(n1, device=tree_tokens.device) == 0
     match = (tree_tokens == target_tokens.gather(1, parent)) | is_root
+    if real is not None:
+        match &= real
     ok = _tree_path_ok(match, ancestors)
     depth = _node_depth(ancestors)
     best = torch.argmax(torch.where(ok, depth, -1), dim=-1)        # first maximum = lowest index
@@ -448,7 +451,7 @@ def accept_tree_sampled(tree_tokens: torch.Tensor, target_probs: torch.Tensor, c
 
 def accept_tree_typical(tree_tokens: torch.Tensor, target_probs: torch.Tensor, parent: torch.Tensor,
                         ancestors: torch.Tensor, residual_uniform: torch.Tensor, *, epsilon: float = 0.09,
-                        delta: float = 0.3, pad_token_id: int = -1):
+                        delta: float = 0.3, real: torch.Tensor | None = None, pad_token_id: int = -1):
     """LOSSY Medusa "typical acceptance": NOT lossless, it changes the output distribution.
 
     Offered for compatibility with FasterDecoding/Medusa (``posterior_threshold`` = epsilon,
@@ -456,7 +459,8 @@ def accept_tree_typical(tree_tokens: torch.Tensor, target_probs: torch.Tensor, p
         p_parent(i)(x) > min(epsilon, delta * exp(-H(p_parent(i)))),  H = entropy in nats;
     best_node = the deepest node whose whole path is plausible, ties broken by the largest path
     log-likelihood sum(log p_parent(j)(x_j)), then by the lowest node index; then the next token is
-    sampled y ~ p_best_node with ``residual_uniform`` [B]. Plausible candidates are accepted with
+    sampled y ~ p_best_node with ``residual_uniform`` [B]; a node that is not ``real`` (as in
+    ``accept_tree_greedy``) is never plausible. Plausible candidates are accepted with
     probability 1 whatever their target probability, so the emitted tokens are NOT distributed as the
     target's (e.g. a candidate with p = 0.3 at the root is emitted every time instead of 30% of the
     time). With one-hot p (temperature 0) it reduces to the greedy rule. Shapes: see the tree section
@@ -470,7 +474,8 @@ def accept_tree_typical(tree_tokens: torch.Tensor, target_probs: torch.Tensor, p
     threshold = torch.clamp(delta * torch.exp(-entropy), max=epsilon).gather(1, parent)
     p_x = _gather_nodes(p, parent).gather(2, tree_tokens.unsqueeze(-1)).squeeze(-1)  # [B, N+1]
     is_root = torch.arange(n1, device=tree_tokens.device) == 0
-    ok = _tree_path_ok((p_x > threshold) | is_root, ancestors)
+    plausible = (p_x > threshold) | is_root
+    ok = _tree_path_ok(plausible if real is None else plausible & real, ancestors)
     below_root = ancestors[..., 1:]                                                 # [B, N+1, D]
     log_px = _gather_nodes(torch.log(p_x), below_root.clamp(min=0))                 # [B, N+1, D]
     loglik = torch.where(below_root >= 0, log_px, 0.0).sum(-1)

@@ -178,13 +178,16 @@ class RowTrees(_TreeShape):
     child_nodes: torch.Tensor
 
 
-def row_trees(parent: torch.Tensor, max_depth: int, max_children: int) -> RowTrees:
+def row_trees(parent: torch.Tensor, max_depth: int, max_children: int, real: torch.Tensor | None = None) -> RowTrees:
     """Each row's tree buffers from its parent array, with tensor ops only (no host loop per node).
 
     parent [B, N+1] long: parent[:, 0] = 0 (the root) and 0 <= parent[:, i] < i for i >= 1 (parents
     come before their children). Invariants the caller keeps (not checked): no node deeper than
     ``max_depth`` (D), no node with more than ``max_children`` (C) children. Children are listed in node
-    order. See ``RowTrees`` for the outputs.
+    order. ``real`` [B, N+1] bool (None: all): a node that is not real is a padding slot of a row's static
+    width — a leaf below the root after every real node (checked): its diagonal mask entry is cleared
+    (``model.padding_mask``: kernels that skip padding do not compute it) and it is no node's child, so no
+    acceptance rule reaches it. See ``RowTrees`` for the outputs.
     """
     B, n1 = parent.shape
     dev = parent.device
@@ -204,6 +207,13 @@ def row_trees(parent: torch.Tensor, max_depth: int, max_children: int) -> RowTre
     slot = parent[:, 1:] * max_children + rank
     child_nodes = torch.full((B, n1 * max_children), PAD_NODE, dtype=torch.long, device=dev)
     child_nodes.scatter_(1, slot, node[:, 1:])
+    if real is not None:
+        real = real.to(dev)
+        padding = ~real
+        if bool(padding[:, 0].any() | (padding & (parent != 0)).any() | (real[:, 1:] & padding[:, :-1]).any()):
+            raise ValueError("row_trees: padding nodes must be leaves below the root after every real node")
+        mask.diagonal(dim1=1, dim2=2).logical_and_(real)
+        child_nodes = torch.where(real.gather(1, child_nodes.clamp(min=0)), child_nodes, PAD_NODE)
     return RowTrees(mask, depth, parent, ancestors, child_nodes.view(B, n1, max_children))
 
 

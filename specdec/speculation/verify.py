@@ -83,13 +83,14 @@ class TreeVerifier:
         sampled = any_sampled(params)
         out = target.step(tokens, params, rng, token_mask=tree.mask, position_ids=base.unsqueeze(1) + tree.depth,
                           advance=False, return_probs=sampled)
-        n, best, emitted = accept_tree_greedy(tokens, out.tokens, tree.parent, tree.ancestors)
+        real = tree.mask.diagonal(dim1=-2, dim2=-1)         # a padding node (``tree.row_trees``) is never accepted
+        n, best, emitted = accept_tree_greedy(tokens, out.tokens, tree.parent, tree.ancestors, real=real)
         if sampled:
             u = rng.uniform(tree.max_depth * tree.max_children + 1).to(dev)
             uniform, residual = u[:, :-1].reshape(B, tree.max_depth, tree.max_children), u[:, -1]
             if self.acceptance == "typical":
                 sn, sbest, semitted = accept_tree_typical(tokens, out.probs, tree.parent, tree.ancestors, residual,
-                                                          epsilon=self.epsilon, delta=self.delta)
+                                                          epsilon=self.epsilon, delta=self.delta, real=real)
             else:
                 sn, sbest, semitted = accept_tree_sampled(tokens, out.probs, tree.child_nodes, uniform, residual)
             keep = greedy_rows(params).to(dev)

@@ -11,8 +11,8 @@ Training-free drafts from text seen before. Per row r, S = prompt + emitted toke
      candidates' match lengths; the source whose draft scores higher (sum of probabilities) wins;
   3. the tree goes to ``TreeVerifier`` (one target forward over the root and ``num_nodes`` nodes). The
      shape is static: a row's unused slots (all of them when nothing matched) are children of the root
-     repeating S[-1], as prompt lookup pads; a repeated sibling is never accepted twice, so they only
-     cost verify width.
+     repeating S[-1], marked padding (``tree.row_trees``: never accepted, and not computed by kernels that
+     skip padding, so a step costs the verify of its real nodes there).
 
 ``SuffixChain`` proposes the most frequent path instead (k tokens, padded with S[-1]) for the chain
 machinery: ``ChainVerifier``, adaptive k, combinations with a chain model draft.
@@ -181,15 +181,17 @@ class SuffixDraft(SuffixProposer):
         return self.depth if length + max(self.num_nodes, self.depth) <= self.target.n_positions else 0
 
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
-        """tokens [B, N] (node order, pads = S[-1] below the root) and the rows' trees (depth <= D, at most
-        N children per node), built on the target's device."""
+        """tokens [B, N] (node order, pads = S[-1] below the root, marked padding: not computed where kernels skip
+        padding, never accepted) and the rows' trees (depth <= D, at most N children per node), built on the
+        target's device."""
         N, B = self.num_nodes, self.batch_size
         drafts = self.drafts(tail, lengths, min(k, self.depth), N, tree=True)
         last = tail[:, 1].tolist()
         tokens = [d.tokens + [last[r]] * (N - len(d.tokens)) for r, d in enumerate(drafts)]
         parent = [[0] + d.parents + [0] * (N - len(d.tokens)) for d in drafts]
+        real = [[True] * (1 + len(d.tokens)) + [False] * (N - len(d.tokens)) for d in drafts]
         dev = self.target.device
-        trees = row_trees(torch.tensor(parent, dtype=torch.long, device=dev), self.depth, N)
+        trees = row_trees(torch.tensor(parent, dtype=torch.long, device=dev), self.depth, N, torch.tensor(real))
         return Proposal(torch.tensor(tokens, dtype=torch.long, device=dev).view(B, N), None, trees)
 
 
