@@ -9,7 +9,8 @@ The CLI (``--draft``), serving, the benchmarks (``bench-spec --strategy``, ``ben
 (target only), ``model`` (a draft model), ``eagle`` / ``eagle3`` (EAGLE heads, chains) and ``eagle-tree`` /
 ``eagle3-tree`` (the same heads drafting EAGLE-2 dynamic trees), ``medusa``, ``lookup`` (prompt lookup),
 ``lookup+X``: prompt lookup combined with X's proposals, ``suffix`` (suffix decoding: the row's text and a
-cache of earlier requests, chains) and ``suffix+X``: the suffix chain where it matches, X's chain elsewhere.
+cache of earlier requests, chains), ``suffix-tree`` (the same, token trees of the most frequent continuations)
+and ``suffix+X``: the suffix chain where it matches, X's chain elsewhere.
 ``RENAMED`` holds the names of earlier tables, which
 are refused with the new name (``strategy``).
 
@@ -41,7 +42,7 @@ from .medusa.heads import load_medusa_config
 from .medusa.smollm2 import shipped_medusa_dir
 from .speculation.proposer import BaseProposer
 from .suffix.combined import SuffixOrDraft
-from .suffix.proposer import SuffixChain
+from .suffix.proposer import SuffixChain, SuffixDraft
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class Strategy:
     (itself for a model-backed strategy, X for ``lookup+X`` / ``suffix+X``, None: no weights); lookup: how
     prompt lookup takes part ("alone", "switch": per row, lookup or the model's chain (``LookupOrDraft``),
     "graft": the lookup chain grafted onto the model's tree (``LookupBranch``), None); suffix: how suffix
-    decoding takes part ("alone": ``SuffixChain``, "switch": per row, the suffix chain or the model's
-    (``SuffixOrDraft``), None); tree: the ``tree=`` it takes
+    decoding takes part ("alone": ``SuffixChain``, "tree": ``SuffixDraft``'s token trees, "switch": per row, the
+    suffix chain or the model's (``SuffixOrDraft``), None); tree: the ``tree=`` it takes
     ("static": a Medusa tree name / JSON / ``TokenTree``, "dynamic": a ``DynamicTree`` or "DxKxN", None);
     fused / adaptive / gate: whether ``SpeculativeGenerator``'s ``fused=`` / ``adaptive=`` / ``gate=`` apply;
     quantizable: its draft network takes its own weight-only scheme (``quantization=``); weights: the
@@ -101,13 +102,17 @@ class Strategy:
         depth: a tree strategy's depth (Medusa: the tree cut to it; EAGLE-2: ``DynamicTree(depth=...)``);
         suffix: a suffix strategy's settings: ``SuffixChain``'s (``SUFFIX_OPTIONS``: ``cache``, a ``SuffixCache``
         (e.g. one shared with other proposers; default: a new one), ``alpha``, ``offset``, ``min_prob``,
-        ``cache_prompts``) and for ``suffix+X`` ``SuffixOrDraft``'s ``min_match``;
+        ``cache_prompts``), for ``suffix-tree`` also ``SuffixDraft``'s ``num_nodes`` (its ``depth``: ``depth``) and
+        for ``suffix+X`` ``SuffixOrDraft``'s ``min_match``;
         options: the draft network's ``from_pretrained`` arguments (``quantization``, ``progress``, ...)."""
         if self.part is None and (path is not None or part is not None or options):
             raise ValueError(f"strategy {self.name!r} loads no draft network: it takes no path or options")
-        if self.tree is None and (tree is not None or depth is not None):
+        if self.kind != "tree" and (tree is not None or depth is not None):
             raise ValueError(f"strategy {self.name!r} drafts chains: tree / depth are for the tree strategies "
-                             f"({', '.join(n for n, s in REGISTRY.items() if s.tree)})")
+                             f"({', '.join(n for n, s in REGISTRY.items() if s.kind == 'tree')})")
+        if self.tree is None and tree is not None:
+            raise ValueError(f"strategy {self.name!r} grows its trees from the text it matched: it takes a depth and "
+                             "suffix={'num_nodes': N}, not a tree")
         if suffix is not None:
             self._check_suffix(suffix)
         if self.kind == "none":
@@ -116,6 +121,8 @@ class Strategy:
             return PromptLookup(target)
         if self.suffix == "alone":
             return SuffixChain(target, **(suffix or {}))
+        if self.suffix == "tree":
+            return SuffixDraft(target, **(suffix or {}), **({} if depth is None else {"depth": depth}))
         if part is None:
             part = REGISTRY[self.part]._load(target, path, tree, depth, options)
         if self.lookup == "switch":
@@ -133,7 +140,7 @@ class Strategy:
         if self.suffix is None:
             raise ValueError(f"strategy {self.name!r} is not suffix decoding: suffix settings are for "
                              f"{', '.join(n for n, s in REGISTRY.items() if s.suffix)}")
-        allowed = SUFFIX_OPTIONS + (("min_match",) if self.suffix == "switch" else ())
+        allowed = SUFFIX_OPTIONS + {"switch": ("min_match",), "tree": ("num_nodes",)}.get(self.suffix, ())
         unknown = [k for k in suffix if k not in allowed]
         if unknown:
             raise ValueError(f"strategy {self.name!r}: unknown suffix setting(s) {', '.join(map(repr, unknown))}; "
@@ -233,15 +240,17 @@ def _table() -> dict[str, Strategy]:
                       default_k=4, lookup="alone", adaptive=True)
     suffix = Strategy("suffix", "suffix decoding (the sequence and a cache of earlier outputs, no weights)",
                       SuffixChain, default_k=4, suffix="alone", adaptive=True)
+    suffix_tree = Strategy("suffix-tree", "suffix decoding drafting token trees of the most frequent continuations",
+                           SuffixDraft, kind="tree", suffix="tree")
     none = Strategy("none", "target only (no speculation)", None, kind="none", gate=False)
     combined = [_with_lookup(s) for s in models if s.name != "medusa"]
     with_suffix = [_with_suffix(s) for s in models if s.kind == "chain"]
-    return {s.name: s for s in [none, *models, lookup, *combined, suffix, *with_suffix]}
+    return {s.name: s for s in [none, *models, lookup, *combined, suffix, suffix_tree, *with_suffix]}
 
 
 REGISTRY: dict[str, Strategy] = _table()
 """Every strategy by name: none, model, eagle, eagle-tree, eagle3, eagle3-tree, medusa, lookup, lookup+model,
-lookup+eagle, lookup+eagle-tree, lookup+eagle3, lookup+eagle3-tree, suffix, suffix+model, suffix+eagle,
+lookup+eagle, lookup+eagle-tree, lookup+eagle3, lookup+eagle3-tree, suffix, suffix-tree, suffix+model, suffix+eagle,
 suffix+eagle3."""
 RENAMED = {"draft": "model", "lookup+draft": "lookup+model", "target": "none"}
 """Names of the earlier per-tool tables → the registry's name."""

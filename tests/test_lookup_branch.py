@@ -22,7 +22,8 @@ def test_graft_follows_matching_children_then_adds_new_nodes():
     chain = torch.tensor([[10, 12, 13],     # follows a, c, then 13 is new below c
                           [10, 99, 98],     # follows a, then a new branch below a
                           [77, 10, 12]])    # no match at the root: a new chain below the root
-    t, p = graft(tokens, parent, chain)
+    t, p, spare = graft(tokens, parent, chain)
+    assert spare.tolist() == [[True, True, False], [True, False, False], [False, False, False]]
     assert t[0].tolist() == [10, 11, 12, 10, 10, 13] and p[0].tolist() == [0, 0, 0, 1, 0, 0, 3]
     assert t[1].tolist() == [10, 11, 12, 10, 99, 98] and p[1].tolist() == [0, 0, 0, 1, 0, 1, 5]
     assert t[2].tolist() == [10, 11, 12, 77, 10, 12] and p[2].tolist() == [0, 0, 0, 1, 0, 4, 5]

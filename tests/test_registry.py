@@ -40,12 +40,13 @@ N_NEW = 8
 def test_the_table_holds_its_invariants():
     assert list(REGISTRY) == ["none", "model", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "medusa", "lookup",
                               "lookup+model", "lookup+eagle", "lookup+eagle-tree", "lookup+eagle3",
-                              "lookup+eagle3-tree", "suffix", "suffix+model", "suffix+eagle", "suffix+eagle3"]
+                              "lookup+eagle3-tree", "suffix", "suffix-tree", "suffix+model", "suffix+eagle",
+                              "suffix+eagle3"]
     assert SHIPPED == ("model", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "medusa")
     for name, s in REGISTRY.items():
         assert s.name == name and s.kind in ("none", "chain", "tree"), name
         assert (s.default_k is not None) == (s.kind == "chain"), name       # a tree's k is its depth
-        assert (s.tree is not None) == (s.kind == "tree"), name
+        assert (s.tree is not None) == (s.kind == "tree" and s.suffix is None), name   # suffix trees: no tree=
         assert s.adaptive == (s.kind == "chain") and s.gate == s.speculative, name
         assert not s.fused or (s.kind == "chain" and s.lookup is None), name
         assert (s.proposer is None) == (not s.speculative), name
@@ -56,7 +57,7 @@ def test_the_table_holds_its_invariants():
                 (base.weights, base.tree, base.quantizable, base.default_k), name
             assert s.proposer is (SuffixOrDraft if s.suffix else LookupBranch if base.kind == "tree" else
                                   LookupOrDraft), name
-        assert (s.suffix is None) == (s.proposer not in (SuffixChain, SuffixOrDraft)), name
+        assert (s.suffix is None) == (s.proposer not in (SuffixChain, SuffixDraft, SuffixOrDraft)), name
     for old, new in RENAMED.items():
         assert old not in REGISTRY and new in REGISTRY
 
@@ -99,6 +100,12 @@ def test_build_refuses_options_a_strategy_does_not_take(ckpt):
     cache = SuffixCache(max_tokens=1000)
     chain = REGISTRY["suffix"].build(target, suffix={"cache": cache, "alpha": 2.0})
     assert isinstance(chain, SuffixChain) and chain.cache is cache and chain.alpha == 2.0
+    tree = REGISTRY["suffix-tree"].build(target, depth=3, suffix={"cache": cache, "num_nodes": 5})
+    assert isinstance(tree, SuffixDraft) and tree.cache is cache and (tree.depth, tree.num_nodes) == (3, 5)
+    with pytest.raises(ValueError, match="unknown suffix setting\\(s\\) 'min_match'; it takes .*num_nodes"):
+        REGISTRY["suffix-tree"].build(target, suffix={"min_match": 3})
+    with pytest.raises(ValueError, match="drafts chains: tree / depth"):
+        REGISTRY["suffix"].build(target, depth=3)
 
 
 # ---------------------------------------------------------------------------------------------- the protocol

@@ -217,13 +217,15 @@ def test_cli_suffix_strategies(checkpoint, capsys):
     for extra in (["--draft", "suffix", "--suffix-cache-tokens", "4096", "--suffix-alpha", "2", "--stats"],
                   ["--draft", "suffix", "--adaptive-k", "--gate"],
                   ["--draft", "suffix+model", "--draft-path", draft, "--suffix-min-match", "2", "--suffix-min-prob",
-                   "0.2", "--stats"]):
+                   "0.2", "--stats"],
+                  ["--draft", "suffix-tree", "--suffix-alpha", "2", "--stats"]):
         rc, out, err = run(generate_args(target, REPEATS, 20, 64, *extra), capsys)
         assert rc == 0, err
         assert new_ids(out) == reference, extra
-        assert f"--draft {extra[1]} k=4" in err
+        assert f"--draft {extra[1]} k={8 if extra[1] == 'suffix-tree' else 4}" in err     # a tree's k: its depth
     for extra, message in ((["--draft", "model", "--draft-path", draft, "--suffix-alpha", "2"],
-                            "--suffix-alpha is for --draft suffix, suffix+model, suffix+eagle or suffix+eagle3"),
+                            "--suffix-alpha is for --draft suffix, suffix-tree, suffix+model, suffix+eagle or "
+                            "suffix+eagle3"),
                            (["--draft", "suffix", "--suffix-min-match", "3"], "--suffix-min-match chooses between"),
                            (["--draft", "suffix", "--suffix-cache-tokens", "1"], "must be >= 2, got 1"),
                            (["--draft", "suffix+model", "--draft-path", draft, "--suffix-min-match", "17"],

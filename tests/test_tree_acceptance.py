@@ -57,7 +57,7 @@ def test_greedy_duplicate_siblings():
 
 
 def test_padding_nodes_are_not_computed_and_never_accepted():
-    """``row_trees``' padding (a row's unused slots: leaves below the root after its real nodes) has its mask
+    """``row_trees``' padding (a row's unused slots: leaves) has its mask
     diagonal cleared, is no node's child, and no rule accepts it even where its token is the target's choice."""
     parent = torch.tensor([[0, 0, 1, 0, 0]])                 # root -> 1 -> 2; nodes 3, 4 pad the width
     real = torch.tensor([[True, True, True, False, False]])
@@ -74,7 +74,7 @@ def test_padding_nodes_are_not_computed_and_never_accepted():
     u, v = draw_tree_uniforms(1, 2, 4, torch.Generator().manual_seed(0))
     assert accept_tree_sampled(tokens, probs, trees.child_nodes, u, v)[0].tolist() == [0]
     for bad in ([[True, False, True, False, False]], [[False] + [True] * 4]):   # a padding parent; the root
-        with pytest.raises(ValueError, match="padding nodes must be leaves below the root"):
+        with pytest.raises(ValueError, match="the root must be real and padding nodes leaves"):
             row_trees(parent, 2, 4, torch.tensor(bad))
 
 

@@ -4,9 +4,9 @@ Per row and step, the tree proposer (e.g. ``EagleTreeDraft``) proposes its tree 
 ``PromptLookup`` the L tokens that followed the latest earlier occurrence of the row's suffix n-gram.
 The lookup chain is grafted onto the tree: starting at the root, each lookup token that is already a
 child of the current node moves there; from the first one that is not, the rest hang below it as new
-nodes. The verify step sees N + L nodes (the L slots of a chain that was fully grafted become spare
-children of the root repeating the chain's first token: a repeated sibling is never accepted twice,
-so they are inert). One target forward verifies both sources, so a row whose output copies its
+nodes. The verify step sees N + L nodes (the slots of the chain's grafted prefix are spare children of the
+root repeating the chain's first token, marked padding: never accepted, and not computed by kernels
+that skip padding). One target forward verifies both sources, so a row whose output copies its
 prompt (summaries, RAG answers, code edits) accepts the lookup run while other rows keep the model's
 tree.
 
@@ -73,8 +73,9 @@ class LookupBranch(BaseProposer):
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
         proposal = self.draft.propose(tail, lengths, k, params, rng)
         chain = self.lookup.propose(tail, lengths, self.length, params, rng).tokens.to(proposal.tokens.device)
-        tokens, parent = graft(proposal.tokens, proposal.tree.parent, chain)
-        merged = row_trees(parent, proposal.tree.max_depth, proposal.tree.max_children + self.length)
+        tokens, parent, spare = graft(proposal.tokens, proposal.tree.parent, chain)
+        real = torch.cat([proposal.tree.mask.diagonal(dim1=1, dim2=2), ~spare], 1)
+        merged = row_trees(parent, proposal.tree.max_depth, proposal.tree.max_children + self.length, real)
         self.draft.pending = merged
         return Proposal(tokens, None, merged)
 
@@ -88,17 +89,20 @@ class LookupBranch(BaseProposer):
         self.lookup.finished(rows, lengths)
 
 
-def graft(tokens: torch.Tensor, parent: torch.Tensor, chain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Graft ``chain`` [B, L] below the root of each row's tree → (tokens [B, N+L], parent [B, N+L+1]).
+def graft(tokens: torch.Tensor, parent: torch.Tensor,
+          chain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Graft ``chain`` [B, L] below the root of each row's tree → (tokens [B, N+L], parent [B, N+L+1], spare
+    [B, L] bool: the new-node slots left unused).
 
     tokens [B, N] are the tree's nodes 1..N, parent [B, N+1] over [root, nodes] (parents first). Lookup
     token j follows the path while it matches a child of the current node (the lowest-index one); from
     its first miss on, it becomes new node N+1+j below the previous one. New-node slots of a fully
-    grafted prefix repeat chain[:, 0] below the root. Tensor ops only (a loop over L)."""
+    grafted prefix are spare: they repeat chain[:, 0] below the root (the verifier's padding: ``LookupBranch``).
+    Tensor ops only (a loop over L)."""
     B, N = tokens.shape
     L = chain.shape[1]
     node_tokens = torch.cat([torch.full_like(tokens[:, :1], -1), tokens], 1)                   # [B, N+1]
-    new_tokens, new_parent = [], []
+    new_tokens, new_parent, spare = [], [], []
     current = torch.zeros(B, dtype=torch.long, device=tokens.device)       # where the chain stands
     grafting = torch.ones(B, dtype=torch.bool, device=tokens.device)       # still inside the tree
     for j in range(L):
@@ -108,7 +112,8 @@ def graft(tokens: torch.Tensor, parent: torch.Tensor, chain: torch.Tensor) -> tu
         slot = N + 1 + j
         new_tokens.append(torch.where(found, chain[:, 0], chain[:, j]))
         new_parent.append(torch.where(found, torch.zeros_like(current), current))
+        spare.append(found)
         current = torch.where(found, hit.long().argmax(1), torch.full_like(current, slot))
         grafting = found
     return (torch.cat([tokens, torch.stack(new_tokens, 1)], 1),
-            torch.cat([parent, torch.stack(new_parent, 1)], 1))
+            torch.cat([parent, torch.stack(new_parent, 1)], 1), torch.stack(spare, 1))

@@ -185,7 +185,7 @@ def row_trees(parent: torch.Tensor, max_depth: int, max_children: int, real: tor
     come before their children). Invariants the caller keeps (not checked): no node deeper than
     ``max_depth`` (D), no node with more than ``max_children`` (C) children. Children are listed in node
     order. ``real`` [B, N+1] bool (None: all): a node that is not real is a padding slot of a row's static
-    width — a leaf below the root after every real node (checked): its diagonal mask entry is cleared
+    width, a leaf (checked: no node attends to it but itself): its diagonal mask entry is cleared
     (``model.padding_mask``: kernels that skip padding do not compute it) and it is no node's child, so no
     acceptance rule reaches it. See ``RowTrees`` for the outputs.
     """
@@ -209,9 +209,8 @@ def row_trees(parent: torch.Tensor, max_depth: int, max_children: int, real: tor
     child_nodes.scatter_(1, slot, node[:, 1:])
     if real is not None:
         real = real.to(dev)
-        padding = ~real
-        if bool(padding[:, 0].any() | (padding & (parent != 0)).any() | (real[:, 1:] & padding[:, :-1]).any()):
-            raise ValueError("row_trees: padding nodes must be leaves below the root after every real node")
+        if not bool(real[:, 0].all() & real.gather(1, parent).all()):
+            raise ValueError("row_trees: the root must be real and padding nodes leaves (no node's parent)")
         mask.diagonal(dim1=1, dim2=2).logical_and_(real)
         child_nodes = torch.where(real.gather(1, child_nodes.clamp(min=0)), child_nodes, PAD_NODE)
     return RowTrees(mask, depth, parent, ancestors, child_nodes.view(B, n1, max_children))

@@ -33,11 +33,10 @@
 // and group instead of 14, where 512-bit integer multiplies on one port bound a many-row call; bench_block_mm.py's
 // streamed 1.5B stack does not resolve the difference from run to run). Threads: at::parallel_for over tiles.
 // (AMX does not pay here: a group is 16 columns × 32 k, so each group's dots must be stored and read back for its
-// scale. Measured
-// on a Sapphire Rapids class Xeon, a TDPBSUD tile over 64 k with A rows = (row, group) pairs — activations of one
-// group, zeros over the other — gives the same bits but, with the unpacked codes stored for the B tile and C
-// stored for the scales, took 1.3× the VNNI time at 5 rows and 1.0× at 16 with the weights in L2, and on the 1.5B's
-// streamed layers 1.18× at 5 rows, 1.3× at 9 and 1.1× at 96.)
+// scale. Measured on a Sapphire Rapids class Xeon, a TDPBSUD tile over 64 k with A rows = (row, group) pairs —
+// activations of one group, zeros over the other — gives the same bits but, with the unpacked codes stored for the
+// B tile and C stored for the scales, took 1.3× the VNNI time at 5 rows and 1.0× at 16 with the weights in L2, and
+// on the 1.5B's streamed layers 1.18× at 5 rows, 1.3× at 9 and 1.1× at 96.)
 // Each thread reads its tiles' bytes as one sequential stream. The more rows a call has, the longer a group's
 // arithmetic, so the out-of-order window covers fewer groups, fewer of the stream's misses are in flight and the
 // arithmetic and the memory time add up; a software prefetch into L2 (prefetcht1) of the bytes
