@@ -63,7 +63,8 @@ def decode_step(target: Target, tail: torch.Tensor, params: torch.Tensor, rng: R
     a row that is not ``active`` [B] bool is padding (``model.causal_mask``: kernels that skip padding do not
     compute it; its output is meaningless); such a row's cache holds at least the dummy sequence's first slot, so
     it still attends to something."""
-    return target.step(tail[:, 1:], params, rng, token_mask=causal_mask(1, active.long()), advance=False)
+    padding = None if bool(active.all()) else causal_mask(1, active.long())
+    return target.step(tail[:, 1:], params, rng, token_mask=padding, advance=False)
 
 
 class Speculator(Protocol):
