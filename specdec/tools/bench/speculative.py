@@ -368,16 +368,17 @@ def strategy_systems(name: str, options: SpecBenchOptions, target,
                      gate: bool = False) -> tuple[dict[str, System], torch.nn.Module | None]:
     """One strategy's systems (named ``specdec-{name}-...``; ``gate``: gated generators) and its drafting
     module. Trees: one system per tree (``--trees`` for static trees, ``--dynamic-trees`` for EAGLE-2 shapes;
-    k = the depth; suffix trees: one, the default depth and nodes); chains: one per k of ``--ks`` (and
+    k = the depth; suffix trees: one per k of ``--ks``, its depth); chains: one per k of ``--ks`` (and
     ``--fused`` where the strategy fuses). One draft network serves all of a strategy's systems; each generator
     gets a fresh combination around it."""
     from ... import SpeculativeGenerator
     s = REGISTRY[name]
     generator = partial(SpeculativeGenerator, gate=gate)
     spec = f"specdec-{name}"
-    if s.kind == "tree" and s.tree is None:         # suffix trees: grown from the text, one default shape
-        grown = s.build(target)
-        return {spec: System(grown.depth, grown.verify_size, lambda: generator(s.build(target), target, None))}, None
+    if s.kind == "tree" and s.tree is None:         # suffix trees, grown from the text: depth = each k of --ks
+        return {f"{spec}-k{k}": System(k, s.build(target, depth=k).verify_size,
+                                       lambda k=k: generator(s.build(target, depth=k), target, None))
+                for k in options.ks}, None
     if s.kind == "tree":
         shapes = options.trees.split(",") if s.tree == "static" else options.dynamic_trees.split(",")
         parts = {shape: strategy_model(s.part, options, target, tree=None if shape == "shipped" else
