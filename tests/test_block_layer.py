@@ -253,7 +253,7 @@ def test_padding_tokens_are_skipped_and_change_no_real_bit(tiny):
             assert not mine[0, 14:16].any() and theirs[0, 14:16].any()
 
 
-def test_a_rows_that_are_not_active_are_not_computed(tiny):
+def test_rows_that_are_not_active_are_not_computed(tiny):
     """A decode step computes the active rows only (``engine.decode_step``: the others' tokens are padding), a
     speculation step verifies none of their drafts (``speculative.narrowed``), and the active rows keep their
     bits."""

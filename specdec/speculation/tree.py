@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..core.model import padding_mask
+
 __all__ = ["PAD_NODE", "RowTrees", "TokenTree", "TreeBuffers", "row_trees", "tree_buffers"]
 
 PAD_NODE = -1
@@ -211,7 +213,7 @@ def row_trees(parent: torch.Tensor, max_depth: int, max_children: int, real: tor
         real = real.to(dev)
         if not bool(real[:, 0].all() & real.gather(1, parent).all()):
             raise ValueError("row_trees: the root must be real and padding nodes leaves (no node's parent)")
-        mask.diagonal(dim1=1, dim2=2).logical_and_(real)
+        mask = padding_mask(mask, real)
         child_nodes = torch.where(real.gather(1, child_nodes.clamp(min=0)), child_nodes, PAD_NODE)
     return RowTrees(mask, depth, parent, ancestors, child_nodes.view(B, n1, max_children))
 
