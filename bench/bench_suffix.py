@@ -16,8 +16,10 @@ Systems: ``target`` (target-only decoding) and one per ``--strategies`` entry (r
 ``suffix,suffix+model``). Each (system, workload) starts with an empty suffix cache that then fills with
 the workload's finished requests, as a server's does. Offline: one ``SpeculativeGenerator`` per (system,
 workload) over one batch-1 target, after building every graph a request may use (compiling backends:
-``specdec.options.precompile``) and an untimed warm-up request (with its own cache); ``tok_s`` = new
-tokens / seconds of the ``generate`` calls (prefill included). Server (``--modes server``): ``specdec serve``'s
+``specdec.options.precompile``) and an untimed warm-up request (with its own cache); the systems run each
+request in turn (agent sessions turn by turn), their order alternating from one request to the next, so a
+drift of the machine's speed between requests reaches every system alike; ``tok_s`` = new tokens / seconds
+of the ``generate`` calls (prefill included). Server (``--modes server``): ``specdec serve``'s
 engine (batch ``--concurrency``) in this process, ``--concurrency`` concurrent streams (agent: that many
 sessions at once, each turn after the previous one; others: a closed loop of that many clients);
 ``tok_s`` = output tokens / wall seconds. τ = 1 + accepted / steps (pooled row-steps). Greedy outputs of
@@ -243,22 +245,42 @@ def workload(name: str, tokenizer, requests: int, turns: int, seed: int) -> Work
     return Workload(name, prompts=[chat_ids(tokenizer, t) for t in texts])
 
 
-def requests_of(wl: Workload, tokenizer, generate: Callable[[list[int]], list[int]]) -> list[list[int]]:
-    """Run every request of ``wl`` in order with ``generate`` (prompt ids → new token ids); agent sessions
-    one after the other, each turn's prompt holding the earlier turns' outputs → the outputs, in order."""
-    outputs = [generate(p) for p in wl.prompts]
+def interleaved(wl: Workload, tokenizer, systems: dict[str, Callable[[list[int]], list[int]]]) -> dict[str, list]:
+    """Run every request of ``wl`` on every system in turn, request by request (agent sessions turn by turn),
+    the systems' order alternating from one request to the next (A B, then B A), so that a drift of the
+    machine's speed between requests reaches every system alike → {system: its outputs, in order}. Each
+    system's agent turns hold its own earlier outputs (greedy systems agree, so the prompts are the same)."""
+    names = list(systems)
+    outputs: dict[str, list[list[int]]] = {name: [] for name in names}
+    done = 0                                       # requests run so far: the next one's order
+
+    def run(prompts: dict[str, list[int] | None]) -> None:
+        nonlocal done
+        for name in (names if done % 2 == 0 else names[::-1]):
+            if prompts[name] is not None:
+                outputs[name].append(systems[name](prompts[name]))
+        done += 1
+
+    for prompt in wl.prompts:
+        run(dict.fromkeys(names, prompt))
     for session in wl.sessions:
-        texts: list[str] = []
-        while (prompt := session(texts)) is not None:
-            outputs.append(generate(prompt))
-            texts.append(tokenizer.decode(outputs[-1], skip_special_tokens=True))
+        texts: dict[str, list[str]] = {name: [] for name in names}
+        while True:
+            prompts = {name: session(texts[name]) for name in names}
+            if all(p is None for p in prompts.values()):
+                break
+            before = {name: len(outputs[name]) for name in names}
+            run(prompts)
+            for name in names:
+                if len(outputs[name]) > before[name]:
+                    texts[name].append(tokenizer.decode(outputs[name][-1], skip_special_tokens=True))
     return outputs
 
 
 # ---------------------------------------------------------------------------------------------- offline
 def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: DecoderModel) -> dict:
-    """Batch 1, requests one after the other: target-only and every strategy, per workload (see the module
-    docstring) → {workload: {system: entry}}."""
+    """Batch 1: target-only and every strategy, per workload, the systems interleaved request by request
+    (``interleaved``; see the module docstring) → {workload: {system: entry}}."""
     parts: dict[str, object] = {}           # a draft network, loaded once, serves every system that uses it
 
     def proposer(name: str):
@@ -278,28 +300,35 @@ def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: Deco
         gen = generator(name)
         return Engine(target) if gen is None else gen.engine
 
-    result: dict[str, dict] = {}
-    for system in (TARGET, *cfg.strategies):
-        log(f"offline: {system}")
+    systems = (TARGET, *cfg.strategies)
+    for system in systems:
+        log(f"offline: preparing {system}")
         if cfg.backend != "eager":          # every graph a request may use, before anything is timed
             precompile(target, generator(system), cfg.n_positions - cfg.max_new_tokens, cfg.max_new_tokens)
         warm = engine_of(system)            # untimed: each workload's first request, a few tokens
         for wl in workloads:
             first = wl.prompts[0] if wl.prompts else wl.sessions[0]([])
             warm.generate([first], max_new_tokens=8)
-        for wl in workloads:
-            engine, seconds = engine_of(system), 0.0
-
-            def generate(ids: list[int]) -> list[int]:
-                nonlocal seconds
-                start = time.perf_counter()
-                engine.generate([ids], max_new_tokens=cfg.max_new_tokens)      # noqa: B023 (this workload's)
-                seconds += time.perf_counter() - start
-                return list(engine.rows[0].new)                                 # noqa: B023
-
-            outputs = requests_of(wl, target.tokenizer, generate)
-            result.setdefault(wl.name, {})[system] = entry(engine, outputs, seconds)
+    result: dict[str, dict] = {}
+    for wl in workloads:
+        log(f"offline: {wl.name}")
+        engines = {system: engine_of(system) for system in systems}       # each with an empty cache
+        seconds = dict.fromkeys(systems, 0.0)
+        runs = {s: timed(engines[s], s, seconds, cfg.max_new_tokens) for s in systems}
+        outputs = interleaved(wl, target.tokenizer, runs)
+        result[wl.name] = {system: entry(engines[system], outputs[system], seconds[system]) for system in systems}
     return finish(result)
+
+
+def timed(engine: Engine, system: str, seconds: dict[str, float],
+          max_new_tokens: int) -> Callable[[list[int]], list[int]]:
+    """``engine``'s batch-1 generation (prompt ids → new token ids), its time added to ``seconds[system]``."""
+    def generate(ids: list[int]) -> list[int]:
+        start = time.perf_counter()
+        engine.generate([ids], max_new_tokens=max_new_tokens)
+        seconds[system] += time.perf_counter() - start
+        return list(engine.rows[0].new)
+    return generate
 
 
 COUNTERS = ("lookups", "hits", "added", "evicted")

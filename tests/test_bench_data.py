@@ -253,3 +253,37 @@ def test_coverage_analysis_counts_oov_prompt_lookup_and_larger_vocabularies():
     header, _, row_x = table(wide).splitlines()[:3]
     assert "OOV c (6)" in header and "OOV b" not in header                 # b shares a's vocabulary
     assert row_x.startswith("| s/x | 6 | 0.667 | 0.50 | 0.75 | 0.000 | ")
+
+
+def test_suffix_benchmark_interleaves_systems_request_by_request(monkeypatch):
+    """bench_suffix runs each request on every system in turn, the order alternating (A B, B A, ...), and each
+    system's agent turns are built from its own outputs."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_suffix", REPO / "bench" / "bench_suffix.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_suffix", bench)      # (its dataclasses look their module up)
+    spec.loader.exec_module(bench)
+    calls = []
+
+    def system(name, offset):
+        def generate(ids):
+            calls.append((name, tuple(ids)))
+            return [ids[-1] + offset]
+        return generate
+
+    wl = bench.Workload("w", prompts=[[1], [2], [3]])
+    out = bench.interleaved(wl, None, {"a": system("a", 10), "b": system("b", 10)})
+    assert [c[0] for c in calls] == ["a", "b", "b", "a", "a", "b"]
+    assert out == {"a": [[11], [12], [13]], "b": [[11], [12], [13]]}
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens):
+            return str(ids[0])
+
+    def session(texts):           # two turns; the second prompt holds the first output
+        return None if len(texts) == 2 else [100 + sum(int(t) for t in texts)]
+
+    calls.clear()
+    out = bench.interleaved(bench.Workload("s", sessions=[session]), Tok(), {"a": system("a", 1), "b": system("b", 2)})
+    assert out == {"a": [[101], [202]], "b": [[102], [204]]}      # b's second prompt: 100 + its own 102
+    assert [c[0] for c in calls] == ["a", "b", "b", "a"]
