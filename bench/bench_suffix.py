@@ -85,8 +85,9 @@ class SuffixBenchOptions:
     ``draft_model`` of suffix+model (None: the shipped draft) scoring ``draft_vocab`` ids (None: all) with its own
     weight-only ``draft_quantization`` (None: the target's), the
     suffix ``strategies``, the ``workloads``, the ``modes`` (offline, server), ``requests`` per workload (agent:
-    sessions of ``turns`` requests), ``max_new_tokens`` per request, the server's ``concurrency``, ``k`` (None:
-    the strategy's), ``gate`` (every speculative system with the cost gate: ``gate=True``, ``specdec.gate``),
+    sessions of ``turns`` requests), ``max_new_tokens`` per request, the server's ``concurrency``, ``ks`` (each
+    strategy once per k, named ``<strategy>-k<k>`` when there are several; None: the strategy's own k), ``gate``
+    (every speculative system with the cost gate: ``gate=True``, ``specdec.gate``),
     the runtime (``backend``, ``amp``, ``quantization``, ``n_positions``, ``context_buckets``, ``threads``),
     the workloads' ``seed``, ``output`` (None: bench/results/suffix_<model>.json) and the suffix options
     (``SpeculationOptions``' suffix fields)."""
@@ -102,7 +103,7 @@ class SuffixBenchOptions:
     turns: int = 4
     max_new_tokens: int = 128
     concurrency: int = 4
-    k: int | None = None
+    ks: list[int] | None = None
     gate: bool = False
     backend: str = "eager"
     amp: str = "f32"
@@ -116,6 +117,17 @@ class SuffixBenchOptions:
     suffix_alpha: float | None = None
     suffix_min_prob: float | None = None
     suffix_min_match: int | None = None
+
+
+def systems_of(cfg: SuffixBenchOptions) -> dict[str, tuple[str, int | None]]:
+    """The systems a run compares → {name: (registry strategy, k; None: the strategy's own)}: target-only first,
+    then each strategy once per k of ``cfg.ks`` (named ``<strategy>-k<k>`` when there are several)."""
+    ks = cfg.ks or [None]
+    out: dict[str, tuple[str, int | None]] = {TARGET: ("none", None)}
+    for strategy in cfg.strategies:
+        for k in ks:
+            out[strategy if len(ks) == 1 else f"{strategy}-k{k}"] = (strategy, k)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- workloads
@@ -291,16 +303,18 @@ def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: Deco
             parts[s.part] = REGISTRY[s.part].build(target, cfg.draft_model, progress=False, **vocab, **quant)
         return s.build(target, part=parts.get(s.part), suffix=options_from(SpeculationOptions, cfg).suffix_settings())
 
+    systems = systems_of(cfg)
+
     def generator(name: str) -> SpeculativeGenerator | None:
+        strategy, k = systems[name]
         if name == TARGET:
             return None
-        return SpeculativeGenerator(proposer(name), target, cfg.k or REGISTRY[name].default_k, gate=cfg.gate)
+        return SpeculativeGenerator(proposer(strategy), target, k or REGISTRY[strategy].default_k, gate=cfg.gate)
 
     def engine_of(name: str) -> Engine:
         gen = generator(name)
         return Engine(target) if gen is None else gen.engine
 
-    systems = (TARGET, *cfg.strategies)
     for system in systems:
         log(f"offline: preparing {system}")
         if cfg.backend != "eager":          # every graph a request may use, before anything is timed
@@ -367,14 +381,15 @@ def finish(result: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- server
-def serve_options(cfg: SuffixBenchOptions, strategy: str) -> ServeOptions:
-    """``specdec serve``'s options for ``strategy`` ("none": target only), batch ``--concurrency``."""
+def serve_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -> ServeOptions:
+    """``specdec serve``'s options for ``strategy`` ("none": target only) drafting ``k`` tokens a step (None: the
+    strategy's own), batch ``--concurrency``."""
     s = REGISTRY[strategy]
     suffix = {name: getattr(cfg, name) for name in SUFFIX_SETTINGS} if s.suffix else {}
     speculation = SpeculationOptions(draft=strategy, draft_model=cfg.draft_model if s.part == "model" else None,
                                      draft_vocab=cfg.draft_vocab if s.part == "model" else None,
                                      draft_quantization=cfg.draft_quantization if s.part is not None else None,
-                                     k=cfg.k if cfg.k and strategy != "none" else None,
+                                     k=k if strategy != "none" else None,
                                      gate=cfg.gate and strategy != "none", **suffix)
     model = ModelOptions(model=cfg.model, backend=cfg.backend, amp=cfg.amp, n_positions=cfg.n_positions,
                          context_buckets=cfg.context_buckets,
@@ -420,9 +435,9 @@ def run_server(cfg: SuffixBenchOptions, workloads: list[Workload]) -> dict:
     from specdec.serving.server import load_engine, running_server, serving_engine
 
     result: dict[str, dict] = {}
-    for system in (TARGET, *cfg.strategies):
+    for system, (strategy, k) in systems_of(cfg).items():
         log(f"server: {system}")
-        options = serve_options(cfg, "none" if system == TARGET else system)
+        options = serve_options(cfg, strategy, k)
         served = serving_engine(load_engine(options), options.max_waiting)
         core = served.engine
         cache = None if core.speculator is None else core.speculator.proposer.cache
@@ -472,7 +487,9 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     p.add_argument("--turns", type=int, default=4, help="agent: turns per session")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per request (a request may end at EOS first)")
     p.add_argument("--concurrency", type=int, default=4, help="server: concurrent streams = rows of the batch")
-    p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: the strategy's, 4)")
+    p.add_argument("--ks", type=int_list, default=None,
+                   help="draft tokens per step, a comma list: each strategy runs once per k, named <strategy>-k<k> "
+                        "when there are several (default: the strategy's own k)")
     p.add_argument("--gate", action="store_true",
                    help="every speculative system with the cost gate (speculate only while it pays: gate=True)")
     p.add_argument("--backend", choices=("eager", "compiled", "regional"), default="eager")
@@ -490,6 +507,10 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     args = p.parse_args(argv)
     if min(args.requests, args.turns, args.max_new_tokens, args.concurrency) < 1:
         p.error("--requests, --turns, --max-new-tokens and --concurrency must be >= 1")
+    if args.ks is not None and (not args.ks or min(args.ks) < 1):
+        p.error("--ks must list draft lengths >= 1")
+    if args.ks is not None:
+        args.ks = list(dict.fromkeys(args.ks))
     if "suffix+model" in args.strategies and args.draft_model is None and args.model != EMBEDDED_NAME:
         p.error(f"suffix+model for --model {args.model} needs --draft-model (the shipped draft is for "
                 f"{EMBEDDED_NAME})")
