@@ -11,10 +11,14 @@
 //
 // Every new token's K and V are written before any query reads the cache, so a token attends to its own and
 // its batch-mates' keys as the mask says. Row invariance: the result for (row r, token i, head h) is the same
-// sequence of f32 operations whatever n, L beyond the attended slots, or the other rows are — its scores in
-// slot order, the maximum, e^(s − max) (``vec.h``; 0 for a masked slot, which adds nothing), the sum of the
-// weights and the weighted sum of the values, each in 16 lanes with a fixed tree; so decode, verify and batched
-// calls agree bit for bit, and so do the instruction sets (``target_clones``).
+// sequence of f32 operations whatever n, L beyond the attended slots, or the other rows are — over its attended
+// slots in slot order, numbered 0, 1, 2, ... (their ranks, not their slot indices, place them in the 16 lanes):
+// its scores, the maximum, e^(s − max) (``vec.h``), the sum of the weights and the weighted sum of the values,
+// each in 16 lanes with a fixed tree; so decode, verify and batched calls agree bit for bit, and so do the
+// instruction sets (``target_clones``). Ranks make a tree node's result independent of where its slot lies: a
+// node attends to the cache and its ancestors, whose slots have gaps (its earlier siblings' slots) where the
+// decode step that would produce the same token attends to contiguous slots; the attended keys and their order
+// are the same, so are the bits.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,28 +49,28 @@ void rope(const float* x, const float* cos, const float* sin, int64_t D, float* 
 }
 
 // One query head's attention, D = 16 C: q [D] (rotated), the key and value of slot j at keys / values + j · stride,
-// allow[j] for j < L; scores: scratch of L rounded up to 16 floats; out [D].
+// the A attended slots in slot order at index[0 .. A); scores: scratch of A rounded up to 16 floats; out [D].
 template <int C>
 SPECDEC_INLINE void attend_c(const float* q, const float* keys, const float* values, int64_t stride,
-                             const bool* allow, int64_t L, float scale, float* scores, float* out) {
+                             const int64_t* index, int64_t A, float scale, float* scores, float* out) {
   const float none = -std::numeric_limits<float>::infinity();
-  const int64_t padded = (L + W - 1) / W * W;
+  const int64_t padded = (A + W - 1) / W * W;
   V qv[C];
   for (int c = 0; c < C; ++c) qv[c] = load(q + c * W);
   V top = splat(none);
-  for (int64_t j0 = 0; j0 < padded; j0 += W) {   // 16 slots at a time: their dots, then their 16 lane sums
+  for (int64_t j0 = 0; j0 < padded; j0 += W) {   // 16 attended slots at a time: their dots, then their lane sums
     V dots[W];
     for (int64_t l = 0; l < W; ++l) {
       V acc = splat(0.f);
-      if (j0 + l < L && allow[j0 + l]) {
-        const float* key = keys + (j0 + l) * stride;
+      if (j0 + l < A) {
+        const float* key = keys + index[j0 + l] * stride;
         for (int c = 0; c < C; ++c) acc = acc + qv[c] * load(key + c * W);
       }
       dots[l] = acc;
     }
     float s[W];
     store(s, sums(dots) * splat(scale));
-    for (int64_t l = 0; l < W; ++l) s[l] = j0 + l < L && allow[j0 + l] ? s[l] : none;
+    for (int64_t l = 0; l < W; ++l) s[l] = j0 + l < A ? s[l] : none;
     const V sv = load(s);
     store(scores + j0, sv);
     top = specdec_vec::max(top, sv);
@@ -83,10 +87,9 @@ SPECDEC_INLINE void attend_c(const float* q, const float* keys, const float* val
   const V denominator = splat(sum(total));
   V acc[C];
   for (int c = 0; c < C; ++c) acc[c] = splat(0.f);
-  for (int64_t j = 0; j < L; ++j) {
-    if (!allow[j]) continue;
+  for (int64_t j = 0; j < A; ++j) {
     const V p = splat(scores[j]);
-    const float* value = values + j * stride;
+    const float* value = values + index[j] * stride;
     for (int c = 0; c < C; ++c) acc[c] = acc[c] + p * load(value + c * W);
   }
   for (int c = 0; c < C; ++c) store(out + c * W, acc[c] / denominator);
@@ -94,14 +97,14 @@ SPECDEC_INLINE void attend_c(const float* q, const float* keys, const float* val
 
 template <int... Cs>
 SPECDEC_INLINE void attend_any(int64_t C, std::integer_sequence<int, Cs...>, const float* q, const float* keys,
-                               const float* values, int64_t stride, const bool* allow, int64_t L, float scale,
+                               const float* values, int64_t stride, const int64_t* index, int64_t A, float scale,
                                float* scores, float* out) {
-  ((C == Cs + 1 ? attend_c<Cs + 1>(q, keys, values, stride, allow, L, scale, scores, out) : void()), ...);
+  ((C == Cs + 1 ? attend_c<Cs + 1>(q, keys, values, stride, index, A, scale, scores, out) : void()), ...);
 }
 
 SPECDEC_CLONES void attend(const float* q, const float* keys, const float* values, int64_t stride,
-                           const bool* allow, int64_t L, int64_t D, float scale, float* scores, float* out) {
-  attend_any(D / W, std::make_integer_sequence<int, MAX_HEAD_DIM / W>{}, q, keys, values, stride, allow, L, scale,
+                           const int64_t* index, int64_t A, int64_t D, float scale, float* scores, float* out) {
+  attend_any(D / W, std::make_integer_sequence<int, MAX_HEAD_DIM / W>{}, q, keys, values, stride, index, A, scale,
              scores, out);
 }
 
@@ -163,12 +166,21 @@ at::Tensor cache_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   float* op = out.data_ptr<float>();
   at::parallel_for(0, b * n * H, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores((L + W - 1) / W * W);
+    std::vector<int64_t> index(L);
+    int64_t token = -1, A = 0;              // the token whose attended slots ``index`` holds, and their count
     float rotated[MAX_HEAD_DIM];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / (n * H), i = t / H % n, h = t % H, kvh = h / group;
+      if (r * n + i != token) {             // (a token's heads run one after the other: its slots once)
+        token = r * n + i;
+        const bool* allow = mp + token * L;
+        A = 0;
+        for (int64_t j = 0; j < L; ++j)
+          if (allow[j]) index[A++] = j;
+      }
       rope(qp + ((r * n + i) * H + h) * D, cp + (r * n + i) * D, sp + (r * n + i) * D, D, rotated);
       const int64_t base = (row[r] * S * Hkv + kvh) * D;
-      attend(rotated, kc + base, vc + base, Hkv * D, mp + (r * n + i) * L, L, D, scale, scores.data(),
+      attend(rotated, kc + base, vc + base, Hkv * D, index.data(), A, D, scale, scores.data(),
              op + ((r * n + i) * H + h) * D);
     }
   });
