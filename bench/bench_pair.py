@@ -122,6 +122,7 @@ class Config:
     quantization: str | None
     n_positions: int
     context_buckets: list[int] | None
+    prompt_weights: str | None
     warmup_tokens: int
     llamacpp: bool
     llamacpp_env: dict[str, str]
@@ -168,6 +169,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--context-buckets", type=int_list, default=None,
                    help="prompt-length buckets, comma-separated (default: the runtime's powers of two from 128; "
                         "eager graphs cost nothing per bucket, so fine buckets waste no padding)")
+    p.add_argument("--prompt-weights", default=None, choices=["bf16"],
+                   help="every specdec model (target and drafts) encodes prompts with dense bf16 copies of its GGML "
+                        "blocks (DecoderModel.from_pretrained(prompt_weights=...))")
     p.add_argument("--warmup-tokens", type=int, default=16,
                    help="new tokens of the untimed warm-up generation on the eager backend (compiling backends warm "
                         "up on every prompt for --max-new-tokens)")
@@ -188,7 +192,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
                   draft_vocab=a.draft_vocab, draft_quantization=a.draft_quantization,
                   temperature=a.temperature, batch_size=a.batch_size,
                   backend=a.backend, amp=a.amp, quantization=None if a.quantization == "none" else a.quantization,
-                  n_positions=a.n_positions, context_buckets=a.context_buckets, warmup_tokens=a.warmup_tokens,
+                  n_positions=a.n_positions, context_buckets=a.context_buckets, prompt_weights=a.prompt_weights,
+                  warmup_tokens=a.warmup_tokens,
                   llamacpp=a.llamacpp, llamacpp_env=dict(a.llamacpp_env), output=a.output)
 
 
@@ -231,7 +236,7 @@ def load_target(cfg: Config) -> DecoderModel:
     """The target model, loaded once."""
     return DecoderModel.from_pretrained(cfg.model, quantization=cfg.quantization, amp=cfg.amp, backend=cfg.backend,
                                         batch_size=cfg.batch_size, n_positions=cfg.n_positions,
-                                        context_buckets=cfg.context_buckets)
+                                        context_buckets=cfg.context_buckets, prompt_weights=cfg.prompt_weights)
 
 
 def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
@@ -513,7 +518,8 @@ def markdown_table(result: dict) -> str:
     lines.append(f"Medians over {over} of `{Path(cfg['prompt_file']).stem}`, "
                  f"{cfg['max_new_tokens']} new tokens (EOS ignored), {decoding_label(cfg)}, "
                  f"batch {batch}, {cfg['threads']} threads, "
-                 f"{cfg['backend']} {cfg['amp']} `{cfg['quantization']}`; {machine['cpu_model']} "
+                 f"{cfg['backend']} {cfg['amp']} `{cfg['quantization']}`"
+                 f"{' with bf16 prompt weights' if cfg.get('prompt_weights') else ''}; {machine['cpu_model']} "
                  f"({machine['cpu_capability']}), commit {result['commit']}.")
     return "\n".join(lines)
 

@@ -88,7 +88,8 @@ class SuffixBenchOptions:
     sessions of ``turns`` requests), ``max_new_tokens`` per request, the server's ``concurrency``, ``ks`` (each
     strategy once per k, named ``<strategy>-k<k>`` when there are several; None: the strategy's own k), ``gate``
     (every speculative system with the cost gate: ``gate=True``, ``specdec.gate``),
-    the runtime (``backend``, ``amp``, ``quantization``, ``n_positions``, ``context_buckets``, ``threads``),
+    the runtime (``backend``, ``amp``, ``quantization``, ``n_positions``, ``context_buckets``, ``prompt_weights``,
+    ``threads``),
     the workloads' ``seed``, ``output`` (None: bench/results/suffix_<model>.json) and the suffix options
     (``SpeculationOptions``' suffix fields)."""
 
@@ -110,6 +111,7 @@ class SuffixBenchOptions:
     quantization: str | None = None
     n_positions: int = 2048
     context_buckets: list[int] | None = None
+    prompt_weights: str | None = None
     threads: int = field(default_factory=available_cores)
     seed: int = 0
     output: str | None = None
@@ -392,8 +394,8 @@ def serve_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -> Serv
                                      k=k if strategy != "none" else None,
                                      gate=cfg.gate and strategy != "none", **suffix)
     model = ModelOptions(model=cfg.model, backend=cfg.backend, amp=cfg.amp, n_positions=cfg.n_positions,
-                         context_buckets=cfg.context_buckets,
-                         quantization=cfg.quantization)
+                         context_buckets=cfg.context_buckets, quantization=cfg.quantization,
+                         prompt_weights=cfg.prompt_weights)
     return ServeOptions(model=model, speculation=speculation.checked(cfg.model), batch_size=cfg.concurrency,
                         max_waiting=4 * cfg.concurrency)
 
@@ -499,6 +501,9 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     p.add_argument("--n-positions", type=int, default=2048, help="KV positions: the longest agent turn must fit")
     p.add_argument("--context-buckets", type=int_list, default=None,
                    help="prompt-length buckets, e.g. 64,128,192,256,384,512,768,1024 (default: powers of two)")
+    p.add_argument("--prompt-weights", default=None, choices=["bf16"],
+                   help="GGML blocks (--quantization gguf): encode prompts with dense bf16 copies of the weights "
+                        "(every system; DecoderModel.from_pretrained(prompt_weights=...))")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     p.add_argument("--seed", type=int, default=0, help="the workloads' generator seed")
     p.add_argument("--output", default=None,
@@ -550,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"loading {cfg.model} ...")
     target = DecoderModel.from_pretrained(cfg.model, batch_size=1, n_positions=cfg.n_positions,
                                           context_buckets=cfg.context_buckets, amp=cfg.amp,
-                                          backend=cfg.backend, quantization=cfg.quantization, progress=False)
+                                          backend=cfg.backend, quantization=cfg.quantization,
+                                          prompt_weights=cfg.prompt_weights, progress=False)
     workloads = [workload(w, target.tokenizer, cfg.requests, cfg.turns, cfg.seed) for w in cfg.workloads]
     longest = max(len(p) for wl in workloads for p in wl.prompts or [wl.sessions[0]([])])
     if longest + cfg.max_new_tokens > cfg.n_positions:

@@ -138,6 +138,22 @@ def quantization_ab_table(result: dict) -> str:
     return "\n".join(rows)
 
 
+def prefill_table(result: dict) -> str:
+    """``bench_prefill.py``: a prompt's encoding on the blocks' kernel and with dense bf16 prompt weights, in turn."""
+    cfg = result["config"]
+    rows = ["| prompt tokens | blocks ms | blocks tok/s | bf16 weights ms | bf16 weights tok/s | speed-up | "
+            "same first token |",
+            "|---:|---:|---:|---:|---:|---:|---|"]
+    for r in result["results"]:
+        rows.append(f"| {r['prompt_tokens']} | {r['blocks_median_s'] * 1000:.0f} | {r['blocks_tok_s']:.0f} | "
+                    f"{r['bf16_median_s'] * 1000:.0f} | {r['bf16_tok_s']:.0f} | {r['speedup_median']:.2f}× | "
+                    f"{r['same_first_token']} |")
+    rows += ["", f"{cfg['model']} `{cfg['quantization']}`, batch 1, {cfg['backend']} f32, {cfg['threads']} threads; "
+                 f"medians of {cfg['repeats']} encodings per length ({cfg['warmup']} warm-up), the two copies called "
+                 "in turn (alternating which goes first); the speed-up is the median of the per-pair ratios."]
+    return "\n".join(rows)
+
+
 def index_table() -> str:
     """Every JSON under bench/results/: what wrote it, its commit and its machine."""
     rows = ["| file | written by | commit | machine |", "|---|---|---|---|"]
@@ -181,6 +197,7 @@ TABLES: dict[str, Table] = {
     "graph_calls_qwen": Table(("decode_step_qwen_target", "decode_step_qwen_draft"), graph_calls_table),
     "layer_stack_qwen": Table(("decode_step_qwen_target_stack", "decode_step_qwen_draft_stack"), graph_calls_table),
     "draft_q4_0_qwen": Table(("decode_step_qwen_draft_q4_0",), quantization_ab_table),
+    "prefill_qwen": Table(("prefill_qwen",), prefill_table),
     **dict(spec(name) for name in (
         "spec_eagle3_mtbench_allcat_b1", "spec_eagle3_mtbench_b1", "spec_eagle3_varied_b1", "spec_eagle3_mtbench_b4",
         "spec_trees_mtbench_b1", "spec_trees_varied_b1", "spec_trees_mtbench_b4", "spec_model_mtbench_b1",

@@ -102,7 +102,8 @@ class ModelOptions:
     "fp8_e4m3") or None (the amp dtype); autotune: compiled graphs with frozen weights and timed kernel choice;
     tp_degree: tensor-parallel processes (NeuronCores with the neuron backend); gqa_strategy: how KV heads are
     sharded when they do not divide tp_degree (None: automatic); saved_graphs: compiled graphs kept as files
-    that later processes load (``DecoderModel.from_pretrained``)."""
+    that later processes load; prompt_weights: "bf16" (GGML blocks on eager / regional) also holds the layers'
+    weights as dense bf16 matrices that prompts are encoded with (``DecoderModel.from_pretrained``)."""
 
     model: str | None = None
     amp: str = "bf16"
@@ -115,6 +116,7 @@ class ModelOptions:
     tp_degree: int = 1
     gqa_strategy: str | None = None
     saved_graphs: bool = True
+    prompt_weights: str | None = None
 
     @property
     def name(self) -> str:
@@ -129,7 +131,7 @@ class ModelOptions:
                                             sampling=sampling, tp_degree=self.tp_degree, gqa_strategy=self.gqa_strategy,
                                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                                             autotune=self.autotune, saved_graphs=self.saved_graphs,
-                                            progress=progress)
+                                            prompt_weights=self.prompt_weights, progress=progress)
 
     def threads_per_process(self, threads: int) -> int:
         """Intra-op threads of each of the ``tp_degree`` processes sharing ``threads`` (the neuron backend

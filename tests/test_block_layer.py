@@ -114,6 +114,29 @@ def test_cache_attention_is_row_invariant():
         assert torch.equal(alone[:, 0], together[:, i]), i
 
 
+def test_a_tree_node_attends_like_the_decode_step_of_its_path():
+    """A tree node attends to the cache and its ancestors, whose slots have gaps (its earlier siblings' slots);
+    the decode step of the same token attends to the same keys in contiguous slots. The attended keys are
+    numbered by rank, not slot, so the two give the same bits (it differed before: the last bits of the softmax
+    sums, which the next layer's 8-bit activations turned into logits 0.25 apart on the real pair)."""
+    g = torch.Generator().manual_seed(3)
+    H, Hkv, D, S, cached = 4, 2, 32, 64, 37
+    for gap in (1, 3, 16):
+        keys, values = (torch.randn(1, S, Hkv, D, generator=g) for _ in range(2))
+        q = torch.randn(1, 1, H * D, generator=g)
+        k, v = (torch.randn(1, 1, Hkv * D, generator=g) for _ in range(2))
+        angle = torch.rand(1, 1, D, generator=g) * 6
+        outs = []
+        for slot in (cached, cached + gap):            # contiguous (decode) and after `gap` sibling slots (tree)
+            mask = torch.zeros(1, 1, S, dtype=torch.bool)
+            mask[0, 0, :cached] = True
+            mask[0, 0, slot] = True
+            kc, vc = keys.clone(), values.clone()
+            outs.append(torch.ops.specdec.cache_attention(q, k, v, angle.cos(), angle.sin(), kc, vc,
+                                                          torch.tensor([0]), torch.tensor([[slot]]), mask))
+        assert torch.equal(*outs), gap
+
+
 def test_cache_attention_rejects_bad_inputs():
     q, k, v, cos, sin, kc, vc, rows, slots, mask = attention_case()
     with pytest.raises(RuntimeError, match="slot 99 is outside"):
@@ -317,3 +340,45 @@ def test_bf16_and_sharded_models_keep_the_layers_forward(tiny):
     assert not block_layers_apply(model.lm) and model.lm.layer_runners is None
     compile_layers(model.lm)
     assert not isinstance(model.lm.layer_runners[0], partial)
+
+
+def test_prompt_weights_encode_prompts_in_bf16_and_leave_steps_alone(tiny):
+    """``prompt_weights="bf16"``: each decoder layer's blocks also as a dense bf16 matrix (GGML's dequantization,
+    rounded), which a prompt's encoding multiplies with — its logits are the float model's up to bf16 rounding,
+    and not the 8-bit kernel path's bits — while steps keep the blocks (the same bits as without it), so greedy
+    speculation still gives target-only's output."""
+    from specdec import SpeculativeGenerator
+    from specdec.lookup import PromptLookup
+
+    kernel = load(tiny, quantization="gguf")
+    dense = load(tiny, quantization="gguf", prompt_weights="bf16", batch_size=2)
+    floats = load(tiny)                                       # the GGUF's weights dequantized to f32
+    blocks = [m for m in dense.lm.model.layers.modules() if isinstance(m, BlockLinear)]
+    assert len(blocks) == sum(isinstance(m, BlockLinear) for m in kernel.lm.model.layers.modules()) > 0
+    assert dense.lm.lm_head.prompt_weight is None             # a prompt's logits: one position
+    for m in blocks:
+        assert m.prompt_weight.dtype == torch.bfloat16 and torch.equal(m.prompt_weight, m.dequantized().bfloat16())
+    params = kernel.sampling_params(do_sample=False)
+    prompt = torch.tensor(prompt_ids(14, 8, VOCAB))
+    logits = {name: m.prefill([prompt], m.sampling_params(do_sample=False)).logits[0, -1]
+              for name, m in (("kernel", kernel), ("dense", dense), ("floats", floats))}
+    error = {name: float((logits[name] - logits["floats"]).abs().max()) for name in ("kernel", "dense")}
+    assert error["dense"] <= 1.5 * error["kernel"]           # bf16 activations: no further from f32 than 8-bit ones
+    assert not torch.equal(logits["dense"], logits["kernel"])        # the prompt did not run the kernels
+    tokens = torch.tensor([prompt_ids(5, 9, VOCAB)])
+    steps = []
+    for m in (kernel, dense):                                 # a 5-token step on an empty cache: the blocks' bits
+        m.reset()
+        steps.append(m.step(tokens.expand(m.batch_size, 5), params[:1].expand(m.batch_size, 4)).logits[0])
+    assert torch.equal(*steps)
+    prompts = [prompt_ids(6, 1, VOCAB) * 3, prompt_ids(9, 2, VOCAB)]
+    reference = dense.generate(prompts, max_new_tokens=20, eos_token_id=[])
+    gen = SpeculativeGenerator(PromptLookup(dense), dense, 4)
+    assert torch.equal(gen.generate(prompts, max_new_tokens=20, eos_token_id=[]), reference)
+
+
+def test_prompt_weights_are_refused_where_they_do_not_apply(tiny):
+    for kw, words in (({"quantization": None}, "quantization=None"), ({"backend": "compiled"}, "backend='compiled'"),
+                      ({"prompt_weights": "f16"}, "must be None or 'bf16'")):
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            load(tiny, **{"quantization": "gguf", "prompt_weights": "bf16", **kw})

@@ -15,8 +15,18 @@ scales and mins take a byte each; Q4_0, Q4_1, Q5_0 and Q8_0 carry one scale (and
 a call reads what the file holds (4.5, 5, 5.5, 8.5 bits), and their sc / mn buffers (all 1) are not read. A row's
 output does not depend on how many rows the call has (row invariance), and a call of up to 16 rows reads the
 weights once.
+
+Prompt weights (``add_prompt_weights``, ``DecoderModel.from_pretrained(..., prompt_weights="bf16")``): a layer may
+also hold its weight as a dense bf16 matrix (GGML's dequantization, rounded to bf16: 2 more bytes a weight), which
+it multiplies with inside ``prompt_weights()`` — a prompt's encoding, where a call has hundreds of rows and a
+bf16 GEMM (AMX or AVX-512-BF16 through oneDNN) does the work several times faster than 8-bit dot products per group.
+Decode and verify steps never use it, so their numbers (and row invariance) do not change.
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -30,9 +40,23 @@ MIN_TYPES = ("Q4_1", "Q4_K")             # weights with a subtracted minimum: dm
 KINDS = {"Q4_0": (0, 8), "Q4_1": (0, 0), "Q4_K": (0, 0), "Q5_0": (3, 16), "Q6_K": (2, 32), "Q8_0": (1, 0)}
 
 
+_PROMPT = ContextVar("specdec_prompt_weights", default=False)
+
+
+@contextmanager
+def prompt_weights() -> Iterator[None]:
+    """Within the block, layers holding a dense ``prompt_weight`` multiply with it (a prompt's encoding)."""
+    token = _PROMPT.set(True)
+    try:
+        yield
+    finally:
+        _PROMPT.reset(token)
+
+
 class BlockLinear(nn.Module):
     """x [..., K] → [..., N] with a block-quantized weight [N, K] (buffers ``qs``, ``d``, ``dmin``, ``sc``,
-    ``mn`` in the tiled layout; see the module docstring) and an optional ``bias`` in the compute dtype."""
+    ``mn`` in the tiled layout; see the module docstring) and an optional ``bias`` in the compute dtype.
+    ``prompt_weight`` [N, K] bf16 or None: the dense copy ``prompt_weights()`` calls use (``add_prompt_weight``)."""
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
                  out_features: int, layout: Layout, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -44,6 +68,11 @@ class BlockLinear(nn.Module):
         for name, t in (("qs", qs), ("d", d), ("dmin", dmin), ("sc", sc), ("mn", mn)):
             self.register_buffer(name, t.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.register_buffer("prompt_weight", None, persistent=False)
+
+    def add_prompt_weight(self) -> None:
+        """Hold the weight also as a dense bf16 [N, K] matrix, for ``prompt_weights()`` calls."""
+        self.prompt_weight = self.dequantized().to(torch.bfloat16)
 
     @classmethod
     def from_blocks(cls, weights, dtype: torch.dtype, bias: torch.Tensor | None = None) -> BlockLinear:
@@ -114,6 +143,9 @@ class BlockLinear(nn.Module):
                                           superblock, kind, offset, bool(mins), norm, eps, gated, self.bias, residual)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prompt_weight is not None and _PROMPT.get():
+            y = (x.to(torch.bfloat16) @ self.prompt_weight.T).to(self._dtype)
+            return y if self.bias is None else y + self.bias
         flat = x.reshape(-1, self.in_features).float().contiguous()
         layout = self._layout
         y = torch.ops.specdec.block_mm(flat, self.qs, self.d, self.dmin, self.sc, self.mn, self.out_features,
@@ -147,3 +179,12 @@ def cat_biases(layers: list[nn.Module]) -> torch.Tensor | None:
     like = next(b for b in biases if b is not None)
     return torch.cat([like.new_zeros(layer.out_features) if b is None else b.detach()
                       for layer, b in zip(layers, biases)])
+
+
+def add_prompt_weights(layers: nn.Module, progress: bool = False) -> None:
+    """Give every ``BlockLinear`` under ``layers`` (a model's decoder layers: not its LM head, which a prompt's
+    encoding runs on one position) its dense bf16 ``prompt_weight``."""
+    from tqdm.auto import tqdm
+    blocks = [m for m in layers.modules() if isinstance(m, BlockLinear)]
+    for m in tqdm(blocks, desc="prompt weights (bf16)", unit="matrix", disable=not progress):
+        m.add_prompt_weight()

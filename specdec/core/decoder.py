@@ -77,7 +77,7 @@ class DecoderModel:
                         quantization: str | None = None, kv_cache_dtype: str | None = None,
                         feature_layers: tuple[int, ...] | list[int] = (), autotune: bool = False,
                         output_vocab_size: int | None = None, saved_graphs: bool = False,
-                        progress: bool = True) -> DecoderModel:
+                        prompt_weights: str | None = None, progress: bool = True) -> DecoderModel:
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, a named model (e.g.
         ``"qwen2.5-coder-1.5b-instruct"``, ``named_models.NAMED_MODELS``: a GGUF file assembled once from
         its packages), or (``None``) the embedded SmolLM2-135M-Instruct. Graphs are built lazily on first
@@ -113,10 +113,14 @@ class DecoderModel:
         id; quantization None, "gguf" or "q4_0"). ``saved_graphs`` (``compiled`` backend on the CPU, without
         ``autotune``; ignored otherwise): each graph is compiled ahead of time into a file under
         ``$SPECDEC_CACHE/graphs`` that later processes load in about a second instead of re-tracing it
-        (``saved_graphs``); ``graphs.defer`` runs graphs eagerly until ``graphs.compile_deferred`` builds them."""
+        (``saved_graphs``); ``graphs.defer`` runs graphs eagerly until ``graphs.compile_deferred`` builds them.
+        ``prompt_weights="bf16"`` (GGML blocks: quantization "gguf" or "q4_0", on the CPU, backend eager or
+        regional): the decoder layers also hold their weights as dense bf16 matrices (2 more bytes a weight),
+        which a prompt's encoding multiplies with (bf16 GEMMs: AMX / AVX-512-BF16), while decode and verify steps
+        keep the blocks (``block_linear``); a prompt's KV and first token then come from bf16 arithmetic."""
         requested = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa_strategy, context_buckets, kv_buckets,
                                     sampling or SamplingConfig(), backend, device, quantization, kv_cache_dtype,
-                                    feature_layers, autotune, output_vocab_size, saved_graphs)
+                                    feature_layers, autotune, output_vocab_size, saved_graphs, prompt_weights)
         loaded = load_decoder(path, requested, progress)
         model = cls(loaded.path, loaded.config, loaded.lm, loaded.settings)
         model.source = loaded.source

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from .block_layer import use_block_layers
+from .block_linear import add_prompt_weights
 from .checkpoint import load_weights
 from .config import ModelConfig, amp_dtype
 from .gguf_weights import load_gguf_blocks
@@ -53,6 +54,7 @@ class RuntimeSettings:
     autotune: bool = False                 # compiled, CPU: weights frozen in, kernels chosen by timing
     output_vocab_size: int | None = None   # score only token ids [0, n) (``DecoderLM.restrict_output_vocab``)
     saved_graphs: bool = False             # compiled, CPU: graphs compiled ahead of time into files (``saved_graphs``)
+    prompt_weights: str | None = None      # "bf16": GGML blocks also dense in bf16 for prompts (``block_linear``)
 
 
 class LoadedDecoder(NamedTuple):
@@ -88,6 +90,7 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
         raise ValueError(f"output_vocab_size restricts a float LM head or GGML blocks; quantization="
                          f"{quantization!r} re-quantizes the head to int8: use None, 'gguf' or 'q4_0'")
     kv_cache_dtype = parse_kv_cache_dtype(requested.kv_cache_dtype)
+    check_prompt_weights(requested.prompt_weights, quantization, backend, device)
     dtype = amp_dtype(requested.amp)
     if backend == "neuron":   # one process traces for every NeuronCore (SPMD)
         from .neuron import check_tp_degree
@@ -136,8 +139,28 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
     lm.eval().requires_grad_(False)
     if torch.device(device).type == "cpu" and backend != "neuron":
         use_block_layers(lm)        # a GGUF file's blocks in f32: each layer in five kernel calls
+    if settings.prompt_weights is not None:
+        add_prompt_weights(lm.model.layers, progress=progress and tp.rank == 0)
+        lm.prompt_weights = True
     move_to_huge_pages(lm)          # a CPU decode step streams every weight: 2 MiB pages, not 4 KiB
     return LoadedDecoder(path, gguf or path, config, lm, settings)
+
+
+PROMPT_WEIGHTS = (None, "bf16")
+
+
+def check_prompt_weights(prompt_weights: str | None, quantization: str | None, backend: str, device: str) -> None:
+    """ValueError unless ``prompt_weights`` (None or "bf16") can apply: GGML blocks ("gguf", "q4_0") on the CPU,
+    run by a backend that calls the layers' own forward for a prompt (eager, regional)."""
+    if prompt_weights not in PROMPT_WEIGHTS:
+        raise ValueError(f"prompt_weights must be None or 'bf16', got {prompt_weights!r}")
+    if prompt_weights is None:
+        return
+    cpu = torch.device(device).type == "cpu"
+    if quantization not in ("gguf", "q4_0") or not cpu or backend not in ("eager", "regional"):
+        raise ValueError(f"prompt_weights={prompt_weights!r} gives GGML blocks (quantization 'gguf' or 'q4_0') on the "
+                         f"CPU a dense copy for prompts, with backend 'eager' or 'regional'; this model is "
+                         f"quantization={quantization!r}, backend={backend!r}, device={device!r}")
 
 
 def materialize(lm: torch.nn.Module, device: str, dtype: torch.dtype) -> None:

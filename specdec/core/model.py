@@ -43,12 +43,14 @@ collectives are ``tp.collectives``' (``parallel``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .block_linear import prompt_weights
 from .config import ModelConfig
 from .kv_quant import dequantize_kv, quantize_kv, storage_dtype
 from .parallel import NXD, TPGroup, all_gather_last, all_reduce, per_rank
@@ -324,6 +326,9 @@ class DecoderLM(nn.Module):
         # all the layers in one call, run(x, cos, sin, slots, mask, seq_ids), instead of the per-layer loop when
         # the forward returns no feature layers: ``block_layer.BlockStack``
         self.stack_runner: Callable | None = None
+        # the decoder layers' GGML blocks also held as dense bf16 matrices, which a prompt's encoding multiplies
+        # with (``block_linear.add_prompt_weights``; ``forward``)
+        self.prompt_weights = False
         self.layout = layout or head_layout(config.num_heads, config.num_kv_heads, tp.size)
         self.model = Backbone(config, batch_size, n_positions, dtype, self.layout, tp, kv_cache_dtype)
         self.out_vocab = config.output_vocab_size or config.vocab_size
@@ -396,16 +401,20 @@ class DecoderLM(nn.Module):
         cos, sin = rope_tables(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
         slots, mask = new_token_slots(cache_lengths, token_mask, kv_len)
         aux = []
-        if self.stack_runner is not None and not self.feature_layers:
+        # a prompt's encoding (the context-encoding graphs: the new tokens fill the KV bucket, one logit) runs the
+        # layers' own forward on the dense prompt weights, where the model holds them
+        dense = self.prompt_weights and input_ids.shape[1] == kv_len and logit_index.shape[1] == 1
+        if self.stack_runner is not None and not self.feature_layers and not dense:
             x = self.stack_runner(x, cos, sin, slots, mask, seq_ids)
         else:
-            for i, layer in enumerate(self.model.layers):
-                if i in self.feature_layers:
-                    aux.append(x)
-                if self.layer_runners is None:
-                    x = layer(x, cos, sin, slots, mask, kv_len, seq_ids)
-                else:
-                    x = self.layer_runners[i](layer, x, cos, sin, slots, mask, kv_len, seq_ids)
+            with prompt_weights() if dense else nullcontext():
+                for i, layer in enumerate(self.model.layers):
+                    if i in self.feature_layers:
+                        aux.append(x)
+                    if self.layer_runners is None or dense:
+                        x = layer(x, cos, sin, slots, mask, kv_len, seq_ids)
+                    else:
+                        x = self.layer_runners[i](layer, x, cos, sin, slots, mask, kv_len, seq_ids)
         if len(self.model.layers) in self.feature_layers:
             aux.append(x)
         hidden = self.model.norm(x)

@@ -54,13 +54,15 @@ class DraftModel(BaseProposer):
         ``amp``, buckets, sampling config, backend, device, ``tp_degree``; the head layout is chosen for the
         draft's own heads, and it returns no EAGLE-3 feature layers) unless ``overrides`` (any
         ``DecoderModel.from_pretrained`` argument) say otherwise. A target's ``quantization="gguf"``
-        applies to a GGUF draft; a checkpoint-directory draft then stays in ``amp``."""
+        (and ``prompt_weights``) applies to a GGUF draft; a checkpoint-directory draft then stays in ``amp``."""
         settings = {**asdict(target.settings), "sampling": target.settings.sampling, "gqa_strategy": None,
                     "feature_layers": (), **overrides}     # (an EAGLE-3 head's target layers: not the draft's)
         if settings["backend"] != "compiled" and "autotune" not in overrides:
             settings["autotune"] = False         # tunes the compiled backend only
         if settings["quantization"] == "gguf" and gguf_source(path) is None:
             settings["quantization"] = None      # "gguf" keeps what a file stores: a checkpoint directory's floats
+            if "prompt_weights" not in overrides:
+                settings["prompt_weights"] = None    # (dense copies of GGML blocks: it has none)
         model = DecoderModel.from_pretrained(path, **settings)
         draft = cls(model)
         draft.check_target(target)

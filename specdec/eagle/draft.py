@@ -68,7 +68,7 @@ class EagleModel(DecoderModel):
             check_layout(path, names, input_norm)
         scheme = target.settings.quantization if quantization == "target" else parse_quantization(quantization)
         settings = replace(target.settings, backend=backend or target.settings.backend, tp_degree=1,
-                           gqa_strategy=None, feature_layers=(), quantization=scheme)
+                           gqa_strategy=None, feature_layers=(), quantization=scheme, prompt_weights=None)
         if config.max_position_embeddings < settings.n_positions:
             config = replace(config, max_position_embeddings=settings.n_positions)
         dtype = target.dtype

@@ -128,6 +128,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="--backend compiled on the CPU: keep each compiled graph as a file under $SPECDEC_CACHE/graphs "
                         "that later runs load without re-tracing; `generate` runs eagerly while a graph it needs is "
                         "not saved yet and compiles it after answering (default: on)")
+    p.add_argument("--prompt-weights", default=None, choices=["bf16"],
+                   help="--quantization gguf / q4_0 on eager / regional: also hold the decoder layers' weights as "
+                        "dense bf16 matrices (2 more bytes a weight) and encode prompts with bf16 GEMMs (AMX / "
+                        "AVX-512-BF16): a faster prefill of long prompts; decode and verify steps keep the blocks")
 
 
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
