@@ -283,10 +283,9 @@ def interleaved(wl: Workload, tokenizer, systems: dict[str, Callable[[list[int]]
             prompts = {name: session(texts[name]) for name in names}
             if all(p is None for p in prompts.values()):
                 break
-            before = {name: len(outputs[name]) for name in names}
             run(prompts)
             for name in names:
-                if len(outputs[name]) > before[name]:
+                if prompts[name] is not None:          # it ran this turn
                     texts[name].append(tokenizer.decode(outputs[name][-1], skip_special_tokens=True))
     return outputs
 
@@ -512,9 +511,9 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     args = p.parse_args(argv)
     if min(args.requests, args.turns, args.max_new_tokens, args.concurrency) < 1:
         p.error("--requests, --turns, --max-new-tokens and --concurrency must be >= 1")
-    if args.ks is not None and (not args.ks or min(args.ks) < 1):
-        p.error("--ks must list draft lengths >= 1")
     if args.ks is not None:
+        if not args.ks or min(args.ks) < 1:
+            p.error("--ks must list draft lengths >= 1")
         args.ks = list(dict.fromkeys(args.ks))
     if "suffix+model" in args.strategies and args.draft_model is None and args.model != EMBEDDED_NAME:
         p.error(f"suffix+model for --model {args.model} needs --draft-model (the shipped draft is for "
