@@ -107,6 +107,7 @@ class Config:
 
     prompts: str
     num_prompts: int
+    per_category: int | None
     max_new_tokens: int
     threads: int
     ks: list[int]
@@ -143,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompts", default="code", help="prompt set ('code', 'mt-bench', 'varied') or an MT-Bench jsonl")
     p.add_argument("--num-prompts", type=int, default=16, help="the first N prompts of the set")
+    p.add_argument("--per-category", type=int, default=None, metavar="N",
+                   help="the first N prompts of every category of the set (in file order) instead of --num-prompts")
     p.add_argument("--max-new-tokens", type=int, default=96, help="N: new tokens per prompt (EOS ignored)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch threads and llama.cpp -t/-tb (default: the CPUs this process may use)")
@@ -180,14 +183,16 @@ def parse_args(argv: list[str] | None = None) -> Config:
                    help="an environment variable for llama.cpp's runs (repeatable; default: the inherited env)")
     p.add_argument("--output", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
-    if a.max_new_tokens < 2 or min(a.num_prompts, a.threads, a.warmup_tokens, a.batch_size, *a.ks) < 1:
-        p.error("--max-new-tokens must be >= 2, --num-prompts, --threads, --warmup-tokens, --batch-size and every "
-                "k >= 1")
+    if a.max_new_tokens < 2 or min(a.num_prompts, a.per_category or 1, a.threads, a.warmup_tokens, a.batch_size,
+                                    *a.ks) < 1:
+        p.error("--max-new-tokens must be >= 2, --num-prompts, --per-category, --threads, --warmup-tokens, "
+                "--batch-size and every k >= 1")
     if a.temperature < 0:
         p.error("--temperature must be >= 0 (0: greedy)")
     if a.temperature > 0 or a.batch_size > 1:
         a.llamacpp = False      # llama.cpp's systems are the greedy batch-1 comparison
-    return Config(prompts=a.prompts, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens, threads=a.threads,
+    return Config(prompts=a.prompts, num_prompts=a.num_prompts, per_category=a.per_category,
+                  max_new_tokens=a.max_new_tokens, threads=a.threads,
                   ks=list(dict.fromkeys(a.ks)), strategies=a.strategies, model=a.model, draft_model=a.draft_model,
                   draft_vocab=a.draft_vocab, draft_quantization=a.draft_quantization,
                   temperature=a.temperature, batch_size=a.batch_size,
@@ -539,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     result: dict = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(),
                     "machine": machine_info()}
-    records = load_records(cfg.prompts, cfg.num_prompts)
+    records = load_records(cfg.prompts, None if cfg.per_category else cfg.num_prompts, per_category=cfg.per_category)
     log(f"loading the target {cfg.model} ({cfg.quantization}, {cfg.amp}, {cfg.backend}) ...")
     target = load_target(cfg)
     tokenizer = target.tokenizer

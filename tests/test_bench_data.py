@@ -81,6 +81,12 @@ def test_varied_prompt_set():
     assert all(500 <= len(t.split("Question:")[0].split()) <= 1300 and "[Document 4]" in t for t in rag)
     assert load_questions("varied", 2) == [(q, t) for q, _, t in recs[:2]]
     assert [c for _, c, _ in load_records(None, 8)] == ["writing"] * 8   # MT-Bench categories too
+    spread = load_records(None, per_category=2)       # MT-Bench: 8 categories of 10, in file order
+    mt_bench = load_records(None)
+    assert len(spread) == 16 and [c for _, c, _ in spread][::2] == categories(None)
+    assert spread[2:4] == mt_bench[10:12] and load_records(None, 3, per_category=2) == spread[:3]
+    with pytest.raises(ValueError, match="per-category"):
+        load_records(None, per_category=0)
     with pytest.raises(ValueError, match="no prompt of categories"):
         load_records("varied", categories="poetry")
 

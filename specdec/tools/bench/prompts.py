@@ -66,11 +66,11 @@ def load_questions(path: str | Path, n: int) -> list[tuple[object, str]]:
     return [(q, text) for q, _, text in load_records(path, n)]
 
 
-def load_records(path: str | Path | None, n: int | None = None,
-                 categories: str | list[str] | None = None) -> list[tuple[object, str, str]]:
+def load_records(path: str | Path | None, n: int | None = None, categories: str | list[str] | None = None,
+                 per_category: int | None = None) -> list[tuple[object, str, str]]:
     """``(question_id, category, first turn)`` of an MT-Bench style jsonl (a path or a set name; None =
-    MT-Bench); ``categories`` keeps only those (a name or a list), then the first ``n`` (None = all).
-    Lines without a category get ``"none"``."""
+    MT-Bench); ``categories`` keeps only those (a name or a list), ``per_category`` the first N of each
+    category (in file order), then the first ``n`` (None = all). Lines without a category get ``"none"``."""
     path = resolve_prompts(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist (pass --prompts)")
@@ -88,6 +88,11 @@ def load_records(path: str | Path | None, n: int | None = None,
                     records.append((rec.get("question_id", len(records)), cat, turns[0]))
     if wanted is not None and not records:
         raise ValueError(f"{path} holds no prompt of categories {wanted}")
+    if per_category is not None:
+        if per_category < 1:
+            raise ValueError(f"--per-category={per_category}: must be at least 1")
+        records = [r for c in dict.fromkeys(c for _, c, _ in records)
+                   for r in [r for r in records if r[1] == c][:per_category]]
     if n is None:
         return records
     if n < 1 or n > len(records):

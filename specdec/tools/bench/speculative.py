@@ -314,9 +314,7 @@ def bench_records(options: SpecBenchOptions) -> list[tuple[object, str, str]]:
     ``--prompts``, or with ``--per-category N`` the first N of every category (in file order)."""
     if not options.per_category:
         return load_records(options.prompts, options.num_prompts)
-    records = load_records(options.prompts)
-    return [r for c in dict.fromkeys(c for _, c, _ in records)
-            for r in [r for r in records if r[1] == c][:options.per_category]]
+    return load_records(options.prompts, per_category=options.per_category)
 
 
 class System(NamedTuple):
