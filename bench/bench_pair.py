@@ -78,7 +78,7 @@ from specdec import DecoderModel, DraftModel, SpecStats, SpeculativeGenerator
 from specdec.core.chat import chat_ids
 from specdec.core.named_models import is_named_model, named_model_path
 from specdec.registry import REGISTRY, name_list
-from specdec.tools.arguments import int_list
+from specdec.tools.arguments import draft_p_min_value, int_list
 from specdec.tools.bench import emit_json
 from specdec.tools.bench.llamacpp import (
     LlamaCppRun,
@@ -116,6 +116,7 @@ class Config:
     draft_model: str
     draft_vocab: int | None
     draft_quantization: str | None
+    draft_p_min: float | None
     temperature: float
     batch_size: int
     backend: str
@@ -161,6 +162,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--draft-quantization", default=None, metavar="Q",
                    help="also run every draft-model strategy with a copy of each draft loaded with quantization Q "
                         "(e.g. q4_0; systems named ...-<Q>)")
+    p.add_argument("--draft-p-min", type=draft_p_min_value, default=None, metavar="P",
+                   help="also run every draft-model strategy with the draft's confidence stop at P (DraftModel's "
+                        "p_min, on the same weights; systems named ...-p<P>)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; T > 0: sample at temperature T (specdec systems only: implies --no-llamacpp)")
     p.add_argument("--batch-size", type=int, default=1,
@@ -194,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     return Config(prompts=a.prompts, num_prompts=a.num_prompts, per_category=a.per_category,
                   max_new_tokens=a.max_new_tokens, threads=a.threads,
                   ks=list(dict.fromkeys(a.ks)), strategies=a.strategies, model=a.model, draft_model=a.draft_model,
-                  draft_vocab=a.draft_vocab, draft_quantization=a.draft_quantization,
+                  draft_vocab=a.draft_vocab, draft_quantization=a.draft_quantization, draft_p_min=a.draft_p_min,
                   temperature=a.temperature, batch_size=a.batch_size,
                   backend=a.backend, amp=a.amp, quantization=None if a.quantization == "none" else a.quantization,
                   n_positions=a.n_positions, context_buckets=a.context_buckets, prompt_weights=a.prompt_weights,
@@ -248,7 +252,8 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
     """``specdec-target`` and one ``specdec-<strategy>-k<k>`` per strategy (not none) and k; one draft model
     (loaded only if a strategy needs it) serves every system that drafts with it. With ``draft_vocab`` N, every
     draft-model strategy also runs as ``specdec-<strategy>-k<k>-v<N>`` on a draft scoring ids [0, N) only; with
-    ``draft_quantization`` Q, each of those drafts also as ``...-<Q>``, loaded with ``quantization=Q``."""
+    ``draft_quantization`` Q, each of those drafts also as ``...-<Q>``, loaded with ``quantization=Q``; with
+    ``draft_p_min`` P, each of those also as ``...-p<P>`` (the same weights, ``DraftModel(model, p_min=P)``)."""
     systems = {SPECDEC_TARGET: OurSystem(SPECDEC_TARGET, "none", None, target.generate)}
     drafts: dict[str, DraftModel | None] = {"": None}
     if any(REGISTRY[s].part == "model" for s in cfg.strategies):
@@ -260,6 +265,9 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
                          for name, kw in {"": {}, **variants}.items()}
         for name, kw in variants.items():
             drafts[name] = REGISTRY["model"].build(target, cfg.draft_model, **kw)
+        if cfg.draft_p_min is not None:
+            drafts |= {f"{name}-p{cfg.draft_p_min:g}": DraftModel(d.model, p_min=cfg.draft_p_min)
+                       for name, d in drafts.items()}
     for strategy in cfg.strategies:
         if strategy == "none":
             continue
@@ -520,6 +528,8 @@ def markdown_table(result: dict) -> str:
     lines.append("")
     batch, prompts = cfg.get("batch_size", 1), len(cfg["question_ids"])
     over = f"{prompts} prompts" if batch == 1 else f"{-(-prompts // batch)} calls of {batch} prompts ({prompts} in all)"
+    if cfg.get("per_category"):
+        over += f" (the first {cfg['per_category']} of each category)"
     lines.append(f"Medians over {over} of `{Path(cfg['prompt_file']).stem}`, "
                  f"{cfg['max_new_tokens']} new tokens (EOS ignored), {decoding_label(cfg)}, "
                  f"batch {batch}, {cfg['threads']} threads, "

@@ -183,6 +183,7 @@ TABLES: dict[str, Table] = {
     "first_run": Table(("first_run",), first_run_table),
     "commits_bench_spec": Table(("commits_bench_spec",), commits_table),
     "pair_code": Table(("pair_code",), pair_table, sources=False),
+    "pair_chat": Table(("pair_chat",), pair_table, sources=False),
     "pair_code_compiled": Table(("pair_code_compiled",), pair_table, sources=False),
     "pair_code_t07": Table(("pair_code_t07",), pair_table, sources=False),
     "pair_code_b4": Table(("pair_code_b4",), pair_table, sources=False),

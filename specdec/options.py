@@ -176,7 +176,8 @@ class SpeculationOptions:
     ``draft_path``); k: draft tokens per step (None: the strategy's default, a tree's depth); fused: one graph
     per step; adaptive_k: per-row k <= k; gate: speculate only while it pays; draft_quantization: the draft's
     own weight-only scheme ("none", "int8", "int4", "gguf", "q4_0"; None: the target's); draft_vocab: a draft
-    model scoring only token ids [0, draft_vocab) (``output_vocab_size``; None: its whole head); tree: a Medusa
+    model scoring only token ids [0, draft_vocab) (``output_vocab_size``; None: its whole head); draft_p_min: a
+    draft model's confidence stop (``DraftModel``'s ``p_min``; None: k drafts a step); tree: a Medusa
     tree (name or JSON file) or an EAGLE-2 shape "DxKxN"; suffix_cache_tokens / suffix_alpha / suffix_min_prob /
     suffix_min_match: suffix decoding's cache budget (tokens), drafts per matched token, least continuation
     share and least match for the suffix chain (None: the strategy's defaults)."""
@@ -190,6 +191,7 @@ class SpeculationOptions:
     gate: bool = False
     draft_quantization: str | None = None
     draft_vocab: int | None = None
+    draft_p_min: float | None = None
     tree: str | None = None
     suffix_cache_tokens: int | None = None
     suffix_alpha: float | None = None
@@ -247,6 +249,11 @@ class SpeculationOptions:
         if self.draft_vocab is not None and self.draft_quantization in ("int8", "int4"):
             raise OptionError(f"--draft-vocab keeps the draft's own LM head; --draft-quantization "
                               f"{self.draft_quantization} re-quantizes it to int8: use none, gguf or q4_0")
+        if self.draft_p_min is not None and (s.part != "model" or self.fused):
+            raise OptionError(f"--draft-p-min stops a draft model's chain early: it is for an unfused --draft "
+                              f"{_or(_strategies(lambda s: s.part == 'model'))}")
+        if self.draft_p_min is not None and not 0 < self.draft_p_min < 1:
+            raise OptionError(f"--draft-p-min must be in (0, 1), got {self.draft_p_min}")
         if self.tree is not None and s.tree is None:
             trees = sorted((name for name in loaders if REGISTRY[name].tree),
                            key=lambda n: REGISTRY[n].tree != "static")
@@ -287,6 +294,8 @@ class SpeculationOptions:
             options["quantization"] = self.draft_quantization
         if self.draft_vocab is not None:
             options["output_vocab_size"] = self.draft_vocab
+        if self.draft_p_min is not None:
+            options["p_min"] = self.draft_p_min
         return REGISTRY[self.draft].build(target, self.draft_path, suffix=self.suffix_settings(), **options)
 
     def make_generator(self, proposer, target: DecoderModel) -> SpeculativeGenerator | None:

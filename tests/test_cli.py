@@ -102,7 +102,7 @@ def test_draft_choices_give_the_targets_greedy_output(checkpoint, capsys, draft,
 
 
 @pytest.mark.parametrize("extra", [["--draft", "model", "--draft-vocab", "96"], ["--draft", "model", "--adaptive-k"],
-                                   ["--draft", "lookup+model"],
+                                   ["--draft", "lookup+model"], ["--draft", "lookup+model", "--draft-p-min", "0.1"],
                                    ["--draft", "lookup+model", "--adaptive-k"], ["--draft", "model", "--gate"]])
 def test_adaptive_k_and_lookup_plus_model_give_the_targets_greedy_output(checkpoint, capsys, extra):
     target = checkpoint("llama").path
@@ -278,6 +278,13 @@ def test_bad_arguments_exit_2_with_one_line(checkpoint, tmp_path, capsys):
                        "int8"), "--draft-quantization int8 re-quantizes it"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--draft-vocab", "0"),
          "argument --draft-vocab: must be >= 1, got 0"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--draft-p-min", "1"),
+         "argument --draft-p-min: must be in (0, 1), got 1"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "lookup", "--draft-p-min", "0.5"),
+         "--draft-p-min stops a draft model's chain early: it is for an unfused --draft model, lookup+model or "
+         "suffix+model"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--fused", "--draft-p-min", "0.5"),
+         "--draft-p-min stops a draft model's chain early"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "lookup", "--draft-path", tmp_path),
          "--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa"),
         (generate_args(target, list(range(3, 70)), 8, 64), "the prompt has 67 tokens: --n-positions 64 leaves no room"),

@@ -17,6 +17,14 @@ row (rows shorter than W start at slot 0; the slots past their length are overwr
 A ``MatchOrDraft`` skips ``propose`` on greedy steps where every row takes its source's tokens ("resyncs"): the
 stale span then grows past k + 1, and ``propose`` first catches up in steps of k + 1 tokens (S[synced ..
 synced + k] at slots synced .., the width a re-read after a source step already has) until it fits one.
+
+Confidence stop (``p_min``, llama.cpp's ``--draft-p-min``, Hugging Face's ``assistant_confidence_threshold``):
+in a greedy step a row stops drafting after the first token x_i its draft gives a probability below p_min
+(softmax of the draft's logits), keeping x_i; the step drafts while any row goes on, and the proposal says
+how many drafts each row has (``Proposal.num_drafts``: "padded"), so the verify covers the longest row's
+drafts only. The output is unchanged (greedy verification accepts the target's own tokens); what changes is
+the cost: fewer draft steps and a narrower verify where the draft doubts. Sampling steps draft k (a row's
+random stream must not depend on when its neighbours stop).
 """
 from __future__ import annotations
 
@@ -35,13 +43,22 @@ from .fused import DraftLoop
 
 class DraftModel(BaseProposer):
     """A small ``DecoderModel`` proposing for a target with the same tokenizer (a ``Proposer``): a chain
-    proposer running the graphs of ``model``, which fuses (``fused_drafter``) and may skip steps ("resyncs")."""
+    proposer running the graphs of ``model``, which fuses (``fused_drafter``) and may skip steps ("resyncs").
+
+    ``p_min`` (0 < p_min < 1, None: off): the confidence stop of greedy steps (module docstring). A draft with
+    it declares "padded" instead of "fused_drafter" (a fused graph always drafts k)."""
 
     abilities = frozenset({"check_target", "fused_drafter", "model", "resyncs"})
 
-    def __init__(self, model: DecoderModel):
+    def __init__(self, model: DecoderModel, p_min: float | None = None):
         if getattr(model.lm, "feature_size", None):
             raise ValueError("this is an EAGLE draft network: use EagleDraft.from_pretrained(path, target)")
+        if p_min is not None and (isinstance(p_min, bool) or not isinstance(p_min, (int, float))
+                                  or not 0 < p_min < 1):
+            raise ValueError(f"p_min must be a probability in (0, 1) (None: draft k tokens), got {p_min!r}")
+        self.p_min = p_min
+        if p_min is not None:
+            self.abilities = (DraftModel.abilities - {"fused_drafter"}) | {"padded"}
         self.model, self.module = model, model.lm
         self.vocab_size, self.batch_size = model.vocab_size, model.batch_size
         self.seq = torch.zeros(model.batch_size, model.n_positions, dtype=torch.long)   # S per row (host)
@@ -49,12 +66,14 @@ class DraftModel(BaseProposer):
         self.drafts: torch.Tensor | None = None    # the last proposal, until ``accepted`` reads it
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None, target: DecoderModel, **overrides) -> DraftModel:
+    def from_pretrained(cls, path: str | Path | None, target: DecoderModel, p_min: float | None = None,
+                        **overrides) -> DraftModel:
         """Load a draft checkpoint with the target's runtime settings (batch size, ``n_positions``,
         ``amp``, buckets, sampling config, backend, device, ``tp_degree``; the head layout is chosen for the
         draft's own heads, and it returns no EAGLE-3 feature layers) unless ``overrides`` (any
         ``DecoderModel.from_pretrained`` argument) say otherwise. A target's ``quantization="gguf"``
-        (and ``prompt_weights``) applies to a GGUF draft; a checkpoint-directory draft then stays in ``amp``."""
+        (and ``prompt_weights``) applies to a GGUF draft; a checkpoint-directory draft then stays in ``amp``.
+        ``p_min``: the confidence stop (``DraftModel``)."""
         settings = {**asdict(target.settings), "sampling": target.settings.sampling, "gqa_strategy": None,
                     "feature_layers": (), **overrides}     # (an EAGLE-3 head's target layers: not the draft's)
         if settings["backend"] != "compiled" and "autotune" not in overrides:
@@ -64,7 +83,7 @@ class DraftModel(BaseProposer):
             if "prompt_weights" not in overrides:
                 settings["prompt_weights"] = None    # (dense copies of GGML blocks: it has none)
         model = DecoderModel.from_pretrained(path, **settings)
-        draft = cls(model)
+        draft = cls(model, p_min)
         draft.check_target(target)
         return draft
 
@@ -105,16 +124,33 @@ class DraftModel(BaseProposer):
         m.set_lengths(start)
         out = m.step(self.seq.gather(1, pos), params, rng, advance=False, return_probs=sampled)
         last = (n - 1 - start).to(out.tokens.device)             # S[-1]'s column: width - 1 unless n < width
-        tokens = [out.tokens.gather(1, last.view(-1, 1)).squeeze(1)]
-        probs = [out.probs[torch.arange(len(last), device=last.device), last]] if sampled else []
+        rows = torch.arange(len(last), device=last.device)
+        tokens = [out.tokens[rows, last]]
+        probs = [out.probs[rows, last]] if sampled else []
+        num = None      # drafts per row (the confidence stop; None: k)
+        if self.p_min is not None and not sampled:
+            num = self._stopped(torch.full_like(n, k), out.logits[rows, last], 1, k)
         m.set_lengths(n)
-        for _ in range(k - 1):
+        for i in range(2, k + 1):
+            if num is not None and bool((num < k).all()):      # every row has stopped
+                break
             out = m.step(tokens[-1].unsqueeze(1), params, rng, return_probs=sampled)
             tokens.append(out.tokens[:, -1])
             if sampled:
                 probs.append(out.probs[:, -1])
+            if num is not None:
+                num = self._stopped(num, out.logits[:, -1], i, k)
         self.drafts = torch.stack(tokens, 1)
-        return Proposal(self.drafts, torch.stack(probs, 1) if sampled else None)
+        if num is None:
+            return Proposal(self.drafts, torch.stack(probs, 1) if sampled else None)
+        padding = self.drafts[:, -1:].expand(-1, k - self.drafts.shape[1])    # never verified (num_drafts)
+        return Proposal(torch.cat([self.drafts, padding], 1), num_drafts=num)
+
+    def _stopped(self, num: torch.Tensor, logits: torch.Tensor, i: int, k: int) -> torch.Tensor:
+        """Drafts per row [B] after the i-th draft x_i, drafted greedily from ``logits`` [B, V]: a row still
+        drafting (num = k) stops at i when the draft gives x_i (its argmax) a probability below ``p_min``."""
+        top = 1.0 / torch.exp(logits - logits.max(-1, keepdim=True).values).sum(-1)    # softmax at the argmax
+        return torch.where((num == k) & (top.cpu() < self.p_min), i, num)
 
     def catch_up(self, n: torch.Tensor, most: int, params, rng) -> None:
         """Ingest S[synced ..] in steps of ``most`` tokens while a row of length n [B] has more than ``most``

@@ -18,8 +18,8 @@ whichever proposal was verified: the source appends the emitted tokens; EAGLE st
 features and the emitted tokens (true whoever proposed them); the draft model finds the first emitted token
 that differs from its own drafts (or all of them, after a skipped step) and re-reads the sequence from there
 (``specdec.draft.proposer``). The combination is "padded": source rows have the source's real drafts
-(``drafted``), model rows k (``Proposal.num_drafts``), so a greedy step where every row takes the source
-verifies only the longest real draft.
+(``drafted``), model rows k or the model's own count (a draft model's confidence stop) (``Proposal.num_drafts``),
+so a greedy step verifies only the longest real draft.
 
 Sampling: source rows' proposals are deterministic (q one-hot on the proposed token), model rows' are
 sampled from the model's q. In a batch that mixes them, source rows get q = onehot(x) (a scatter into
@@ -97,6 +97,8 @@ class MatchOrDraft(BaseProposer):
             # same whatever its batch neighbours take)
             return Proposal(tokens, num_drafts=real)
         model = self.draft.propose(tail, lengths, k, params, rng)    # the model tracks the sequence
+        if model.num_drafts is not None:     # a padded model proposer (a draft model's confidence stop)
+            real = torch.where(self.from_source, self.source.drafted, model.num_drafts.cpu())
         use = self.from_source.to(model.tokens.device)
         tokens = torch.where(use.unsqueeze(1), tokens.to(model.tokens.device), model.tokens)
         probs = None if model.probs is None else self.one_hot_rows(model.probs, tokens, use)

@@ -40,6 +40,7 @@ n_positions_value = _number(int, "n_positions", lambda v: v >= 2, ">= 2")
 cache_tokens_value = _number(int, "cache_tokens", lambda v: v >= 2, ">= 2")
 alpha_value = _number(float, "alpha", lambda v: v > 0, "> 0")
 probability_value = _number(float, "probability", lambda v: 0 <= v <= 1, "in [0, 1]")
+draft_p_min_value = _number(float, "draft_p_min", lambda v: 0 < v < 1, "in (0, 1)")
 
 
 def token_ids(text: str) -> list[int]:
@@ -178,6 +179,10 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft models (model, lookup+model, suffix+model): score only token ids [0, N) — a cheaper "
                         "draft LM head (byte-pair ids are numbered in merge order, so the first are the frequent "
                         "ones); the draft never proposes a later id, the output is unchanged")
+    s.add_argument("--draft-p-min", type=draft_p_min_value, default=None, metavar="P",
+                   help="draft models (model, lookup+model, suffix+model), greedy steps: a row stops drafting after a "
+                        "token the draft gives a probability below P (llama.cpp's --draft-p-min); fewer draft steps "
+                        "and a narrower verify where the draft doubts, the same output (default: k drafts a step)")
     s.add_argument("--tree", default=None,
                    help="medusa: a built-in tree name (e.g. mc_sim_7b_63) or a JSON file of paths "
                         "(default: the heads' own tree); eagle-tree: DEPTHxTOPKxNODES (default 3x8x8)")
