@@ -529,7 +529,8 @@ def markdown_table(result: dict) -> str:
     batch, prompts = cfg.get("batch_size", 1), len(cfg["question_ids"])
     over = f"{prompts} prompts" if batch == 1 else f"{-(-prompts // batch)} calls of {batch} prompts ({prompts} in all)"
     if cfg.get("per_category"):
-        over += f" (the first {cfg['per_category']} of each category)"
+        per = cfg["per_category"]
+        over += f" (the first {'' if per == 1 else f'{per} '}of each category)"
     lines.append(f"Medians over {over} of `{Path(cfg['prompt_file']).stem}`, "
                  f"{cfg['max_new_tokens']} new tokens (EOS ignored), {decoding_label(cfg)}, "
                  f"batch {batch}, {cfg['threads']} threads, "
