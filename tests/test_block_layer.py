@@ -3,6 +3,7 @@ prologue (RMSNorm, the SiLU gate) and epilogue (bias, residual) equal the layer'
 equals RoPE + cache writes + masked softmax attention, both are row-invariant (a row's bits do not depend on
 how many rows or slots a call has), bad inputs fail clearly, the one-call ``block_layer`` gives the five calls'
 bits, and a GGUF model runs its layers so: the same logits as the unfused layers, in every backend."""
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -295,8 +296,16 @@ def test_rows_that_are_not_active_are_not_computed(tiny):
     chain = Proposal(torch.zeros(3, 4, dtype=torch.long), num_drafts=torch.tensor([2, 4, 1]))
     proposal, k = narrowed(chain, 4, None, torch.tensor([True, False, True]))
     assert k == 2 and proposal.num_drafts.tolist() == [2, 0, 1] and proposal.tokens.shape == (3, 2)
-    proposal, k = narrowed(Proposal(chain.tokens), 4, None, torch.tensor([False, True, True]), shrink=False)
-    assert k == 4 and proposal.num_drafts.tolist() == [0, 4, 4]
+    proposal, k = narrowed(Proposal(chain.tokens), 4, None, torch.tensor([False, True, True]), sampled=True)
+    assert k == 4 and proposal.num_drafts.tolist() == [0, 4, 4] and proposal.draw_width is None
+    # sampling: cut to the longest active row but never below one draft, drawing the noise of 4
+    proposal, k = narrowed(chain, 4, None, torch.tensor([True, False, True]), sampled=True)
+    assert k == 2 and proposal.draw_width == 4 and proposal.num_drafts.tolist() == [2, 0, 1]
+    proposal, k = narrowed(replace(chain, num_drafts=torch.tensor([0, 4, 0])), 4, None,
+                           torch.tensor([True, False, True]), sampled=True)
+    assert k == 1 and proposal.draw_width == 4 and proposal.num_drafts.tolist() == [0, 0, 0]
+    proposal, k = narrowed(chain, 4, None, torch.tensor([True, False, True]), sampled=True, split_draws=False)
+    assert k == 4 and proposal.draw_width is None       # streams that cannot split their draws keep k
 
 
 def test_suffix_trees_padding_is_skipped_and_greedy_output_is_target_only(tiny):

@@ -1,6 +1,7 @@
 """A draft model's confidence stop (``DraftModel(model, p_min=P)``): greedy identity with target-only (draft
 model and lookup + model, batch 1 and 3), a stop that really shortens chains and verifies (every row at one draft
-when P is near 1, k when P is tiny, in between at the median confidence), sampling steps untouched, refusals."""
+when P is near 1, k when P is tiny, in between at the median confidence), sampled rows stopping without their
+samples depending on their batch neighbours, refusals."""
 import pytest
 import torch
 
@@ -63,16 +64,29 @@ def test_greedy_output_is_the_targets_and_chains_stop_where_the_draft_doubts(che
     assert drafted[1e-9] > drafted[middle] > drafted[1 - 1e-6]
 
 
-def test_sampling_steps_draft_k_tokens_as_without_the_stop(checkpoint):
-    target = load(checkpoint("llama"), batch_size=1)
-    draft = load(checkpoint("llama-draft"), batch_size=1)
-    runs = []
-    for p_min in (None, 0.9):
-        gen = SpeculativeGenerator(DraftModel(draft, p_min=p_min), target, K)
-        out = gen.generate(PROMPTS[1:2], max_new_tokens=20, eos_token_id=[], do_sample=True, temperature=0.8,
-                           seed=7)
-        runs.append((out, gen.last_stats.drafted, gen.last_stats.accepted))
-    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:]
+def sampled(gen, prompts, seeds, row):
+    out = gen.generate(prompts, max_new_tokens=24, eos_token_id=[], do_sample=True, temperature=1.0, seed=seeds)
+    return out[row, max(map(len, prompts)):].tolist()
+
+
+def test_sampled_rows_stop_too_and_a_rows_samples_do_not_depend_on_its_neighbours(checkpoint):
+    """Sampled rows stop at the same confidence (the top probability of the distribution they draw from); the
+    draft steps a stopped batch skips and the verify positions a narrowed step leaves out still draw their
+    noise (``DecoderModel.skip_draws``, ``Proposal.draw_width``), so a row samples the same tokens alone and
+    next to rows that stop elsewhere. (Losslessness: ``test_speculative.test_sampling_is_lossless``.)"""
+    target = load(checkpoint("llama"), batch_size=3)
+    draft = load(checkpoint("llama-draft"), batch_size=3)
+    middle = float(torch.tensor(draft_confidences(draft, target, PROMPTS, K)).median())
+    gen = SpeculativeGenerator(DraftModel(draft, p_min=middle), target, K)
+    verified = widths(gen)
+    p, q, r = PROMPTS
+    alone = sampled(gen, [p], [7], 0)
+    assert 1 < gen.last_stats.drafted / gen.last_stats.steps < K      # the stop acts on sampled rows
+    assert len(set(verified) - {1}) > 1                                 # and narrows their verifies
+    assert sampled(gen, [q, p], [5, 7], 1) == alone
+    assert sampled(gen, [r, q, p], [9, 8, 7], 2) == alone
+    assert sampled(gen, [p, r], [7, 3], 0) == alone
+    assert sampled(gen, [p], [8], 0) != alone            # the seed does matter
 
 
 def test_refusals(checkpoint):

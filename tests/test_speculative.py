@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 import specdec.speculation.verify as verify_module
-from specdec import DecoderModel, SpeculativeGenerator
+from specdec import DecoderModel, DraftModel, SpeculativeGenerator
 from specdec.core.sampling import full_probs, warp
 
 from conftest import save_reduced_vocab
@@ -206,6 +206,17 @@ def test_sampling_is_lossless(lossless_models, draft_kind, sample_kwargs):
     gen = SpeculativeGenerator(drafts[draft_kind], target, 2)
     pvalue = lossless_pvalue(target_hf, target, gen, sample_kwargs, 2)  # 20,480 samples
     assert 0.05 < gen.stats.acceptance_rate < 0.95  # the draft really differs from the target
+    assert pvalue > 1e-3
+
+
+@pytest.mark.parametrize("sample_kwargs", [dict(temperature=0.7), dict(temperature=1.3, top_k=6, top_p=0.9)])
+def test_sampling_with_the_drafts_confidence_stop_is_lossless(lossless_models, sample_kwargs):
+    """``DraftModel(p_min=P)``: rows stop drafting where the draft doubts (a row's own draws), steps verify the
+    longest row's drafts only and draw the noise of k (``narrowed``); the output is still the target's."""
+    target_hf, target, drafts = lossless_models
+    gen = SpeculativeGenerator(DraftModel(drafts["full"], p_min=0.3), target, 2)
+    pvalue = lossless_pvalue(target_hf, target, gen, sample_kwargs, 4)     # 20,480 samples of 4 tokens
+    assert 1.1 < gen.stats.drafted / gen.stats.steps < 1.9, gen.stats.drafted   # the stop acts (per row and step)
     assert pvalue > 1e-3
 
 

@@ -264,7 +264,9 @@ def test_cache_updates_from_another_thread_while_the_engine_runs(checkpoint):
     def writer() -> None:
         rng = random.Random(0)
         try:
-            while not stop.is_set():            # the reference outputs, cut and mutated: real matches
+            # the reference outputs, cut and mutated: real matches; a pause between adds, or the writer's
+            # pure-Python sweeps hold the GIL and the engine thread waits a switch interval for every op
+            while not stop.wait(0.001):
                 row = reference[rng.randrange(3)].tolist()
                 row[rng.randrange(len(row))] = rng.randrange(VOCAB)
                 cache.add(row[rng.randrange(10):])

@@ -325,10 +325,8 @@ class DecoderModel:
         dev, b = self.device, key.batch(self.batch_size)
         if not key.do_sample:
             uniform = torch.zeros(b, key.n_logits, device=dev)
-        elif rng is None or isinstance(rng, torch.Generator):   # one stream for every row
-            uniform = torch.rand(b, key.n_logits, generator=rng, device=dev)
         else:
-            uniform = rng.uniform(key.n_logits, None if seq_ids is None else seq_ids.tolist())
+            uniform = self._uniform(rng, b, key.n_logits, seq_ids)
         extra = ()
         if key.penalty:
             presence = self.kv.presence
@@ -395,6 +393,20 @@ class DecoderModel:
                         _fit(features, bucket), torch.tensor([row]))
         self.kv.lengths[row] = n
         return out
+
+    def _uniform(self, rng: RowGenerators | torch.Generator | None, b: int, n_logits: int,
+                 seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A sampling graph's noise [b, n_logits]: from each row's own stream (``RowGenerators``), one stream
+        for every row (``torch.Generator``) or torch's global one (None)."""
+        if rng is None or isinstance(rng, torch.Generator):
+            return torch.rand(b, n_logits, generator=rng, device=self.device)
+        return rng.uniform(n_logits, None if seq_ids is None else seq_ids.tolist())
+
+    def skip_draws(self, rng: RowGenerators | torch.Generator | None, n_logits: int) -> None:
+        """Consume the noise of one sampling ``step`` of ``n_logits`` positions for every row without running it:
+        a proposer that stops drafting early leaves each row's random stream where the full step would
+        (so a row's samples do not depend on when its batch neighbours stop)."""
+        self._uniform(rng, self.batch_size, n_logits)
 
     def step(self, tokens: torch.Tensor, params: torch.Tensor, rng: RowGenerators | torch.Generator | None = None,
              token_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

@@ -198,6 +198,12 @@ class RowGenerators:
         self.draw_device = torch.device("cpu") if self.device.type == "xla" else self.device
         self.generators: list[torch.Generator | None] = [None] * batch_size
 
+    @property
+    def splits_draws(self) -> bool:
+        """Whether n draws then m draws are the n + m draws of one call, so a draw can be split without
+        changing a stream (CPU generators; CUDA's Philox streams advance per call)."""
+        return self.draw_device.type == "cpu"
+
     def seed(self, row: int, seed: int) -> None:
         self.generators[row] = torch.Generator(self.draw_device).manual_seed(seed)
 

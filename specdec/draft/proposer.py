@@ -19,12 +19,16 @@ stale span then grows past k + 1, and ``propose`` first catches up in steps of k
 synced + k] at slots synced .., the width a re-read after a source step already has) until it fits one.
 
 Confidence stop (``p_min``, llama.cpp's ``--draft-p-min``, Hugging Face's ``assistant_confidence_threshold``):
-in a greedy step a row stops drafting after the first token x_i its draft gives a probability below p_min
-(softmax of the draft's logits), keeping x_i; the step drafts while any row goes on, and the proposal says
-how many drafts each row has (``Proposal.num_drafts``: "padded"), so the verify covers the longest row's
-drafts only. The output is unchanged (greedy verification accepts the target's own tokens); what changes is
-the cost: fewer draft steps and a narrower verify where the draft doubts. Sampling steps draft k (a row's
-random stream must not depend on when its neighbours stop).
+a greedy row stops drafting after the first token x_i its draft gives a probability below p_min (softmax of
+the draft's logits), keeping x_i; the step drafts while any row goes on, and the proposal says how many
+drafts each row has (``Proposal.num_drafts``: "padded"), so the verify covers the longest row's drafts only
+(``speculation.speculative.narrowed``). The greedy output is unchanged (greedy verification accepts the
+target's own tokens); what changes is the cost: fewer draft steps and a narrower verify where the draft
+doubts. Sampled rows stop the same way,
+on the top probability of the warped distribution a sampled row draws from (llama.cpp's rule); the stop depends
+on the draft's side only, so the acceptance rule stays lossless (a row's acceptance over its first d drafts is
+a d-draft step), and the noise of the draft steps not run is drawn anyway (``DecoderModel.skip_draws``), so a
+row's random stream does not depend on when its neighbours stop.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import torch
 
 from ..core.decoder import DecoderModel
 from ..core.paths import gguf_source
-from ..core.sampling import any_sampled
+from ..core.sampling import any_sampled, greedy_rows
 from ..fused.step import FusedKey
 from ..speculation.proposer import BaseProposer, Proposal
 from .fused import DraftLoop
@@ -45,7 +49,7 @@ class DraftModel(BaseProposer):
     """A small ``DecoderModel`` proposing for a target with the same tokenizer (a ``Proposer``): a chain
     proposer running the graphs of ``model``, which fuses (``fused_drafter``) and may skip steps ("resyncs").
 
-    ``p_min`` (0 < p_min < 1, None: off): the confidence stop of greedy steps (module docstring). A draft with
+    ``p_min`` (0 < p_min < 1, None: off): the confidence stop (module docstring). A draft with
     it declares "padded" instead of "fused_drafter" (a fused graph always drafts k)."""
 
     abilities = frozenset({"check_target", "fused_drafter", "model", "resyncs"})
@@ -128,28 +132,38 @@ class DraftModel(BaseProposer):
         tokens = [out.tokens[rows, last]]
         probs = [out.probs[rows, last]] if sampled else []
         num = None      # drafts per row (the confidence stop; None: k)
-        if self.p_min is not None and not sampled:
-            num = self._stopped(torch.full_like(n, k), out.logits[rows, last], 1, k)
+        if self.p_min is not None:
+            num = self._stopped(torch.full_like(n, k), out.logits[rows, last], probs[0] if sampled else None,
+                                params, 1, k)
         m.set_lengths(n)
         for i in range(2, k + 1):
             if num is not None and bool((num < k).all()):      # every row has stopped
+                if sampled:     # the noise of the steps not run: each row's stream moves as if they had
+                    for _ in range(i, k + 1):
+                        m.skip_draws(rng, 1)
                 break
             out = m.step(tokens[-1].unsqueeze(1), params, rng, return_probs=sampled)
             tokens.append(out.tokens[:, -1])
             if sampled:
                 probs.append(out.probs[:, -1])
             if num is not None:
-                num = self._stopped(num, out.logits[:, -1], i, k)
+                num = self._stopped(num, out.logits[:, -1], probs[-1] if sampled else None, params, i, k)
         self.drafts = torch.stack(tokens, 1)
         if num is None:
             return Proposal(self.drafts, torch.stack(probs, 1) if sampled else None)
-        padding = self.drafts[:, -1:].expand(-1, k - self.drafts.shape[1])    # never verified (num_drafts)
-        return Proposal(torch.cat([self.drafts, padding], 1), num_drafts=num)
+        pad = k - self.drafts.shape[1]      # positions past every row's stop: never verified (num_drafts)
+        q = torch.stack(probs + probs[-1:] * pad, 1) if sampled else None
+        return Proposal(torch.cat([self.drafts, self.drafts[:, -1:].expand(-1, pad)], 1), q, num_drafts=num)
 
-    def _stopped(self, num: torch.Tensor, logits: torch.Tensor, i: int, k: int) -> torch.Tensor:
-        """Drafts per row [B] after the i-th draft x_i, drafted greedily from ``logits`` [B, V]: a row still
-        drafting (num = k) stops at i when the draft gives x_i (its argmax) a probability below ``p_min``."""
+    def _stopped(self, num: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor | None, params: torch.Tensor,
+                 i: int, k: int) -> torch.Tensor:
+        """Drafts per row [B] after the i-th draft x_i: a row still drafting (num = k) stops at i when the
+        draft's confidence is below ``p_min`` — a greedy row's top probability under its ``logits`` [B, V]
+        (softmax at the argmax x_i), a sampled row's top probability under the warped distribution ``probs``
+        [B, V] it drew x_i from (llama.cpp's rule)."""
         top = 1.0 / torch.exp(logits - logits.max(-1, keepdim=True).values).sum(-1)    # softmax at the argmax
+        if probs is not None:
+            top = torch.where(greedy_rows(params).to(top.device), top, probs.amax(-1).to(top.device))
         return torch.where((num == k) & (top.cpu() < self.p_min), i, num)
 
     def catch_up(self, n: torch.Tensor, most: int, params, rng) -> None:
@@ -174,6 +188,7 @@ class DraftModel(BaseProposer):
         self.seq[torch.arange(len(n)).unsqueeze(1).expand_as(pos)[keep], pos[keep]] = emitted[keep]
         if self.drafts is not None:   # slots n-1 .. (S[-1], then x_1 .. x_{k-1}) were written by propose
             ingested = self.drafts.cpu()[:, :-1]
+            ingested = ingested[:, :emitted.shape[1]]    # (a narrowed verify emits fewer: the rest is unverified)
             same = (ingested == emitted[:, :ingested.shape[1]]).long()
             self.synced = n + same.cumprod(1).sum(1)
             self.drafts = None

@@ -25,7 +25,7 @@ from ..speculation.proposer import BaseProposer, Proposal
 class PromptLookup(BaseProposer):
     """Prompt-lookup drafting for ``target`` (a ``specdec.speculation.proposer.Proposer``): a chain proposer
     (no network, nothing to check, unfused) whose rows without a (long enough) match are padded ("padded":
-    a greedy step verifies only the drafts it found, and is a decode step when no row found any).
+    a step verifies only the drafts it found; a greedy step is a decode step when no row found any).
     After each ``matches`` / ``propose``: ``drafted`` [B] long, each row's real drafts."""
 
     abilities = frozenset({"padded"})

@@ -19,7 +19,7 @@ features and the emitted tokens (true whoever proposed them); the draft model fi
 that differs from its own drafts (or all of them, after a skipped step) and re-reads the sequence from there
 (``specdec.draft.proposer``). The combination is "padded": source rows have the source's real drafts
 (``drafted``), model rows k or the model's own count (a draft model's confidence stop) (``Proposal.num_drafts``),
-so a greedy step verifies only the longest real draft.
+so a step verifies only the longest real draft.
 
 Sampling: source rows' proposals are deterministic (q one-hot on the proposed token), model rows' are
 sampled from the model's q. In a batch that mixes them, source rows get q = onehot(x) (a scatter into

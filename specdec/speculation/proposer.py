@@ -61,14 +61,17 @@ class Proposal:
     verifier ignores the rest (``acceptance.accept``'s ``num_drafts``). None: k for every row. A proposer
     declaring "padded" sets it (its rows' real drafts, a function of S only, then padding); the
     speculation step caps it when k adapts per row (``specdec.speculation.adaptive``) and verifies only
-    the longest active row's drafts in greedy steps (``specdec.speculation.speculative.narrowed``; none: a
-    decode step).
+    the longest active row's drafts (``specdec.speculation.speculative.narrowed``; none: a greedy step is a
+    decode step, a sampling step verifies one).
+    draw_width: None, or (a sampling chain ``narrowed`` cut from k drafts to its longest row's) k: the verifier
+    draws the random noise of k drafts, so a row's stream does not depend on its neighbours' drafts.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     tree: RowTrees | None = None
     num_drafts: torch.Tensor | None = None
+    draw_width: int | None = None
 
 
 @dataclass

@@ -17,8 +17,9 @@ When a request ends the engine tells the proposer (``finished``: a suffix cache 
 Near ``n_positions`` the step's k shrinks so no graph writes past a cache; at k = 0 the step is a plain
 decode step. With an ``AdaptiveK`` policy (``specdec.speculation.adaptive``) each row has its own k_r: the step
 drafts the largest k_r of the active rows and caps every row at its own (``Proposal.num_drafts``).
-A "padded" proposer's rows say how many of their k drafts are real (``Proposal.num_drafts``): a greedy
-step verifies only the longest active row's (``narrowed``), and is a plain decode step when no row has any.
+A "padded" proposer's rows say how many of their k drafts are real (``Proposal.num_drafts``): a step
+verifies only the longest active row's (``narrowed``); a greedy step where no row has any is a plain decode
+step.
 With a ``GateMeter`` (``specdec.speculation.gate``) a step is plain (k = 0) whenever plain steps have been
 emitting tokens faster than speculative ones.
 The loop never asks which strategy it runs.
@@ -94,7 +95,7 @@ class Speculator:
         if k > 0:
             with stats.timer("draft"):
                 proposal, k = narrowed(self.proposer.propose(tail, lengths, k, params, rng), k, caps, active,
-                                       shrink=not any_sampled(params))
+                                       sampled=any_sampled(params), split_draws=rng.splits_draws)
         if k == 0:   # no room to draft, the gate, or no row drafted: a plain decode step; the proposer still reads it
             with stats.timer("verify"):
                 out = decode_step(self.target, tail, params, rng, active)
@@ -117,23 +118,30 @@ class Speculator:
 
 
 def narrowed(proposal: Proposal, k: int, caps: torch.Tensor | None, active: torch.Tensor,
-             shrink: bool = True) -> tuple[Proposal, int]:
+             sampled: bool = False, split_draws: bool = True) -> tuple[Proposal, int]:
     """A chain ``proposal`` of k drafts [B, k] capped per row at ``caps`` [B] (adaptive k; None: no cap), at
     the proposer's own ``num_drafts`` (a "padded" proposer's real drafts) and, for a row that is not ``active``,
-    at none (its verify positions are padding), then, with ``shrink``, cut to the longest active row's drafts
-    → (the proposal, the step's k; 0: nothing to verify, a plain decode step). A tree passes unchanged (k: its
-    depth). Sampling steps keep k (``shrink`` False): a row draws its acceptance and sampling noise per
-    verified position, so a width set by its neighbours would change its random stream (rows are independent
-    of their batch). Lossless: a row's acceptance over its first d_r drafts is a d_r-draft step (causal mask),
-    and d_r depends on S and earlier steps only, never on this step's random draws."""
+    at none (its verify positions are padding), then cut to the longest active row's drafts → (the proposal,
+    the step's k; 0: nothing to verify, a plain decode step). A tree passes unchanged (k: its depth).
+
+    Sampling steps (``sampled``) draw a row's acceptance and sampling noise per verified position, and a row's
+    random stream must not depend on its neighbours (rows are independent of their batch). So a cut sampling
+    chain keeps at least one draft (a row without drafts takes its bonus token from the verify's noise, as in
+    an uncut step, never from a decode step's) and records ``draw_width`` = k: its verifier draws the noise of
+    k drafts (``ChainVerifier``). That needs streams where n draws then m draws are the n + m draws of one
+    call (``RowGenerators.splits_draws``: CPU generators); elsewhere sampling steps keep k.
+    Lossless: a row's acceptance over its first d_r drafts is a d_r-draft step (causal mask), and d_r depends
+    on S, the draft's side and earlier steps only, never on this step's verify noise."""
     if proposal.tree is not None:
         return proposal, k
     num = torch.full_like(active, k, dtype=torch.long) if proposal.num_drafts is None else proposal.num_drafts.cpu()
     if caps is not None:
         num = torch.minimum(num, caps)
     num = torch.where(active, num.clamp(max=k), 0)      # a row that is not active verifies nothing: padding
-    width = (int(num[active].max()) if bool(active.any()) else 0) if shrink else k
+    longest = int(num[active].max()) if bool(active.any()) else 0
+    width = longest if not sampled else max(longest, 1) if split_draws else k
     if width == k:
         return replace(proposal, num_drafts=num), k
     probs = None if proposal.probs is None else proposal.probs[:, :width]
-    return replace(proposal, tokens=proposal.tokens[:, :width], probs=probs, num_drafts=num.clamp(max=width)), width
+    return replace(proposal, tokens=proposal.tokens[:, :width], probs=probs, num_drafts=num.clamp(max=width),
+                   draw_width=k if sampled else None), width

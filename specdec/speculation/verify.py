@@ -45,12 +45,15 @@ class ChainVerifier:
         k = drafts.shape[1]
         sampled = any_sampled(params)
         real = None if proposal.num_drafts is None else proposal.num_drafts + 1      # S[-1] and the row's drafts
+        drawn = proposal.draw_width or k      # the noise of a chain of ``drawn`` drafts (``narrowed``)
+        if sampled and drawn > k:   # the draws the cut graph leaves out, then its own: drawn + 1 in all
+            rng.uniform(drawn - k)
         out = target.step(torch.cat([tail[:, 1:].to(drafts.device), drafts], 1), params, rng,
                           token_mask=causal_mask(k + 1, real), advance=False, return_probs=sampled)
         uniform = residual = None
         if sampled:
-            u = rng.uniform(k + 1).to(out.probs.device)
-            uniform, residual = u[:, :k], u[:, k]
+            u = rng.uniform(drawn + 1).to(out.probs.device)
+            uniform, residual = u[:, :k], u[:, drawn]
         dev = out.tokens.device
         num_drafts = None if proposal.num_drafts is None else proposal.num_drafts.to(dev)
         n, emitted = accept(drafts.to(dev), out.probs if sampled else None, proposal.probs, target_tokens=out.tokens,

@@ -197,7 +197,7 @@ class SuffixDraft(SuffixProposer):
 
 class SuffixChain(SuffixProposer):
     """Suffix decoding with chains for ``target``: each row's most frequent continuation (at most k tokens,
-    padded with S[-1]: "padded", a greedy step verifies only the real drafts, and is a decode step when no
+    padded with S[-1]: "padded", a step verifies only the real drafts; a greedy step is a decode step when no
     row has any), verified with ``ChainVerifier``; see ``SuffixProposer`` for the arguments."""
 
     abilities = SuffixProposer.abilities | {"padded"}
