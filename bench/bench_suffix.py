@@ -20,8 +20,10 @@ workload) over one batch-1 target, after building every graph a request may use 
 request in turn (agent sessions turn by turn), their order alternating from one request to the next, so a
 drift of the machine's speed between requests reaches every system alike; ``tok_s`` = new tokens / seconds
 of the ``generate`` calls (prefill included). Server (``--modes server``): ``specdec serve``'s
-engine (batch ``--concurrency``) in this process, ``--concurrency`` concurrent streams (agent: that many
-sessions at once, each turn after the previous one; others: a closed loop of that many clients);
+engine (batch ``--concurrency``) in this process, one server per system, all loaded at once and run on each
+workload in turn (their order alternating from one workload to the next), ``--concurrency`` concurrent
+streams (agent: that many sessions at once, each turn after the previous one; others: a closed loop of that
+many clients);
 ``tok_s`` = output tokens / wall seconds. τ = 1 + accepted / steps (pooled row-steps). Greedy outputs of
 every speculative system must equal the target's (``identical_to_target``, in both modes).
 
@@ -45,6 +47,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -430,24 +433,30 @@ async def serve_workload(base: str, wl: Workload, tokenizer, cfg: SuffixBenchOpt
 
 
 def run_server(cfg: SuffixBenchOptions, workloads: list[Workload]) -> dict:
-    """Each system served in this process (``specdec serve``'s engine); its one cache is emptied between
-    workloads → {workload: {system: entry}} (outputs compared across systems as offline)."""
+    """Every system served at once in this process (``specdec serve``'s engine, one server each), each one's
+    cache emptied before a workload; the systems run each workload in turn, their order alternating from one
+    workload to the next (as offline, so a drift of the machine's speed reaches every system alike) →
+    {workload: {system: entry}} (outputs compared across systems as offline)."""
     from specdec.serving import create_app
     from specdec.serving.server import load_engine, running_server, serving_engine
 
     result: dict[str, dict] = {}
-    for system, (strategy, k) in systems_of(cfg).items():
-        log(f"server: {system}")
-        options = serve_options(cfg, strategy, k)
-        served = serving_engine(load_engine(options), options.max_waiting)
-        core = served.engine
-        cache = None if core.speculator is None else core.speculator.proposer.cache
-        with running_server(create_app(served, "bench")) as base:
+    with ExitStack() as stack:
+        served = {}
+        for system, (strategy, k) in systems_of(cfg).items():
+            log(f"server: loading {system}")
+            options = serve_options(cfg, strategy, k)
+            engine = serving_engine(load_engine(options), options.max_waiting)
+            served[system] = (engine.engine, stack.enter_context(running_server(create_app(engine, "bench"))))
             for wl in workloads:                     # warm-up: each workload's first request, a few tokens
                 first = wl.prompts[0] if wl.prompts else wl.sessions[0]([])
-                asyncio.run(serve_workload(base, Workload("warm-up", prompts=[first]), core.target.tokenizer,
-                                           replace(cfg, max_new_tokens=8)))
-            for wl in workloads:
+                asyncio.run(serve_workload(served[system][1], Workload("warm-up", prompts=[first]),
+                                           engine.engine.target.tokenizer, replace(cfg, max_new_tokens=8)))
+        for i, wl in enumerate(workloads):
+            for system in list(served)[::1 if i % 2 == 0 else -1]:
+                log(f"server: {system} on {wl.name}")
+                core, base = served[system]
+                cache = None if core.speculator is None else core.speculator.proposer.cache
                 if cache is not None:
                     cache.clear()
                 before = {} if cache is None else cache.stats()
@@ -456,7 +465,7 @@ def run_server(cfg: SuffixBenchOptions, workloads: list[Workload]) -> dict:
                 outputs = asyncio.run(serve_workload(base, wl, core.target.tokenizer, cfg))
                 seconds = time.perf_counter() - start
                 result.setdefault(wl.name, {})[system] = entry(core, outputs, seconds, before)
-    return finish(result)
+    return finish({name: {system: systems[system] for system in served} for name, systems in result.items()})
 
 
 # ---------------------------------------------------------------------------------------------- main
