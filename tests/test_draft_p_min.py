@@ -8,6 +8,7 @@ import torch
 from specdec import DraftModel, LookupOrDraft, PromptLookup, SpeculativeGenerator
 
 from conftest import load, prompt_ids
+from test_engine import sampled_row
 
 PROMPTS = [[3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5], prompt_ids(7, 5), prompt_ids(11, 6)]
 K = 4
@@ -64,11 +65,6 @@ def test_greedy_output_is_the_targets_and_chains_stop_where_the_draft_doubts(che
     assert drafted[1e-9] > drafted[middle] > drafted[1 - 1e-6]
 
 
-def sampled(gen, prompts, seeds, row):
-    out = gen.generate(prompts, max_new_tokens=24, eos_token_id=[], do_sample=True, temperature=1.0, seed=seeds)
-    return out[row, max(map(len, prompts)):].tolist()
-
-
 def test_sampled_rows_stop_too_and_a_rows_samples_do_not_depend_on_its_neighbours(checkpoint):
     """Sampled rows stop at the same confidence (the top probability of the distribution they draw from); the
     draft steps a stopped batch skips and the verify positions a narrowed step leaves out still draw their
@@ -80,13 +76,13 @@ def test_sampled_rows_stop_too_and_a_rows_samples_do_not_depend_on_its_neighbour
     gen = SpeculativeGenerator(DraftModel(draft, p_min=middle), target, K)
     verified = widths(gen)
     p, q, r = PROMPTS
-    alone = sampled(gen, [p], [7], 0)
+    alone = sampled_row(gen, [p], [7], 0, temperature=1.0)
     assert 1 < gen.last_stats.drafted / gen.last_stats.steps < K      # the stop acts on sampled rows
     assert len(set(verified) - {1}) > 1                                 # and narrows their verifies
-    assert sampled(gen, [q, p], [5, 7], 1) == alone
-    assert sampled(gen, [r, q, p], [9, 8, 7], 2) == alone
-    assert sampled(gen, [p, r], [7, 3], 0) == alone
-    assert sampled(gen, [p], [8], 0) != alone            # the seed does matter
+    assert sampled_row(gen, [q, p], [5, 7], 1, temperature=1.0) == alone
+    assert sampled_row(gen, [r, q, p], [9, 8, 7], 2, temperature=1.0) == alone
+    assert sampled_row(gen, [p, r], [7, 3], 0, temperature=1.0) == alone
+    assert sampled_row(gen, [p], [8], 0, temperature=1.0) != alone            # the seed does matter
 
 
 def test_refusals(checkpoint):

@@ -142,8 +142,8 @@ def test_add_errors_leave_the_batch_intact(checkpoint):
 
 
 # ---------------------------------------------------------------- per-row seeds
-def sampled_row(gen, prompts, seeds, row):
-    out = gen.generate(prompts, max_new_tokens=24, eos_token_id=[], do_sample=True, temperature=0.9,
+def sampled_row(gen, prompts, seeds, row, temperature=0.9):
+    out = gen.generate(prompts, max_new_tokens=24, eos_token_id=[], do_sample=True, temperature=temperature,
                        seed=seeds)
     width = max(map(len, prompts))
     return out[row, width:].tolist()

@@ -24,11 +24,10 @@ the draft's logits), keeping x_i; the step drafts while any row goes on, and the
 drafts each row has (``Proposal.num_drafts``: "padded"), so the verify covers the longest row's drafts only
 (``speculation.speculative.narrowed``). The greedy output is unchanged (greedy verification accepts the
 target's own tokens); what changes is the cost: fewer draft steps and a narrower verify where the draft
-doubts. Sampled rows stop the same way,
-on the top probability of the warped distribution a sampled row draws from (llama.cpp's rule); the stop depends
-on the draft's side only, so the acceptance rule stays lossless (a row's acceptance over its first d drafts is
-a d-draft step), and the noise of the draft steps not run is drawn anyway (``DecoderModel.skip_draws``), so a
-row's random stream does not depend on when its neighbours stop.
+doubts. Sampled rows stop the same way, on the top probability of the warped distribution a sampled row draws
+from (llama.cpp's rule); the stop depends on the draft's side only, so the acceptance rule stays lossless (a
+row's acceptance over its first d drafts is a d-draft step), and the noise of the draft steps not run is drawn
+anyway (``DecoderModel.skip_draws``), so a row's random stream does not depend on when its neighbours stop.
 """
 from __future__ import annotations
 
@@ -188,8 +187,8 @@ class DraftModel(BaseProposer):
         self.seq[torch.arange(len(n)).unsqueeze(1).expand_as(pos)[keep], pos[keep]] = emitted[keep]
         if self.drafts is not None:   # slots n-1 .. (S[-1], then x_1 .. x_{k-1}) were written by propose
             ingested = self.drafts.cpu()[:, :-1]
-            ingested = ingested[:, :emitted.shape[1]]    # (a narrowed verify emits fewer: the rest is unverified)
-            same = (ingested == emitted[:, :ingested.shape[1]]).long()
+            w = min(ingested.shape[1], emitted.shape[1])    # (a narrowed verify emits fewer: the rest is unverified)
+            same = (ingested[:, :w] == emitted[:, :w]).long()
             self.synced = n + same.cumprod(1).sum(1)
             self.drafts = None
 

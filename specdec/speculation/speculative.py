@@ -139,7 +139,12 @@ def narrowed(proposal: Proposal, k: int, caps: torch.Tensor | None, active: torc
         num = torch.minimum(num, caps)
     num = torch.where(active, num.clamp(max=k), 0)      # a row that is not active verifies nothing: padding
     longest = int(num[active].max()) if bool(active.any()) else 0
-    width = longest if not sampled else max(longest, 1) if split_draws else k
+    if not sampled:
+        width = longest
+    elif split_draws:
+        width = max(longest, 1)
+    else:
+        width = k
     if width == k:
         return replace(proposal, num_drafts=num), k
     probs = None if proposal.probs is None else proposal.probs[:, :width]
