@@ -117,6 +117,7 @@ class Config:
     draft_vocab: int | None
     draft_quantization: str | None
     draft_p_min: float | None
+    draft_variants: list[str] | None
     temperature: float
     batch_size: int
     backend: str
@@ -165,6 +166,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--draft-p-min", type=draft_p_min_value, default=None, metavar="P",
                    help="also run every draft-model strategy with the draft's confidence stop at P (DraftModel's "
                         "p_min, on the same weights; systems named ...-p<P>)")
+    p.add_argument("--draft-variants", type=lambda text: text.split(","), default=None, metavar="NAMES",
+                   help="run only these drafts of the ones above, comma-separated by their system-name suffix "
+                        "('base' for the plain draft; e.g. q4_0-p0.7,v65536-q4_0-p0.7); default: all")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; T > 0: sample at temperature T (specdec systems only: implies --no-llamacpp)")
     p.add_argument("--batch-size", type=int, default=1,
@@ -199,6 +203,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
                   max_new_tokens=a.max_new_tokens, threads=a.threads,
                   ks=list(dict.fromkeys(a.ks)), strategies=a.strategies, model=a.model, draft_model=a.draft_model,
                   draft_vocab=a.draft_vocab, draft_quantization=a.draft_quantization, draft_p_min=a.draft_p_min,
+                  draft_variants=a.draft_variants,
                   temperature=a.temperature, batch_size=a.batch_size,
                   backend=a.backend, amp=a.amp, quantization=None if a.quantization == "none" else a.quantization,
                   n_positions=a.n_positions, context_buckets=a.context_buckets, prompt_weights=a.prompt_weights,
@@ -268,6 +273,12 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
         if cfg.draft_p_min is not None:
             drafts |= {f"{name}-p{cfg.draft_p_min:g}": DraftModel(d.model, p_min=cfg.draft_p_min)
                        for name, d in drafts.items()}
+        if cfg.draft_variants is not None:
+            unknown = set(cfg.draft_variants) - {name.lstrip("-") or "base" for name in drafts}
+            if unknown:
+                raise SystemExit(f"--draft-variants: no draft named {', '.join(sorted(unknown))} (the drafts: "
+                                 f"{', '.join(name.lstrip('-') or 'base' for name in drafts)})")
+            drafts = {name: d for name, d in drafts.items() if (name.lstrip("-") or "base") in cfg.draft_variants}
     for strategy in cfg.strategies:
         if strategy == "none":
             continue
