@@ -71,7 +71,7 @@ from specdec.options import (
 )
 from specdec.registry import REGISTRY, name_list
 from specdec.serving.server import ServeOptions
-from specdec.tools.arguments import add_suffix_arguments, int_list
+from specdec.tools.arguments import add_suffix_arguments, draft_p_min_value, int_list
 from specdec.tools.bench import emit_json
 from specdec.tools.bench.prompts import load_records
 from specdec.tools.bench.runtime import git_commit, machine_info
@@ -86,7 +86,7 @@ TARGET = "target"
 class SuffixBenchOptions:
     """What the benchmark runs (the flags of ``parse_args``, same names): the target ``model`` and the
     ``draft_model`` of suffix+model (None: the shipped draft) scoring ``draft_vocab`` ids (None: all) with its own
-    weight-only ``draft_quantization`` (None: the target's), the
+    weight-only ``draft_quantization`` (None: the target's) and confidence stop ``draft_p_min`` (None: none), the
     suffix ``strategies``, the ``workloads``, the ``modes`` (offline, server), ``requests`` per workload (agent:
     sessions of ``turns`` requests), ``max_new_tokens`` per request, the server's ``concurrency``, ``ks`` (each
     strategy once per k, named ``<strategy>-k<k>`` when there are several; None: the strategy's own k), ``gate``
@@ -100,6 +100,7 @@ class SuffixBenchOptions:
     draft_model: str | None = None
     draft_vocab: int | None = None
     draft_quantization: str | None = None
+    draft_p_min: float | None = None
     strategies: list[str] = field(default_factory=lambda: ["suffix", "suffix+model"])
     workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
     modes: list[str] = field(default_factory=lambda: ["offline", "server"])
@@ -304,7 +305,8 @@ def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: Deco
         if s.part is not None and s.part not in parts:
             vocab = {} if cfg.draft_vocab is None or s.part != "model" else {"output_vocab_size": cfg.draft_vocab}
             quant = {} if cfg.draft_quantization is None else {"quantization": cfg.draft_quantization}
-            parts[s.part] = REGISTRY[s.part].build(target, cfg.draft_model, progress=False, **vocab, **quant)
+            stop = {} if cfg.draft_p_min is None or s.part != "model" else {"p_min": cfg.draft_p_min}
+            parts[s.part] = REGISTRY[s.part].build(target, cfg.draft_model, progress=False, **vocab, **quant, **stop)
         return s.build(target, part=parts.get(s.part), suffix=options_from(SpeculationOptions, cfg).suffix_settings())
 
     systems = systems_of(cfg)
@@ -393,6 +395,7 @@ def serve_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -> Serv
     speculation = SpeculationOptions(draft=strategy, draft_model=cfg.draft_model if s.part == "model" else None,
                                      draft_vocab=cfg.draft_vocab if s.part == "model" else None,
                                      draft_quantization=cfg.draft_quantization if s.part is not None else None,
+                                     draft_p_min=cfg.draft_p_min if s.part == "model" else None,
                                      k=k if strategy != "none" else None,
                                      gate=cfg.gate and strategy != "none", **suffix)
     model = ModelOptions(model=cfg.model, backend=cfg.backend, amp=cfg.amp, n_positions=cfg.n_positions,
@@ -487,6 +490,9 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     p.add_argument("--draft-quantization", default=None, choices=DRAFT_QUANTIZATIONS,
                    help="the draft network's own weight-only scheme (q4_0: a GGUF draft's blocks requantized to "
                         "Q4_0; default: the target's)")
+    p.add_argument("--draft-p-min", type=draft_p_min_value, default=None, metavar="P",
+                   help="the draft model's confidence stop: a row stops drafting after a token the draft gives a "
+                        "probability below P (DraftModel's p_min)")
     p.add_argument("--strategies", type=name_list(SUFFIX), default=["suffix", "suffix+model"],
                    help=f"comma list of {', '.join(SUFFIX)} (target-only always runs)")
     p.add_argument("--workloads", type=name_list_of(WORKLOADS), default=list(WORKLOADS), help="comma list")

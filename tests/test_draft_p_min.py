@@ -1,11 +1,12 @@
 """A draft model's confidence stop (``DraftModel(model, p_min=P)``): greedy identity with target-only (draft
-model and lookup + model, batch 1 and 3), a stop that really shortens chains and verifies (every row at one draft
-when P is near 1, k when P is tiny, in between at the median confidence), sampled rows stopping without their
-samples depending on their batch neighbours, refusals."""
+model, lookup + model and suffix + model, batch 1 and 3), a stop that really shortens chains and verifies
+(every row at one draft when P is near 1, k when P is tiny, in between at the median confidence), sampled rows
+stopping without their samples depending on their batch neighbours, refusals."""
 import pytest
 import torch
 
 from specdec import DraftModel, LookupOrDraft, PromptLookup, SpeculativeGenerator
+from specdec.suffix import SuffixChain, SuffixOrDraft
 
 from conftest import load, prompt_ids
 from test_engine import sampled_row
@@ -41,7 +42,7 @@ def widths(gen: SpeculativeGenerator) -> list[int]:
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("combined", [False, True])
+@pytest.mark.parametrize("combined", [None, "lookup", "suffix"])
 def test_greedy_output_is_the_targets_and_chains_stop_where_the_draft_doubts(checkpoint, batch, combined):
     target = load(checkpoint("llama"), batch_size=batch)
     draft = load(checkpoint("llama-draft"), batch_size=batch)
@@ -51,8 +52,10 @@ def test_greedy_output_is_the_targets_and_chains_stop_where_the_draft_doubts(che
     drafted = {}
     for p_min in (1e-9, middle, 1 - 1e-6):
         proposer = DraftModel(draft, p_min=p_min)
-        if combined:
+        if combined == "lookup":
             proposer = LookupOrDraft(PromptLookup(target), proposer)
+        elif combined == "suffix":
+            proposer = SuffixOrDraft(SuffixChain(target), proposer)
         gen = SpeculativeGenerator(proposer, target, K)
         verified = widths(gen)
         assert torch.equal(gen.generate(prompts, max_new_tokens=30, eos_token_id=[]), reference), p_min
@@ -60,7 +63,7 @@ def test_greedy_output_is_the_targets_and_chains_stop_where_the_draft_doubts(che
         drafted[p_min] = stats.drafted / stats.steps        # drafts per row and step
         if p_min == middle:
             assert len(set(verified) - {1}) > 1              # verify widths follow the longest row's chain
-    if not combined:        # (lookup rows draft their matches whatever the draft's confidence)
+    if combined is None:    # (lookup / suffix rows draft their matches whatever the draft's confidence)
         assert drafted[1e-9] == K and drafted[1 - 1e-6] == 1
     assert drafted[1e-9] > drafted[middle] > drafted[1 - 1e-6]
 
