@@ -85,7 +85,7 @@ def test_sampled_rows_stop_too_and_a_rows_samples_do_not_depend_on_its_neighbour
     assert sampled_row(gen, [q, p], [5, 7], 1, temperature=1.0) == alone
     assert sampled_row(gen, [r, q, p], [9, 8, 7], 2, temperature=1.0) == alone
     assert sampled_row(gen, [p, r], [7, 3], 0, temperature=1.0) == alone
-    assert sampled_row(gen, [p], [8], 0, temperature=1.0) != alone            # the seed does matter
+    assert sampled_row(gen, [p], [8], 0, temperature=1.0) != alone      # the seed does matter
 
 
 def test_refusals(checkpoint):
