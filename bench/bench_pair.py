@@ -197,6 +197,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
                 "--batch-size and every k >= 1")
     if a.temperature < 0:
         p.error("--temperature must be >= 0 (0: greedy)")
+    if a.draft_variants is not None:
+        known = [variant_name(suffix) for suffix in draft_specs(a.draft_vocab, a.draft_quantization, a.draft_p_min)]
+        unknown = [name for name in a.draft_variants if name not in known]
+        if unknown:
+            p.error(f"--draft-variants: no draft named {', '.join(unknown)} (these flags make {', '.join(known)})")
     if a.temperature > 0 or a.batch_size > 1:
         a.llamacpp = False      # llama.cpp's systems are the greedy batch-1 comparison
     return Config(prompts=a.prompts, num_prompts=a.num_prompts, per_category=a.per_category,
@@ -262,23 +267,17 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
     systems = {SPECDEC_TARGET: OurSystem(SPECDEC_TARGET, "none", None, target.generate)}
     drafts: dict[str, DraftModel | None] = {"": None}
     if any(REGISTRY[s].part == "model" for s in cfg.strategies):
-        log(f"loading the draft {cfg.draft_model} ...")
-        drafts[""] = REGISTRY["model"].build(target, cfg.draft_model)
-        variants = {} if cfg.draft_vocab is None else {f"-v{cfg.draft_vocab}": {"output_vocab_size": cfg.draft_vocab}}
-        if cfg.draft_quantization is not None:
-            variants |= {f"{name}-{cfg.draft_quantization}": kw | {"quantization": cfg.draft_quantization}
-                         for name, kw in {"": {}, **variants}.items()}
-        for name, kw in variants.items():
-            drafts[name] = REGISTRY["model"].build(target, cfg.draft_model, **kw)
-        if cfg.draft_p_min is not None:
-            drafts |= {f"{name}-p{cfg.draft_p_min:g}": DraftModel(d.model, p_min=cfg.draft_p_min)
-                       for name, d in drafts.items()}
+        specs = draft_specs(cfg.draft_vocab, cfg.draft_quantization, cfg.draft_p_min)
         if cfg.draft_variants is not None:
-            unknown = set(cfg.draft_variants) - {name.lstrip("-") or "base" for name in drafts}
-            if unknown:
-                raise SystemExit(f"--draft-variants: no draft named {', '.join(sorted(unknown))} (the drafts: "
-                                 f"{', '.join(name.lstrip('-') or 'base' for name in drafts)})")
-            drafts = {name: d for name, d in drafts.items() if (name.lstrip("-") or "base") in cfg.draft_variants}
+            specs = {suffix: spec for suffix, spec in specs.items() if variant_name(suffix) in cfg.draft_variants}
+        models: dict[tuple, DecoderModel] = {}     # one copy of the weights per load, shared by its p_min drafts
+        drafts = {}
+        for suffix, (overrides, p_min) in specs.items():
+            key = tuple(sorted(overrides.items()))
+            if key not in models:
+                log(f"loading the draft {cfg.draft_model}{f' {overrides}' if overrides else ''} ...")
+                models[key] = REGISTRY["model"].build(target, cfg.draft_model, **overrides).model
+            drafts[suffix] = DraftModel(models[key], p_min=p_min)
     for strategy in cfg.strategies:
         if strategy == "none":
             continue
@@ -288,6 +287,27 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
                 name = f"specdec-{strategy}-k{k}{suffix}"
                 systems[name] = OurSystem(name, strategy, k, gen.generate, lambda gen=gen: gen.last_stats)
     return systems
+
+
+def draft_specs(vocab: int | None, quantization: str | None,
+                p_min: float | None) -> dict[str, tuple[dict[str, object], float | None]]:
+    """The drafts of ``--draft-vocab`` / ``--draft-quantization`` / ``--draft-p-min``, by system-name suffix ("":
+    the plain draft; ``-v<N>``, ``-<Q>``, ``-p<P>`` and their combinations) → (``from_pretrained`` overrides,
+    ``p_min``)."""
+    loads: dict[str, dict[str, object]] = {"": {}}
+    if vocab is not None:
+        loads[f"-v{vocab}"] = {"output_vocab_size": vocab}
+    if quantization is not None:
+        loads |= {f"{name}-{quantization}": kw | {"quantization": quantization} for name, kw in list(loads.items())}
+    specs = {name: (kw, None) for name, kw in loads.items()}
+    if p_min is not None:
+        specs |= {f"{name}-p{p_min:g}": (kw, p_min) for name, kw in loads.items()}
+    return specs
+
+
+def variant_name(suffix: str) -> str:
+    """``--draft-variants``' name of a draft's system-name suffix (``base``: the plain draft)."""
+    return suffix.lstrip("-") or "base"
 
 
 def llama_systems(cfg: Config) -> dict[str, LlamaSystem]:

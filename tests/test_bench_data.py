@@ -261,14 +261,37 @@ def test_coverage_analysis_counts_oov_prompt_lookup_and_larger_vocabularies():
     assert row_x.startswith("| s/x | 6 | 0.667 | 0.50 | 0.75 | 0.000 | ")
 
 
+def bench_script(name: str, monkeypatch):
+    """The module of ``bench/<name>.py`` (the scripts are not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, bench)      # (its dataclasses look their module up)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_pair_benchmark_names_its_drafts_and_refuses_unknown_variants(monkeypatch, capsys):
+    """bench_pair's drafts: every combination of --draft-vocab / --draft-quantization / --draft-p-min, the p_min
+    copies sharing their weights' load; --draft-variants keeps named ones and refuses others before loading."""
+    bench = bench_script("bench_pair", monkeypatch)
+    specs = bench.draft_specs(65536, "q4_0", 0.7)
+    assert list(specs) == ["", "-v65536", "-q4_0", "-v65536-q4_0", "-p0.7", "-v65536-p0.7", "-q4_0-p0.7",
+                           "-v65536-q4_0-p0.7"]
+    assert specs["-v65536-q4_0-p0.7"] == ({"output_vocab_size": 65536, "quantization": "q4_0"}, 0.7)
+    assert specs["-q4_0"] == ({"quantization": "q4_0"}, None) and specs[""] == ({}, None)
+    assert list(bench.draft_specs(None, None, None)) == [""] and bench.variant_name("") == "base"
+    cfg = bench.parse_args(["--draft-p-min", "0.7", "--draft-variants", "base,p0.7"])
+    assert cfg.draft_variants == ["base", "p0.7"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--draft-p-min", "0.7", "--draft-variants", "q4_0-p0.7"])
+    assert "no draft named q4_0-p0.7 (these flags make base, p0.7)" in capsys.readouterr().err
+
+
 def test_suffix_benchmark_interleaves_systems_request_by_request(monkeypatch):
     """bench_suffix runs each request on every system in turn, the order alternating (A B, B A, ...), and each
     system's agent turns are built from its own outputs."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_suffix", REPO / "bench" / "bench_suffix.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_suffix", bench)      # (its dataclasses look their module up)
-    spec.loader.exec_module(bench)
+    bench = bench_script("bench_suffix", monkeypatch)
     calls = []
 
     def system(name, offset):
