@@ -303,10 +303,8 @@ def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: Deco
     def proposer(name: str):
         s = REGISTRY[name]
         if s.part is not None and s.part not in parts:
-            vocab = {} if cfg.draft_vocab is None or s.part != "model" else {"output_vocab_size": cfg.draft_vocab}
-            quant = {} if cfg.draft_quantization is None else {"quantization": cfg.draft_quantization}
-            stop = {} if cfg.draft_p_min is None or s.part != "model" else {"p_min": cfg.draft_p_min}
-            parts[s.part] = REGISTRY[s.part].build(target, cfg.draft_model, progress=False, **vocab, **quant, **stop)
+            overrides = speculation_options(cfg, name, None).draft_overrides()
+            parts[s.part] = REGISTRY[s.part].build(target, cfg.draft_model, progress=False, **overrides)
         return s.build(target, part=parts.get(s.part), suffix=options_from(SpeculationOptions, cfg).suffix_settings())
 
     systems = systems_of(cfg)
@@ -387,17 +385,24 @@ def finish(result: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- server
-def serve_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -> ServeOptions:
-    """``specdec serve``'s options for ``strategy`` ("none": target only) drafting ``k`` tokens a step (None: the
-    strategy's own), batch ``--concurrency``."""
+def speculation_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -> SpeculationOptions:
+    """The options of ``strategy`` ("none": target only) drafting ``k`` tokens a step (None: the strategy's own):
+    the draft flags for the draft network it has (``--draft-vocab`` and ``--draft-p-min``: a draft model only),
+    the suffix flags for a suffix strategy (not yet ``checked``)."""
     s = REGISTRY[strategy]
     suffix = {name: getattr(cfg, name) for name in SUFFIX_SETTINGS} if s.suffix else {}
-    speculation = SpeculationOptions(draft=strategy, draft_model=cfg.draft_model if s.part == "model" else None,
-                                     draft_vocab=cfg.draft_vocab if s.part == "model" else None,
-                                     draft_quantization=cfg.draft_quantization if s.part is not None else None,
-                                     draft_p_min=cfg.draft_p_min if s.part == "model" else None,
-                                     k=k if strategy != "none" else None,
-                                     gate=cfg.gate and strategy != "none", **suffix)
+    return SpeculationOptions(draft=strategy, draft_model=cfg.draft_model if s.part == "model" else None,
+                              draft_vocab=cfg.draft_vocab if s.part == "model" else None,
+                              draft_quantization=cfg.draft_quantization if s.part is not None else None,
+                              draft_p_min=cfg.draft_p_min if s.part == "model" else None,
+                              k=k if strategy != "none" else None,
+                              gate=cfg.gate and strategy != "none", **suffix)
+
+
+def serve_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -> ServeOptions:
+    """``specdec serve``'s options for ``strategy`` drafting ``k`` tokens a step (``speculation_options``), batch
+    ``--concurrency``."""
+    speculation = speculation_options(cfg, strategy, k)
     model = ModelOptions(model=cfg.model, backend=cfg.backend, amp=cfg.amp, n_positions=cfg.n_positions,
                          context_buckets=cfg.context_buckets, quantization=cfg.quantization,
                          prompt_weights=cfg.prompt_weights)

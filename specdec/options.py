@@ -287,16 +287,18 @@ class SpeculationOptions:
         """``k``, else the strategy's default (None for a tree: its depth)."""
         return REGISTRY[self.draft].default_k if self.k is None else self.k
 
+    def draft_overrides(self) -> dict[str, Any]:
+        """The draft network's loading arguments these options set: ``quantization`` (``draft_quantization``),
+        ``output_vocab_size`` (``draft_vocab``), ``p_min`` (``draft_p_min``); unset ones are left out."""
+        given = {"quantization": self.draft_quantization, "output_vocab_size": self.draft_vocab,
+                 "p_min": self.draft_p_min}
+        return {name: value for name, value in given.items() if value is not None}
+
     def make_proposer(self, target: DecoderModel):
         """The proposer these options ask for (None for ``draft`` "none"), built by the strategy registry."""
         options = {} if self.tree is None else {"tree": self.tree}
-        if self.draft_quantization is not None:
-            options["quantization"] = self.draft_quantization
-        if self.draft_vocab is not None:
-            options["output_vocab_size"] = self.draft_vocab
-        if self.draft_p_min is not None:
-            options["p_min"] = self.draft_p_min
-        return REGISTRY[self.draft].build(target, self.draft_path, suffix=self.suffix_settings(), **options)
+        return REGISTRY[self.draft].build(target, self.draft_path, suffix=self.suffix_settings(), **options,
+                                          **self.draft_overrides())
 
     def make_generator(self, proposer, target: DecoderModel) -> SpeculativeGenerator | None:
         """``SpeculativeGenerator`` over ``proposer`` (``make_proposer``'s; None: target only → None)."""
