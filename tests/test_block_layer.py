@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.core.block_layer import BlockStack, block_layers_apply, run_block_layer, runs_block_layers
-from specdec.core.block_linear import BlockLinear
+from specdec.core.block_linear import BlockLinear, pack_prompt_weight, packs_prompt_weights, prompt_matmul
 from specdec.core.buckets import default_buckets, fine_buckets
 from specdec.core.graphs import compile_layers
 from specdec.core.kernels import block_mm_isa, load_block_mm, reference_block_mm, reference_cache_attention
@@ -366,7 +366,9 @@ def test_prompt_weights_encode_prompts_in_bf16_and_leave_steps_alone(tiny):
     assert len(blocks) == sum(isinstance(m, BlockLinear) for m in kernel.lm.model.layers.modules()) > 0
     assert dense.lm.lm_head.prompt_weight is None             # a prompt's logits: one position
     for m in blocks:
-        assert m.prompt_weight.dtype == torch.bfloat16 and torch.equal(m.prompt_weight, m.dequantized().bfloat16())
+        assert m.prompt_weight.is_mkldnn == packs_prompt_weights()
+        weight = m.prompt_weight.to_dense() if m.prompt_weight.is_mkldnn else m.prompt_weight
+        assert weight.dtype == torch.bfloat16 and torch.equal(weight, m.dequantized().bfloat16())
     params = kernel.sampling_params(do_sample=False)
     prompt = torch.tensor(prompt_ids(14, 8, VOCAB))
     logits = {name: m.prefill([prompt], m.sampling_params(do_sample=False)).logits[0, -1]
@@ -384,6 +386,19 @@ def test_prompt_weights_encode_prompts_in_bf16_and_leave_steps_alone(tiny):
     reference = dense.generate(prompts, max_new_tokens=20, eos_token_id=[])
     gen = SpeculativeGenerator(PromptLookup(dense), dense, 4)
     assert torch.equal(gen.generate(prompts, max_new_tokens=20, eos_token_id=[]), reference)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 96, 300])
+def test_a_prepacked_prompt_weight_multiplies_to_the_plain_matmuls_bits(rows):
+    """``pack_prompt_weight`` (oneDNN's blocked layout where PyTorch has it) changes how the GEMM reads the
+    weight, not its products: the plain bf16 matmul's bits, at a decode's and a prompt's numbers of rows, for a
+    [b, n, K] input too."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(200, 96, generator=g).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    packed = pack_prompt_weight(weight)
+    assert torch.equal(prompt_matmul(x, packed), x @ weight.T)
+    assert torch.equal(prompt_matmul(x.view(1, rows, 96), packed), (x @ weight.T).view(1, rows, 200))
 
 
 def test_prompt_weights_are_refused_where_they_do_not_apply(tiny):
