@@ -136,15 +136,16 @@ def penalised(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor) ->
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
-def warp_temperature(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+def warp_temperature(logits: torch.Tensor, params: torch.Tensor, top: torch.Tensor | None = None) -> torch.Tensor:
     """Temperature-only warping in vocabulary order: logits [B, m, V] f32 → probs [B, m, V]
-    (softmax(logits / T); one-hot argmax for greedy rows). Equals ``warp`` (scattered back to the
-    vocabulary) for rows with top_k = 0 and top_p = 1, without its sort."""
+    (softmax(logits / T); one-hot argmax for greedy rows; ``top`` [B, m]: the argmax, where the caller has it).
+    Equals ``warp`` (scattered back to the vocabulary) for rows with top_k = 0 and top_p = 1, without its sort."""
     temperature = params[:, TEMPERATURE].view(-1, 1, 1)
     greedy = temperature <= 0
     probs = torch.softmax(logits / torch.where(greedy, torch.ones_like(temperature), temperature), dim=-1)
-    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
-    return torch.where(greedy, one_hot, probs)
+    top = (logits.argmax(-1) if top is None else top).unsqueeze(-1)
+    at_top = torch.where(greedy, 1.0, probs.gather(-1, top))       # a sampled row keeps its own value there
+    return probs.masked_fill_(greedy, 0.0).scatter_(-1, top, at_top)
 
 
 def sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tensor, global_topk: int | None,
@@ -156,14 +157,15 @@ def sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tensor, gl
     samples by inverse CDF in vocabulary order from ``warp_temperature``: the same distribution,
     no sort.
     """
+    top = logits.argmax(-1)
     if top_filter:
         probs, ids = warp(logits, params, global_topk)
         probs = full_probs(probs, ids, logits.shape[-1])
     else:
-        probs = warp_temperature(logits, params)
+        probs = warp_temperature(logits, params, top)
     b, m, V = probs.shape
     tokens = inverse_cdf(probs.reshape(b * m, V), uniform.reshape(b * m)).view(b, m)
-    tokens = torch.where(greedy_rows(params).unsqueeze(1), logits.argmax(-1), tokens)
+    tokens = torch.where(greedy_rows(params).unsqueeze(1), top, tokens)
     return (tokens, probs) if return_probs else tokens
 
 
