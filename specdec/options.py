@@ -103,7 +103,8 @@ class ModelOptions:
     tp_degree: tensor-parallel processes (NeuronCores with the neuron backend); gqa_strategy: how KV heads are
     sharded when they do not divide tp_degree (None: automatic); saved_graphs: compiled graphs kept as files
     that later processes load; prompt_weights: "bf16" (GGML blocks on eager / regional) also holds the layers'
-    weights as dense bf16 matrices that prompts are encoded with (``DecoderModel.from_pretrained``)."""
+    weights as dense bf16 matrices that prompts are encoded with; prefix_cache: a prompt's encoding keeps the KV
+    its row already holds for the prompt's leading tokens (``DecoderModel.from_pretrained``)."""
 
     model: str | None = None
     amp: str = "bf16"
@@ -117,6 +118,7 @@ class ModelOptions:
     gqa_strategy: str | None = None
     saved_graphs: bool = True
     prompt_weights: str | None = None
+    prefix_cache: bool = False
 
     @property
     def name(self) -> str:
@@ -131,7 +133,8 @@ class ModelOptions:
                                             sampling=sampling, tp_degree=self.tp_degree, gqa_strategy=self.gqa_strategy,
                                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                                             autotune=self.autotune, saved_graphs=self.saved_graphs,
-                                            prompt_weights=self.prompt_weights, progress=progress)
+                                            prompt_weights=self.prompt_weights, prefix_cache=self.prefix_cache,
+                                            progress=progress)
 
     def threads_per_process(self, threads: int) -> int:
         """Intra-op threads of each of the ``tp_degree`` processes sharing ``threads`` (the neuron backend

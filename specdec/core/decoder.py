@@ -63,6 +63,7 @@ class DecoderModel:
         self.kv = KVState(settings.batch_size, settings.n_positions, config.vocab_size, self.device,
                           self.graphs.compaction)
         self._tokenizer = None
+        self.prompt_tokens_kept = 0            # prompt tokens whose KV a prompt encoding kept (``prefix_cache``)
         self.progress = True                   # progress output: lazy compiles of graphs on first use
         if self.device.type == "xla":
             from .xla import materialize
@@ -77,7 +78,8 @@ class DecoderModel:
                         quantization: str | None = None, kv_cache_dtype: str | None = None,
                         feature_layers: tuple[int, ...] | list[int] = (), autotune: bool = False,
                         output_vocab_size: int | None = None, saved_graphs: bool = False,
-                        prompt_weights: str | None = None, progress: bool = True) -> DecoderModel:
+                        prompt_weights: str | None = None, prefix_cache: bool = False,
+                        progress: bool = True) -> DecoderModel:
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, a named model (e.g.
         ``"qwen2.5-coder-1.5b-instruct"``, ``named_models.NAMED_MODELS``: a GGUF file assembled once from
         its packages), or (``None``) the embedded SmolLM2-135M-Instruct. Graphs are built lazily on first
@@ -117,10 +119,14 @@ class DecoderModel:
         ``prompt_weights="bf16"`` (GGML blocks: quantization "gguf" or "q4_0", on the CPU, backend eager or
         regional): the decoder layers also hold their weights as dense bf16 matrices (2 more bytes a weight),
         which a prompt's encoding multiplies with (bf16 GEMMs: AMX / AVX-512-BF16), while decode and verify steps
-        keep the blocks (``block_linear``); a prompt's KV and first token then come from bf16 arithmetic."""
+        keep the blocks (``block_linear``); a prompt's KV and first token then come from bf16 arithmetic.
+        ``prefix_cache`` (llama.cpp's ``cache_prompt``, vLLM's prefix caching; not on ``neuron``): a row's prompt
+        encoding keeps the KV its cache already holds for the prompt's leading tokens and encodes only the rest
+        (``prefill``): an agent's or a chat's next turn, which re-sends the conversation, costs its new tokens only."""
         requested = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa_strategy, context_buckets, kv_buckets,
                                     sampling or SamplingConfig(), backend, device, quantization, kv_cache_dtype,
-                                    feature_layers, autotune, output_vocab_size, saved_graphs, prompt_weights)
+                                    feature_layers, autotune, output_vocab_size, saved_graphs, prompt_weights,
+                                    prefix_cache)
         loaded = load_decoder(path, requested, progress)
         model = cls(loaded.path, loaded.config, loaded.lm, loaded.settings)
         model.source = loaded.source
@@ -258,6 +264,29 @@ class DecoderModel:
     def reset(self) -> None:
         self.kv.reset()
 
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether a prompt's encoding keeps the KV its row already holds (``prefill``)."""
+        return self.settings.prefix_cache
+
+    def shared_prefix(self, row: int, prompt: list[int]) -> int:
+        """How many leading ids of ``prompt`` row ``row``'s cache holds the KV of (at most len(prompt) - 1)."""
+        return self.kv.shared_prefix(row, prompt)
+
+    def keep_prefix(self, row: int, tokens: list[int]) -> None:
+        """Row ``row``'s slots [0, len(tokens)) hold the KV of ``tokens``, on the caller's word (a request loop's
+        S[:-1] when a request ends): a later prompt starting with them keeps them (``prefix_cache``)."""
+        self.kv.keep(row, tokens)
+
+    def forget_from(self, starts: torch.Tensor) -> None:
+        """A graph outside this model's own calls (a fused speculation step) wrote row b's cache from slot
+        starts[b] on (starts [batch_size], host): what ``cached`` says of those slots no longer holds."""
+        self.kv.forget_from(starts.cpu())
+
+    def cached_length(self, row: int) -> int:
+        """How many leading slots of row ``row`` hold known tokens' KV (``KVState.cached``)."""
+        return len(self.kv.cached[row])
+
     def set_lengths(self, lengths: torch.Tensor) -> None:
         """Roll rows back (or forward over already-written slots): lengths [batch_size]."""
         self.kv.set_lengths(lengths)
@@ -342,6 +371,7 @@ class DecoderModel:
                 out = self.graph(key)(*inputs)
         else:
             out = self.graphs.first_run(key, inputs, self.progress, self.graph)
+        self.kv.forget_from(torch.as_tensor(cache_lengths), None if seq_ids is None else seq_ids.tolist())
         tokens, probs, logits, hidden = out if key.return_probs else (out[0], None, *out[1:])
         hidden, aux = split_hidden(hidden, self.config.hidden_size)
         return StepOutput(tokens, logits, hidden, probs, aux)
@@ -356,7 +386,18 @@ class DecoderModel:
         prompts get a 1-token dummy prompt; b = batch_size). ``rows``: prompt i goes to row rows[i]
         (one single-row graph each, NxD's ``seq_ids``) and no other row's cache or length changes
         (b = len(rows)). ``params`` [batch_size, 4] are indexed by row. ``features`` [b, >= longest
-        prompt, F]: per-token inputs of feature-reading models (EAGLE)."""
+        prompt, F]: per-token inputs of feature-reading models (EAGLE).
+
+        ``prefix_cache`` models: a row whose cache holds the KV of the prompt's first p tokens (``KVState.cached``)
+        encodes only the rest, at positions p.. over the kept slots, when that takes a smaller context bucket
+        (``_kept``); its hidden states then cover the new positions only (``hidden[:, :len - p]``), which is why
+        feature-reading drafts refuse such a target. With ``rows=None`` the prompts then go through single-row
+        graphs and the rows past them keep their slots (length 1)."""
+        if rows is None and self.settings.prefix_cache and features is None and \
+                any(self._kept(i, p) for i, p in enumerate(prompts)):
+            out = self.prefill(prompts, params, rng, rows=list(range(len(prompts))))
+            self.kv.lengths[len(prompts):] = 1
+            return out
         if rows is not None:
             outs = [self._prefill_row(r, p, params, rng, None if features is None else features[i:i + 1])
                     for i, (r, p) in enumerate(zip(rows, prompts))]
@@ -375,23 +416,43 @@ class DecoderModel:
         out = self._run(key, ids, torch.arange(bucket).expand(b, bucket), torch.zeros(b, dtype=torch.long),
                         causal_mask(bucket, lens), (lens - 1).unsqueeze(1), params, rng, _fit(features, bucket))
         self.kv.lengths.copy_(lens)
+        for i, p in enumerate(prompts):
+            self.kv.keep(i, torch.as_tensor(p).tolist())
         return out
+
+    def _kept(self, row: int, prompt: torch.Tensor) -> int:
+        """How many leading tokens of ``prompt`` row ``row``'s prompt encoding keeps (``prefill``): 0 unless the
+        model caches prefixes and encoding only the rest takes a smaller context bucket and fits a KV bucket."""
+        if not self.settings.prefix_cache:
+            return 0
+        kept = self.kv.shared_prefix(row, torch.as_tensor(prompt).tolist())
+        if kept == 0:
+            return 0
+        n, buckets = len(prompt), self.context_buckets
+        rest = pick_bucket(buckets, n - kept, "prompt length")
+        fits = kept + rest <= self.kv_buckets[-1]
+        return kept if fits and rest < pick_bucket(buckets, n, "prompt length") else 0
 
     def _prefill_row(self, row: int, prompt: torch.Tensor, params: torch.Tensor, rng: RowGenerators | None,
                      features: torch.Tensor | None) -> StepOutput:
-        """Context encoding of one prompt into cache row ``row`` (a single-row graph)."""
+        """Context encoding of one prompt into cache row ``row`` (a single-row graph): its tokens from
+        ``_kept`` on, written at slots kept.. and attending to the kept slots too."""
         if not 0 <= row < self.batch_size:
             raise ValueError(f"row {row} is outside the batch [0, {self.batch_size})")
-        n = len(prompt)
+        kept = self._kept(row, prompt) if features is None else 0
+        n = len(prompt) - kept
         bucket = pick_bucket(self.context_buckets, n, "prompt length")
+        kv = bucket if kept == 0 else pick_bucket(self.kv_buckets, kept + bucket, "KV length")
         ids = torch.zeros(1, bucket, dtype=torch.long)
-        ids[0, :n] = prompt
+        ids[0, :n] = torch.as_tensor(prompt)[kept:]
         row_params = params[row:row + 1]
-        key = replace(self._key(bucket, 1, bucket, row_params), single_row=True)
-        out = self._run(key, ids, torch.arange(bucket).unsqueeze(0), torch.zeros(1, dtype=torch.long),
+        key = replace(self._key(bucket, 1, kv, row_params), single_row=True)
+        out = self._run(key, ids, kept + torch.arange(bucket).unsqueeze(0), torch.tensor([kept]),
                         causal_mask(bucket, torch.tensor([n])), torch.tensor([[n - 1]]), row_params, rng,
                         _fit(features, bucket), torch.tensor([row]))
-        self.kv.lengths[row] = n
+        self.kv.lengths[row] = len(prompt)
+        self.kv.keep(row, torch.as_tensor(prompt).tolist())
+        self.prompt_tokens_kept += kept
         return out
 
     def _uniform(self, rng: RowGenerators | torch.Generator | None, b: int, n_logits: int,

@@ -141,7 +141,7 @@ class Engine:
         if row is None:
             if not free:
                 raise RuntimeError(f"all {self.target.batch_size} rows are in use: release one first")
-            row = free[0]
+            row = self.best_row(req.prompts[0].tolist(), free)
         elif row not in free:
             raise ValueError(f"row {row} is not free (free rows: {free})")
         self.params[row] = req.params[0]
@@ -154,6 +154,13 @@ class Engine:
                 self.speculator.start([row], req.prompts, self.params, self.rng, out)
         self._emit_first([row], out.tokens[:, -1].cpu())
         return row
+
+    def best_row(self, prompt: list[int], rows: list[int]) -> int:
+        """Of ``rows`` (free), the one whose cache already holds most of ``prompt`` with ``prefix_cache`` (llama.cpp
+        server's slot choice), else the first."""
+        if not self.target.prefix_cache:
+            return rows[0]
+        return max(rows, key=lambda r: self.target.shared_prefix(r, prompt))
 
     def release(self, row: int) -> None:
         """Free a row (finished or not: an unfinished request ends here); its cache slots are simply
@@ -171,9 +178,12 @@ class Engine:
         live = [row if row is not None and not row.done else None for row in self.rows]
         if not any(live):
             return {}
-        # one host → tensor conversion per step; free and finished rows get a dummy 2-token sequence
+        # one host → tensor conversion per step; free and finished rows get a dummy sequence: 2 tokens, or with
+        # ``prefix_cache`` as long as the KV they keep (no longer than the longest active row's, so the KV bucket
+        # stays), the dummy token's KV going to the slot past it
         active = torch.tensor([row is not None for row in live])
-        lengths = torch.tensor([2 if row is None else row.length for row in live])
+        lengths = torch.tensor([self._dummy_length(r, live) if row is None else row.length
+                                for r, row in enumerate(live)])
         tail = torch.tensor([[0, 0] if row is None else row.tail() for row in live])
         self.target.set_lengths(lengths - 1)
         if self.speculator is None:
@@ -190,6 +200,13 @@ class Engine:
             self.stats.update(result.num_accepted, result.drafted, active=active,
                               emitted=torch.tensor([len(appended.get(r, ())) for r in range(B)]))
         return appended
+
+    def _dummy_length(self, r: int, live: list[Row | None]) -> int:
+        """len(S) of free or finished row r's dummy sequence in a step over the ``live`` rows."""
+        if not self.target.prefix_cache:
+            return 2
+        longest = max(row.length for row in live if row is not None)
+        return max(2, min(self.target.cached_length(r), longest - 1) + 1)
 
     # ------------------------------------------------------------------ emission
     def _emit_first(self, rows: list[int], tokens: torch.Tensor) -> None:
@@ -221,7 +238,12 @@ class Engine:
         if appended:
             self.target.mark_presence([r for r, tokens in appended.items() for _ in tokens],
                                       [t for tokens in appended.values() for t in tokens])
-        self._finished([r for _, r in live if self.rows[r].done])
+        ended = [r for _, r in live if self.rows[r].done]
+        if self.target.prefix_cache:          # the cache holds S[:-1] of a row that ends here
+            for r in ended:
+                row = self.rows[r]
+                self.target.keep_prefix(r, (row.prompt + row.new)[:-1])
+        self._finished(ended)
         return appended
 
     def _finished(self, rows: list[int]) -> None:

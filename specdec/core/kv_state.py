@@ -6,6 +6,12 @@
 - ``presence`` [batch_size, V] bool on the device, or None (not tracked, e.g. draft models): the tokens in
   each row's sequence (prompt + emitted), which the repetition penalty reads.
 - slot copies (``copy_slots``): the compaction of accepted tree paths, one graph call on the device.
+- ``cached`` (host): per row, the token ids whose KV fills its first slots (``cached[b][:j]`` at slots [0, j),
+  each computed with the ids before it as context), what a prompt encoding may keep (prefix caching,
+  ``DecoderModel.prefill``). A prompt's encoding sets it to the prompt; every graph call forgets a row's record
+  from the first slot it writes (``forget_from``); the owner of a row extends it with what it knows the slots
+  hold (``keep``: the request loop, a request's S[:-1] when it ends). So the record never claims a slot
+  that something wrote since, whoever wrote it (models shared by several request loops included).
 """
 from __future__ import annotations
 
@@ -23,10 +29,32 @@ class KVState:
         self.n_positions, self.vocab_size, self.device, self.compaction = n_positions, vocab_size, device, compaction
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
         self.presence: torch.Tensor | None = None
+        self.cached: list[list[int]] = [[] for _ in range(batch_size)]
 
     def reset(self) -> None:
         """Every row empty."""
         self.lengths.zero_()
+        self.cached = [[] for _ in self.cached]
+
+    def shared_prefix(self, row: int, prompt: list[int]) -> int:
+        """How many leading ids of ``prompt`` row ``row``'s cache already holds the KV of (at most
+        len(prompt) - 1: a prompt's last id is always fed, for the logits of the next token)."""
+        cached, n = self.cached[row], min(len(self.cached[row]), len(prompt) - 1)
+        i = 0
+        while i < n and cached[i] == prompt[i]:
+            i += 1
+        return i
+
+    def keep(self, row: int, tokens: list[int]) -> None:
+        """Row ``row``'s slots [0, len(tokens)) hold the KV of ``tokens`` (the caller's knowledge)."""
+        if len(tokens) > self.n_positions:
+            raise ValueError(f"{len(tokens)} tokens do not fit {self.n_positions} cache slots")
+        self.cached[row] = list(tokens)
+
+    def forget_from(self, starts: torch.Tensor, rows: list[int] | None = None) -> None:
+        """A graph wrote ``rows`` (default all) from slot starts[i] on: their records stop there."""
+        for row, start in zip(range(len(self.cached)) if rows is None else rows, starts.tolist()):
+            del self.cached[row][max(start, 0):]
 
     def set_lengths(self, lengths: torch.Tensor) -> None:
         """Roll rows back (or forward over already-written slots): lengths [batch_size]."""
@@ -60,3 +88,4 @@ class KVState:
         slot dst[b, i] (src, dst [B, m]; all slots are read before any is written)."""
         with torch.no_grad():
             self.compaction(src.shape[1])(src.to(self.device).contiguous(), dst.to(self.device).contiguous())
+        self.forget_from(dst.cpu().amin(1))

@@ -55,6 +55,7 @@ class RuntimeSettings:
     output_vocab_size: int | None = None   # score only token ids [0, n) (``DecoderLM.restrict_output_vocab``)
     saved_graphs: bool = False             # compiled, CPU: graphs compiled ahead of time into files (``saved_graphs``)
     prompt_weights: str | None = None      # "bf16": GGML blocks also dense in bf16 for prompts (``block_linear``)
+    prefix_cache: bool = False             # a prompt's encoding keeps the KV its row already holds (``prefill``)
 
 
 class LoadedDecoder(NamedTuple):
@@ -91,6 +92,9 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
                          f"{quantization!r} re-quantizes the head to int8: use None, 'gguf' or 'q4_0'")
     kv_cache_dtype = parse_kv_cache_dtype(requested.kv_cache_dtype)
     check_prompt_weights(requested.prompt_weights, quantization, backend, device)
+    if requested.prefix_cache and backend == "neuron":
+        raise ValueError("prefix_cache=True encodes the rest of a prompt after a kept prefix in graphs the neuron "
+                         "backend's program does not hold: use prefix_cache=False on neuron")
     dtype = amp_dtype(requested.amp)
     if backend == "neuron":   # one process traces for every NeuronCore (SPMD)
         from .neuron import check_tp_degree

@@ -56,6 +56,10 @@ from .kv_quant import dequantize_kv, quantize_kv, storage_dtype
 from .parallel import NXD, TPGroup, all_gather_last, all_reduce, per_rank
 from .tp_layout import HeadLayout, head_layout
 
+# a one-logit call of at least this many new tokens encodes (the rest of) a prompt: on the dense prompt weights
+# where the model holds them (decode steps have one token, verify steps fewer and one logit per token)
+PROMPT_ROWS = 32
+
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse RoPE frequencies [head_dim/2] and attention scaling, as transformers computes them."""
@@ -401,9 +405,11 @@ class DecoderLM(nn.Module):
         cos, sin = rope_tables(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
         slots, mask = new_token_slots(cache_lengths, token_mask, kv_len)
         aux = []
-        # a prompt's encoding (the context-encoding graphs: the new tokens fill the KV bucket, one logit) runs the
-        # layers' own forward on the dense prompt weights, where the model holds them
-        dense = self.prompt_weights and input_ids.shape[1] == kv_len and logit_index.shape[1] == 1
+        # a prompt's encoding (the context-encoding graphs: the new tokens fill the KV bucket, or, after a kept
+        # prefix, at least PROMPT_ROWS of them; one logit) runs the layers' own forward on the dense prompt weights,
+        # where the model holds them
+        n = input_ids.shape[1]
+        dense = self.prompt_weights and (n == kv_len or n >= PROMPT_ROWS) and logit_index.shape[1] == 1
         if self.stack_runner is not None and not self.feature_layers and not dense:
             x = self.stack_runner(x, cos, sin, slots, mask, seq_ids)
         else:

@@ -30,12 +30,21 @@ class StepOutput:
 class Target(Protocol):
     """The model a request loop drives (``DecoderModel``; see its methods for the contracts): ``batch_size``
     rows on ``device``, their lengths, the tokens each row has seen (repetition penalty), per-row
-    sampling parameters, context encoding and n-token steps."""
+    sampling parameters, context encoding and n-token steps, and (``prefix_cache``) which tokens' KV each row
+    keeps for the next prompt."""
 
     batch_size: int
     device: torch.device
+    prefix_cache: bool
+    prompt_tokens_kept: int
 
     def set_lengths(self, lengths: torch.Tensor) -> None: ...
+
+    def shared_prefix(self, row: int, prompt: list[int]) -> int: ...
+
+    def keep_prefix(self, row: int, tokens: list[int]) -> None: ...
+
+    def cached_length(self, row: int) -> int: ...
 
     def track_presence(self) -> None: ...
 

@@ -51,7 +51,7 @@ class DraftModel(BaseProposer):
     ``p_min`` (0 < p_min < 1, None: off): the confidence stop (module docstring). A draft with
     it declares "padded" instead of "fused_drafter" (a fused graph always drafts k)."""
 
-    abilities = frozenset({"check_target", "fused_drafter", "model", "resyncs"})
+    abilities = frozenset({"check_target", "fused_drafter", "model", "resyncs", "finished"})
 
     def __init__(self, model: DecoderModel, p_min: float | None = None):
         if getattr(model.lm, "feature_size", None):
@@ -191,6 +191,13 @@ class DraftModel(BaseProposer):
             same = (ingested[:, :w] == emitted[:, :w]).long()
             self.synced = n + same.cumprod(1).sum(1)
             self.drafts = None
+
+    def finished(self, rows, lengths=None) -> None:
+        """A request ended: its row's draft cache holds the KV of S[:synced] (kept for the row's next prompt when
+        the draft caches prefixes: ``DecoderModel.keep_prefix``)."""
+        if self.model.prefix_cache:
+            for r in rows:
+                self.model.keep_prefix(r, self.seq[r, :int(self.synced[r])].tolist())
 
     def fused_drafter(self, key: FusedKey) -> DraftLoop:
         """``propose``'s k steps as one module for fused speculation (``specdec.fused``)."""

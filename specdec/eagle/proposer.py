@@ -33,7 +33,7 @@ from ..core.decoder import DecoderModel
 from ..core.sampling import RowGenerators, any_sampled
 from ..core.target import StepOutput
 from ..fused.step import FusedKey
-from ..speculation.proposer import BaseProposer, Proposal
+from ..speculation.proposer import BaseProposer, Proposal, refuse_prefix_cache
 from .draft import EagleModel
 from .fused import EagleLoop
 
@@ -63,6 +63,7 @@ class EagleDraft(BaseProposer):
 
     def check_target(self, target: DecoderModel) -> None:
         """ValueError when this draft cannot propose for ``target``."""
+        refuse_prefix_cache(target, "EAGLE")
         d = self.model
         if d.config.hidden_size != target.config.hidden_size or d.n_positions < target.n_positions:
             raise ValueError(f"EAGLE draft (hidden {d.config.hidden_size}, n_positions {d.n_positions}) "

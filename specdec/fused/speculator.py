@@ -94,7 +94,15 @@ class FusedSpeculator(Speculator):
                         disable=not progress or not keys):
             module, run = self.graph(key)
             self._call(key, run, list(module.example_inputs(target.batch_size)))
+        if keys:
+            self._wrote(torch.zeros(target.batch_size, dtype=torch.long), 0)
         return self
+
+    def _wrote(self, lengths: torch.Tensor, width: int) -> None:
+        """A step's graph wrote the target's rows from len(S) - 1 and the draft's from len(S) - 1 - ``width``."""
+        if self.target.prefix_cache:
+            self.target.forget_from(lengths - 1)
+            self.proposer.model.forget_from((lengths - 2 - width).clamp(min=0))
 
     def graph(self, key: FusedKey) -> tuple[FusedStep, object]:
         """(module, callable on the target's backend) for ``key``, built once per proposer and target."""
@@ -126,6 +134,7 @@ class FusedSpeculator(Speculator):
             if key.penalty:
                 inputs.append(self.target.presence)
             result, next_tail, next_lengths = self._call(key, run, inputs)
+            self._wrote(lengths, key.width)
         with stats.timer("other"):
             result = result.cpu()
             n = result[:, 0]

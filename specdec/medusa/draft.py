@@ -23,7 +23,7 @@ import torch
 
 from ..core.decoder import DecoderModel
 from ..core.quant import computed_weight
-from ..speculation.proposer import BaseProposer, Proposal
+from ..speculation.proposer import BaseProposer, Proposal, refuse_prefix_cache
 from ..speculation.tree import TokenTree, tree_buffers
 from ..speculation.verify import TREE_ACCEPTANCE, TreeVerifier
 from .heads import MedusaHeads, load_heads, load_medusa_config
@@ -96,6 +96,7 @@ class MedusaDraft(BaseProposer):
         if target is not self.target:
             raise ValueError("this MedusaDraft was loaded for another target: "
                              "use MedusaDraft.from_pretrained(path, target)")
+        refuse_prefix_cache(target, "Medusa")
 
     def max_draft_tokens(self, length: int) -> int:
         """The tree's depth while the whole tree fits before ``n_positions``, else 0 (decode)."""

@@ -354,7 +354,8 @@ class AsyncEngine:
         free = self._unclaimed_rows() if self._waiting else []
         while free and self._waiting:
             req = self._waiting.popleft()
-            req.row = free.pop(0)
+            req.row = self.engine.best_row(req.prompt, free)    # (prefix_cache: the row holding most of it)
+            free.remove(req.row)
             self._admitting.append(req)
 
     def _admit(self) -> None:

@@ -4,6 +4,7 @@ Counters, gauges and histograms (names prefixed ``specdec_``):
 
     requests_total{outcome}        finished requests: stop, length, abort, error; rejected (queue full)
     prompt_tokens_total            prompt tokens of accepted requests
+    prompt_tokens_cached_total     prompt tokens whose KV a row kept from an earlier request (``prefix_cache``)
     generation_tokens_total        tokens streamed to clients
     queue_depth, rows_in_use, rows requests waiting, rows occupied, rows of the static batch
     time_to_first_token_seconds    arrival → first token (queueing included)
@@ -54,6 +55,7 @@ class ServingMetrics:
         self.rows_in_use.set_function(lambda: engine.rows_in_use)
         self.rows.set(engine.target.batch_size)
         self.registry.register(_SpecCollector(engine.engine))
+        self.registry.register(_PromptCacheCollector(engine.target))
         speculator = engine.engine.speculator          # (the core engine's; None: target only)
         cache = None if speculator is None else speculator.proposer.cache
         if cache is not None:
@@ -62,6 +64,17 @@ class ServingMetrics:
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
         return generate_latest(self.registry)
+
+
+class _PromptCacheCollector:
+    """Prompt tokens the target's prefix cache kept (``DecoderModel.prompt_tokens_kept``)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def collect(self):
+        yield CounterMetricFamily("specdec_prompt_tokens_cached", "Prompt tokens whose KV a row kept from an "
+                                  "earlier request (prefix_cache)", value=self.target.prompt_tokens_kept)
 
 
 class _SpecCollector:

@@ -140,6 +140,15 @@ ABILITIES = {
 """Every optional ability a proposer may declare, and what it means."""
 
 
+def refuse_prefix_cache(target, strategy: str) -> None:
+    """ValueError for a ``prefix_cache`` target: ``strategy``'s drafts read the target's hidden state at every
+    prompt position (or its last), which the prompt encoding of a kept prefix's rest does not return."""
+    if target.prefix_cache:
+        raise ValueError(f"{strategy} reads the target's hidden states of the whole prompt, which a prefix_cache "
+                         "target's prompt encoding (the rest after a kept prefix) does not return: load the target "
+                         "with prefix_cache=False")
+
+
 class BaseProposer:
     """The base of every proposer class: each optional ability with its default (none of them), and the
     ``abilities`` the class declares. Subclasses set ``vocab_size`` / ``batch_size`` and implement the

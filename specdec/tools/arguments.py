@@ -133,6 +133,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="--quantization gguf / q4_0 on eager / regional: also hold the decoder layers' weights as "
                         "dense bf16 matrices (2 more bytes a weight) and encode prompts with bf16 GEMMs (AMX / "
                         "AVX-512-BF16): a faster prefill of long prompts; decode and verify steps keep the blocks")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="keep each row's KV after a request and encode only what a later prompt adds to it "
+                        "(llama.cpp's cache_prompt, vLLM's prefix caching): a multi-turn conversation's next turn "
+                        "costs its new tokens only; drafts keep theirs too (not with EAGLE / Medusa drafts, not on "
+                        "--backend neuron)")
 
 
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:

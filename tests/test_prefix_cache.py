@@ -1,0 +1,165 @@
+"""Prefix caching (``prefix_cache=True``): a row keeps the KV of what it last held and a later prompt that starts
+with it encodes only the rest. The kept tokens are counted exactly, the outputs equal those of a model without
+the cache (target-only and speculative, greedy, batch 1 and rows joining a running batch), a graph call forgets
+the slots it overwrites, and the strategies that need the whole prompt's hidden states refuse such a target."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import DecoderModel, Engine, SpeculativeGenerator
+from specdec.medusa import MedusaHeads, load_tree
+from specdec.medusa.draft import MedusaDraft
+from specdec.registry import REGISTRY
+from specdec.serving import AsyncEngine
+
+from conftest import load, prompt_ids
+from test_serving_engine import serve_all
+from test_suffix_engine import build as build_suffix
+
+NEW = 8
+BUCKETS = dict(context_buckets=[16, 32, 64], kv_buckets=[32, 64, 128])
+
+
+def build(name: str, target, checkpoint):
+    """The registry's ``name`` for ``target`` (model parts: the tiny llama draft)."""
+    if REGISTRY[name].suffix is not None:
+        return build_suffix(name, target, checkpoint)
+    return REGISTRY[name].build(target, checkpoint("llama-draft").path)
+
+
+def turns(reference, first: list[int], n: int = 3) -> list[list[int]]:
+    """A conversation's prompts: each one re-sends the previous prompt and its greedy output (``reference``),
+    then adds 6 new tokens (a user's next message)."""
+    prompts = [first]
+    for i in range(n - 1):
+        prompts.append(prompts[-1] + reference(prompts[-1]) + prompt_ids(6, 50 + i))
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """prompt → target-only greedy output (NEW tokens) of a model without a prefix cache."""
+    plain, memo = load(ckpt, **BUCKETS), {}
+
+    def get(p: list[int]) -> list[int]:
+        if tuple(p) not in memo:
+            memo[tuple(p)] = plain.generate([p], max_new_tokens=NEW, eos_token_id=[])[0, len(p):].tolist()
+        return memo[tuple(p)]
+    return get
+
+
+def test_a_conversation_keeps_every_earlier_token_and_generates_the_same(ckpt, reference):
+    cached = load(ckpt, prefix_cache=True, **BUCKETS)
+    prompts = turns(reference, prompt_ids(10, 1))
+    for p in prompts:
+        assert cached.generate([p], max_new_tokens=NEW, eos_token_id=[])[0, len(p):].tolist() == reference(p)
+    # turn t keeps turn t-1's prompt and output but the last token (never fed: the cache holds S[:-1])
+    assert cached.prompt_tokens_kept == sum(len(p) + NEW - 1 for p in prompts[:-1])
+
+
+def test_without_the_setting_nothing_is_kept(ckpt, reference):
+    plain = load(ckpt, **BUCKETS)
+    for p in turns(reference, prompt_ids(10, 1)):
+        plain.generate([p], max_new_tokens=NEW, eos_token_id=[])
+    assert plain.prompt_tokens_kept == 0
+
+
+def test_a_kept_prefix_encodes_the_rest_as_the_whole_prompt_would(ckpt):
+    """The first token's logits after a kept prefix equal those of encoding the whole prompt at once."""
+    first, rest = prompt_ids(20, 2), prompt_ids(9, 3)
+    cached, plain = load(ckpt, prefix_cache=True, **BUCKETS), load(ckpt, **BUCKETS)
+    params = plain.sampling_params(do_sample=False)
+    cached.prefill([torch.tensor(first)], params)
+    out = cached.prefill([torch.tensor(first + rest)], params)
+    ref = plain.prefill([torch.tensor(first + rest)], params)
+    assert cached.prompt_tokens_kept == len(first)
+    torch.testing.assert_close(out.logits[:, -1], ref.logits[:, -1], atol=1e-4, rtol=1e-4)
+    assert out.tokens[0, -1] == ref.tokens[0, -1]
+    assert int(cached.lengths[0]) == len(first) + len(rest)
+
+
+def test_a_graph_call_forgets_the_slots_it_writes(ckpt):
+    model = load(ckpt, prefix_cache=True, **BUCKETS)
+    prompt = prompt_ids(20, 4)
+    params = model.sampling_params(do_sample=False)
+    model.prefill([torch.tensor(prompt)], params)
+    assert model.cached_length(0) == 20 and model.shared_prefix(0, prompt + [1]) == 20
+    model.set_lengths(torch.tensor([12]))               # a rollback alone keeps the slots ...
+    assert model.cached_length(0) == 20
+    model.step(torch.tensor([[5, 6]]), params)          # ... a step writing slots 12, 13 does not
+    assert model.cached_length(0) == 12 and model.shared_prefix(0, prompt) == 12
+    model.prefill([torch.tensor(prompt)], params)       # kept 12 (the rest, 8 tokens, takes a smaller bucket)
+    assert model.prompt_tokens_kept == 12 and model.cached_length(0) == 20
+    model.reset()
+    assert model.cached_length(0) == 0
+
+
+@pytest.mark.parametrize("name", ["model", "lookup+model", "suffix+model", "suffix"])
+def test_speculation_with_a_prefix_cache_generates_target_only_output(checkpoint, ckpt, reference, name):
+    target = load(ckpt, prefix_cache=True, **BUCKETS)
+    gen = SpeculativeGenerator(build(name, target, checkpoint), target, 3)
+    prompts = turns(reference, prompt_ids(10, 5))
+    for p in prompts:
+        assert gen.generate([p], max_new_tokens=NEW, eos_token_id=[])[0, len(p):].tolist() == reference(p)
+    assert target.prompt_tokens_kept == sum(len(p) + NEW - 1 for p in prompts[:-1])
+    draft = gen.proposer.draft if name != "model" else gen.proposer
+    if draft is not None and draft.model is not None:     # the draft model keeps its own cache's prefix too
+        assert draft.model.prefix_cache and draft.model.prompt_tokens_kept > 0
+
+
+def test_fused_speculation_with_a_prefix_cache(checkpoint, ckpt, reference):
+    target = load(ckpt, prefix_cache=True, **BUCKETS)
+    gen = SpeculativeGenerator(build("model", target, checkpoint), target, 3, fused=True)
+    prompts = turns(reference, prompt_ids(10, 6))
+    for p in prompts:
+        assert gen.generate([p], max_new_tokens=NEW, eos_token_id=[])[0, len(p):].tolist() == reference(p)
+    assert target.prompt_tokens_kept > 0 and gen.proposer.model.prompt_tokens_kept > 0
+
+
+def test_a_free_row_keeps_its_prefix_while_the_batch_runs_and_its_next_turn_takes_it(ckpt, reference):
+    """Row 0's conversation ends and waits while row 1 keeps stepping (longer); the next turn goes to row 0
+    (the free row holding most of it, as llama.cpp's server picks a slot) and keeps all of it."""
+    engine = Engine(load(ckpt, batch_size=3, prefix_cache=True, **BUCKETS))
+    kw = dict(max_new_tokens=NEW, eos_token_id=[])
+    short, long = prompt_ids(10, 7), prompt_ids(30, 8)
+    a = engine.add(short, **kw)
+    b = engine.add(long, max_new_tokens=40, eos_token_id=[])
+    while not engine.rows[a].done:
+        engine.step()
+    assert engine.rows[a].new == reference(short)
+    engine.release(a)
+    for _ in range(3):                           # row a is free while row b steps
+        engine.step()
+    assert engine.target.cached_length(a) == len(short) + NEW - 1
+    nxt = short + reference(short) + prompt_ids(6, 9)
+    before = engine.target.prompt_tokens_kept
+    row = engine.add(nxt, **kw)
+    assert row == a and engine.target.prompt_tokens_kept - before == len(short) + NEW - 1
+    while engine.active_rows:
+        engine.step()
+    assert engine.rows[row].new == reference(nxt)
+
+
+def test_the_server_picks_the_row_holding_the_prompt_and_counts_kept_tokens(ckpt, reference):
+    engine = AsyncEngine(Engine(load(ckpt, batch_size=2, prefix_cache=True, **BUCKETS)))
+    first = prompt_ids(12, 10)
+    second = first + reference(first) + prompt_ids(5, 11)
+    (out,) = serve_all(engine, [(first, NEW)])
+    assert out.token_ids == reference(first)
+    (out,) = serve_all(engine, [(second, NEW)])
+    assert out.token_ids == reference(second)
+    text = engine.metrics.exposition().decode()
+    assert f"specdec_prompt_tokens_cached_total {float(len(first) + NEW - 1)}" in text
+
+
+def test_drafts_reading_the_prompts_hidden_states_refuse_a_prefix_cache_target(ckpt):
+    target = load(ckpt, prefix_cache=True, **BUCKETS)
+    heads = MedusaHeads(target.config.hidden_size, target.vocab_size, 4)
+    with pytest.raises(ValueError, match="Medusa reads the target's hidden states .* prefix_cache=False"):
+        SpeculativeGenerator(MedusaDraft(heads, load_tree("chain_4"), target), target)
+
+
+def test_the_neuron_backend_refuses_a_prefix_cache(ckpt):
+    with pytest.raises(ValueError, match="prefix_cache"):
+        DecoderModel.from_pretrained(ckpt.path, backend="neuron", prefix_cache=True, progress=False)
