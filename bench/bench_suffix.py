@@ -92,7 +92,7 @@ class SuffixBenchOptions:
     strategy once per k, named ``<strategy>-k<k>`` when there are several; None: the strategy's own k), ``gate``
     (every speculative system with the cost gate: ``gate=True``, ``specdec.gate``),
     the runtime (``backend``, ``amp``, ``quantization``, ``n_positions``, ``context_buckets``, ``prompt_weights``,
-    ``threads``),
+    ``prefix_cache``, ``threads``),
     the workloads' ``seed``, ``output`` (None: bench/results/suffix_<model>.json) and the suffix options
     (``SpeculationOptions``' suffix fields)."""
 
@@ -116,6 +116,7 @@ class SuffixBenchOptions:
     n_positions: int = 2048
     context_buckets: list[int] | None = None
     prompt_weights: str | None = None
+    prefix_cache: bool = False
     threads: int = field(default_factory=available_cores)
     seed: int = 0
     output: str | None = None
@@ -332,19 +333,26 @@ def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: Deco
         log(f"offline: {wl.name}")
         engines = {system: engine_of(system) for system in systems}       # each with an empty cache
         seconds = dict.fromkeys(systems, 0.0)
-        runs = {s: timed(engines[s], s, seconds, cfg.max_new_tokens) for s in systems}
+        prompts = {s: [0, 0] for s in systems}
+        runs = {s: timed(engines[s], s, seconds, cfg.max_new_tokens, prompts[s]) for s in systems}
         outputs = interleaved(wl, target.tokenizer, runs)
         result[wl.name] = {system: entry(engines[system], outputs[system], seconds[system]) for system in systems}
+        for system, (tokens, kept) in prompts.items():
+            result[wl.name][system].update(prompt_tokens=tokens, prompt_tokens_kept=kept)
     return finish(result)
 
 
-def timed(engine: Engine, system: str, seconds: dict[str, float],
-          max_new_tokens: int) -> Callable[[list[int]], list[int]]:
-    """``engine``'s batch-1 generation (prompt ids → new token ids), its time added to ``seconds[system]``."""
+def timed(engine: Engine, system: str, seconds: dict[str, float], max_new_tokens: int,
+          prompts: list[int]) -> Callable[[list[int]], list[int]]:
+    """``engine``'s batch-1 generation (prompt ids → new token ids), its time added to ``seconds[system]``, its
+    prompt tokens and those the target's prefix cache kept to ``prompts`` [2]."""
     def generate(ids: list[int]) -> list[int]:
+        kept = engine.target.prompt_tokens_kept
         start = time.perf_counter()
         engine.generate([ids], max_new_tokens=max_new_tokens)
         seconds[system] += time.perf_counter() - start
+        prompts[0] += len(ids)
+        prompts[1] += engine.target.prompt_tokens_kept - kept
         return list(engine.rows[0].new)
     return generate
 
@@ -405,7 +413,7 @@ def serve_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -> Serv
     speculation = speculation_options(cfg, strategy, k)
     model = ModelOptions(model=cfg.model, backend=cfg.backend, amp=cfg.amp, n_positions=cfg.n_positions,
                          context_buckets=cfg.context_buckets, quantization=cfg.quantization,
-                         prompt_weights=cfg.prompt_weights)
+                         prompt_weights=cfg.prompt_weights, prefix_cache=cfg.prefix_cache)
     return ServeOptions(model=model, speculation=speculation.checked(cfg.model), batch_size=cfg.concurrency,
                         max_waiting=4 * cfg.concurrency)
 
@@ -523,6 +531,9 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     p.add_argument("--prompt-weights", default=None, choices=["bf16"],
                    help="GGML blocks (--quantization gguf): encode prompts with dense bf16 copies of the weights "
                         "(every system; DecoderModel.from_pretrained(prompt_weights=...))")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="every system keeps each row's KV for the next prompt starting with it (an agent's next "
+                        "turn encodes its new tokens only; DecoderModel.from_pretrained(prefix_cache=True))")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     p.add_argument("--seed", type=int, default=0, help="the workloads' generator seed")
     p.add_argument("--output", default=None,
@@ -575,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     target = DecoderModel.from_pretrained(cfg.model, batch_size=1, n_positions=cfg.n_positions,
                                           context_buckets=cfg.context_buckets, amp=cfg.amp,
                                           backend=cfg.backend, quantization=cfg.quantization,
-                                          prompt_weights=cfg.prompt_weights, progress=False)
+                                          prompt_weights=cfg.prompt_weights, prefix_cache=cfg.prefix_cache,
+                                          progress=False)
     workloads = [workload(w, target.tokenizer, cfg.requests, cfg.turns, cfg.seed) for w in cfg.workloads]
     longest = max(len(p) for wl in workloads for p in wl.prompts or [wl.sessions[0]([])])
     if longest + cfg.max_new_tokens > cfg.n_positions:

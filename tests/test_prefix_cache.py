@@ -124,7 +124,7 @@ def test_a_free_row_keeps_its_prefix_while_the_batch_runs_and_its_next_turn_take
     kw = dict(max_new_tokens=NEW, eos_token_id=[])
     short, long = prompt_ids(10, 7), prompt_ids(30, 8)
     a = engine.add(short, **kw)
-    b = engine.add(long, max_new_tokens=40, eos_token_id=[])
+    engine.add(long, max_new_tokens=40, eos_token_id=[])
     while not engine.rows[a].done:
         engine.step()
     assert engine.rows[a].new == reference(short)
