@@ -345,14 +345,26 @@ def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: Deco
 def timed(engine: Engine, system: str, seconds: dict[str, float], max_new_tokens: int,
           prompts: list[int]) -> Callable[[list[int]], list[int]]:
     """``engine``'s batch-1 generation (prompt ids → new token ids), its time added to ``seconds[system]``, its
-    prompt tokens and those the target's prefix cache kept to ``prompts`` [2]."""
+    prompt tokens and those the target's prefix cache kept to ``prompts`` [2].
+
+    With ``prefix_cache`` the systems share one target, whose row holds what the system before left (the same
+    request's prompt, from the system that ran it just before): so, untimed, each request first finds the row as
+    this system's own previous request left it (its prompt and output but the last token, encoded in one go, the
+    same for every system), as a server running this system alone would."""
+    target, last = engine.target, []
+
     def generate(ids: list[int]) -> list[int]:
-        kept = engine.target.prompt_tokens_kept
+        if target.prefix_cache:
+            target.reset()
+            if 0 < len(last) <= target.context_buckets[-1]:
+                target.prefill([torch.tensor(last)], target.sampling_params(do_sample=False))
+        kept = target.prompt_tokens_kept
         start = time.perf_counter()
         engine.generate([ids], max_new_tokens=max_new_tokens)
         seconds[system] += time.perf_counter() - start
         prompts[0] += len(ids)
-        prompts[1] += engine.target.prompt_tokens_kept - kept
+        prompts[1] += target.prompt_tokens_kept - kept
+        last[:] = (ids + engine.rows[0].new)[:-1]
         return list(engine.rows[0].new)
     return generate
 

@@ -4,16 +4,21 @@ the cache (target-only and speculative, greedy, batch 1 and rows joining a runni
 the slots it overwrites, and the strategies that need the whole prompt's hidden states refuse such a target."""
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
 from specdec import DecoderModel, Engine, SpeculativeGenerator
 from specdec.medusa import MedusaHeads, load_tree
 from specdec.medusa.draft import MedusaDraft
+from specdec.options import ModelOptions, options_from
 from specdec.registry import REGISTRY
 from specdec.serving import AsyncEngine
+from specdec.tools.arguments import add_model_arguments
 
 from conftest import load, prompt_ids
+from test_cli import generate_args, new_ids, run
 from test_serving_engine import serve_all
 from test_suffix_engine import build as build_suffix
 
@@ -163,3 +168,17 @@ def test_drafts_reading_the_prompts_hidden_states_refuse_a_prefix_cache_target(c
 def test_the_neuron_backend_refuses_a_prefix_cache(ckpt):
     with pytest.raises(ValueError, match="prefix_cache"):
         DecoderModel.from_pretrained(ckpt.path, backend="neuron", prefix_cache=True, progress=False)
+
+
+
+def test_the_cli_flag_reaches_the_loaded_models(ckpt, reference, capsys):
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    options = options_from(ModelOptions, parser.parse_args(["--model", str(ckpt.path), "--prefix-cache",
+                                                            "--backend", "eager", "--amp", "f32",
+                                                            "--n-positions", "128"]))
+    assert options.prefix_cache and options.load(progress=False).prefix_cache
+    prompt = prompt_ids(10, 12)
+    rc, out, err = run(generate_args(ckpt.path, prompt, NEW, 128, "--prefix-cache", "--draft", "lookup"), capsys)
+    assert rc == 0, err
+    assert new_ids(out) == reference(prompt)
