@@ -576,13 +576,19 @@ def name_list_of(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
 
 
 def table(result: dict) -> str:
-    rows = ["| mode | workload | system | τ | tok/s | × target | identical |", "|---|---|---|---:|---:|---:|---|"]
+    """The markdown table of a result (a "prompt kept" column: the share of prompt tokens a prefix cache kept)."""
+    entries = [e for mode in ("offline", "server") for systems in result.get(mode, {}).values()
+               for e in systems.values()]
+    kept = any(e.get("prompt_tokens_kept") for e in entries)
+    rows = ["| mode | workload | system | τ | tok/s | × target | identical |" + (" prompt kept |" if kept else ""),
+            "|---|---|---|---:|---:|---:|---|" + ("---:|" if kept else "")]
     for mode in ("offline", "server"):
         for wl, systems in result.get(mode, {}).items():
             for name, e in systems.items():
                 tau = f"{e['tau']:.2f}" if "tau" in e else "1.00"
+                share = f" {e['prompt_tokens_kept'] / e['prompt_tokens']:.0%} |" if "prompt_tokens_kept" in e else " |"
                 rows.append(f"| {mode} | {wl} | {name} | {tau} | {e['tok_s']:.1f} | {e['ratio_to_target']:.2f} | "
-                            f"{e['identical_to_target']} |")
+                            f"{e['identical_to_target']} |" + (share if kept else ""))
     return "\n".join(rows)
 
 

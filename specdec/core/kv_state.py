@@ -39,8 +39,8 @@ class KVState:
     def shared_prefix(self, row: int, prompt: list[int]) -> int:
         """How many leading ids of ``prompt`` row ``row``'s cache already holds the KV of (at most
         len(prompt) - 1: a prompt's last id is always fed, for the logits of the next token)."""
-        cached, n = self.cached[row], min(len(self.cached[row]), len(prompt) - 1)
-        i = 0
+        cached = self.cached[row][:len(prompt) - 1]     # one copy (a server reads it while its engine steps)
+        n, i = len(cached), 0
         while i < n and cached[i] == prompt[i]:
             i += 1
         return i
