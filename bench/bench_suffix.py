@@ -27,8 +27,8 @@ many clients);
 ``tok_s`` = output tokens / wall seconds. τ = 1 + accepted / steps (pooled row-steps). ``--prefix-cache``: every
 system's target (and draft) keeps a row's KV for the next prompt starting with it; offline, where the systems
 share one target, each request first finds the row as the system's own previous request left it (``timed``), and
-the result counts each system's prompt tokens and those kept (``prompt_tokens``, ``prompt_tokens_kept``). Greedy outputs of
-every speculative system must equal the target's (``identical_to_target``, in both modes).
+the result counts each system's prompt tokens and those kept (``prompt_tokens``, ``prompt_tokens_kept``).
+Greedy outputs of every speculative system must equal the target's (``identical_to_target``, in both modes).
 
 Commands (the full runs take a while: run them on an idle machine)::
 
