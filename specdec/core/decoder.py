@@ -61,7 +61,7 @@ class DecoderModel:
         self.device = torch.device(settings.device)
         self.graphs = GraphCache(lm, settings, partial(rank_weights, lm, path, config))
         self.kv = KVState(settings.batch_size, settings.n_positions, config.vocab_size, self.device,
-                          self.graphs.compaction)
+                          self.graphs.compaction, settings.prefix_cache)
         self._tokenizer = None
         self.prompt_tokens_kept = 0            # prompt tokens whose KV a prompt encoding kept (``prefix_cache``)
         self.progress = True                   # progress output: lazy compiles of graphs on first use
@@ -371,7 +371,8 @@ class DecoderModel:
                 out = self.graph(key)(*inputs)
         else:
             out = self.graphs.first_run(key, inputs, self.progress, self.graph)
-        self.kv.forget_from(torch.as_tensor(cache_lengths), None if seq_ids is None else seq_ids.tolist())
+        if self.prefix_cache:
+            self.kv.forget_from(torch.as_tensor(cache_lengths), None if seq_ids is None else seq_ids.tolist())
         tokens, probs, logits, hidden = out if key.return_probs else (out[0], None, *out[1:])
         hidden, aux = split_hidden(hidden, self.config.hidden_size)
         return StepOutput(tokens, logits, hidden, probs, aux)
@@ -416,8 +417,9 @@ class DecoderModel:
         out = self._run(key, ids, torch.arange(bucket).expand(b, bucket), torch.zeros(b, dtype=torch.long),
                         causal_mask(bucket, lens), (lens - 1).unsqueeze(1), params, rng, _fit(features, bucket))
         self.kv.lengths.copy_(lens)
-        for i, p in enumerate(prompts):
-            self.kv.keep(i, torch.as_tensor(p).tolist())
+        if self.prefix_cache:
+            for i, p in enumerate(prompts):
+                self.kv.keep(i, torch.as_tensor(p).tolist())
         return out
 
     def _kept(self, row: int, prompt: torch.Tensor) -> int:
@@ -451,7 +453,8 @@ class DecoderModel:
                         causal_mask(bucket, torch.tensor([n])), torch.tensor([[n - 1]]), row_params, rng,
                         _fit(features, bucket), torch.tensor([row]))
         self.kv.lengths[row] = len(prompt)
-        self.kv.keep(row, torch.as_tensor(prompt).tolist())
+        if self.prefix_cache:
+            self.kv.keep(row, torch.as_tensor(prompt).tolist())
         self.prompt_tokens_kept += kept
         return out
 

@@ -11,7 +11,8 @@
   ``DecoderModel.prefill``). A prompt's encoding sets it to the prompt; every graph call forgets a row's record
   from the first slot it writes (``forget_from``); the owner of a row extends it with what it knows the slots
   hold (``keep``: the request loop, a request's S[:-1] when it ends). So the record never claims a slot
-  that something wrote since, whoever wrote it (models shared by several request loops included).
+  that something wrote since, whoever wrote it (models shared by several request loops included). Kept only
+  with ``prefix_cache`` (else every record stays empty).
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ class KVState:
     vocabulary; ``compaction(m)``: the decoder's KV-compaction graph moving m slots per row."""
 
     def __init__(self, batch_size: int, n_positions: int, vocab_size: int, device: torch.device,
-                 compaction: Callable[[int], Callable]):
+                 compaction: Callable[[int], Callable], prefix_cache: bool = False):
         self.n_positions, self.vocab_size, self.device, self.compaction = n_positions, vocab_size, device, compaction
+        self.prefix_cache = prefix_cache
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
         self.presence: torch.Tensor | None = None
         self.cached: list[list[int]] = [[] for _ in range(batch_size)]
@@ -49,10 +51,13 @@ class KVState:
         """Row ``row``'s slots [0, len(tokens)) hold the KV of ``tokens`` (the caller's knowledge)."""
         if len(tokens) > self.n_positions:
             raise ValueError(f"{len(tokens)} tokens do not fit {self.n_positions} cache slots")
-        self.cached[row] = list(tokens)
+        if self.prefix_cache:
+            self.cached[row] = list(tokens)
 
     def forget_from(self, starts: torch.Tensor, rows: list[int] | None = None) -> None:
         """A graph wrote ``rows`` (default all) from slot starts[i] on: their records stop there."""
+        if not self.prefix_cache:
+            return
         for row, start in zip(range(len(self.cached)) if rows is None else rows, starts.tolist()):
             del self.cached[row][max(start, 0):]
 
@@ -88,4 +93,5 @@ class KVState:
         slot dst[b, i] (src, dst [B, m]; all slots are read before any is written)."""
         with torch.no_grad():
             self.compaction(src.shape[1])(src.to(self.device).contiguous(), dst.to(self.device).contiguous())
-        self.forget_from(dst.cpu().amin(1))
+        if self.prefix_cache:
+            self.forget_from(dst.cpu().amin(1))
