@@ -353,12 +353,15 @@ def timed(engine: Engine, system: str, seconds: dict[str, float], max_new_tokens
     With ``prefix_cache`` the systems share one target, whose row holds what the system before left (the same
     request's prompt, from the system that ran it just before): so, untimed, each request first finds the row as
     this system's own previous request left it (its prompt and output but the last token, encoded in one go, the
-    same for every system), as a server running this system alone would."""
+    same for every system), as a server running this system alone would; the prefix store (``prefix_cache_mb``),
+    which would hold the other systems' encodings, starts empty."""
     target, last = engine.target, []
 
     def generate(ids: list[int]) -> list[int]:
         if target.prefix_cache:
             target.reset()
+            if target.prefix_store is not None:
+                target.prefix_store.clear()
             if 0 < len(last) <= target.context_buckets[-1]:
                 target.prefill([torch.tensor(last)], target.sampling_params(do_sample=False))
         kept = target.prompt_tokens_kept

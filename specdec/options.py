@@ -104,7 +104,8 @@ class ModelOptions:
     sharded when they do not divide tp_degree (None: automatic); saved_graphs: compiled graphs kept as files
     that later processes load; prompt_weights: "bf16" (GGML blocks on eager / regional) also holds the layers'
     weights as dense bf16 matrices that prompts are encoded with; prefix_cache: a prompt's encoding keeps the KV
-    its row already holds for the prompt's leading tokens (``DecoderModel.from_pretrained``)."""
+    its row already holds for the prompt's leading tokens, prefix_cache_mb: MiB of host memory keeping the prefixes
+    rows give up (``DecoderModel.from_pretrained``)."""
 
     model: str | None = None
     amp: str = "bf16"
@@ -119,6 +120,7 @@ class ModelOptions:
     saved_graphs: bool = True
     prompt_weights: str | None = None
     prefix_cache: bool = False
+    prefix_cache_mb: int = 1024
 
     @property
     def name(self) -> str:
@@ -134,7 +136,7 @@ class ModelOptions:
                                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                                             autotune=self.autotune, saved_graphs=self.saved_graphs,
                                             prompt_weights=self.prompt_weights, prefix_cache=self.prefix_cache,
-                                            progress=progress)
+                                            prefix_cache_mb=self.prefix_cache_mb, progress=progress)
 
     def threads_per_process(self, threads: int) -> int:
         """Intra-op threads of each of the ``tp_degree`` processes sharing ``threads`` (the neuron backend

@@ -1,7 +1,8 @@
 """Prefix caching (``prefix_cache=True``): a row keeps the KV of what it last held and a later prompt that starts
 with it encodes only the rest. The kept tokens are counted exactly, the outputs equal those of a model without
 the cache (target-only and speculative, greedy, batch 1 and rows joining a running batch), a graph call forgets
-the slots it overwrites, and the strategies that need the whole prompt's hidden states refuse such a target."""
+the slots it overwrites, the prefix store keeps what rows give up within its bound and restores it into any row,
+and the strategies that need the whole prompt's hidden states refuse such a target."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,7 @@ import torch
 from specdec import DecoderModel, Engine, SpeculativeGenerator
 from specdec.medusa import MedusaHeads, load_tree
 from specdec.medusa.draft import MedusaDraft
+from specdec.core.prefix_store import PrefixStore
 from specdec.options import ModelOptions, options_from
 from specdec.registry import REGISTRY
 from specdec.serving import AsyncEngine
@@ -158,6 +160,87 @@ def test_the_server_picks_the_row_holding_the_prompt_and_counts_kept_tokens(ckpt
     assert f"specdec_prompt_tokens_cached_total {float(len(first) + NEW - 1)}" in text
 
 
+def interleaved_turns(reference, n: int = 3) -> list[list[int]]:
+    """Two conversations' turns, alternating (A1 B1 A2 B2 ...): each turn's row served the other one in between."""
+    a, b = turns(reference, prompt_ids(10, 13), n), turns(reference, prompt_ids(10, 14), n)
+    return [p for pair in zip(a, b) for p in pair]
+
+
+def kept_by_turn(prompts: list[list[int]]) -> int:
+    """Tokens a turn keeps when its conversation's previous turn (two prompts back) is kept: prompt + output
+    but the last token."""
+    return sum(len(p) + NEW - 1 for p in prompts[:-2])
+
+
+def test_the_prefix_store_keeps_what_a_row_gives_up_for_the_conversation_that_comes_back(ckpt, reference):
+    """Batch 1, two conversations alternating: each turn finds its row holding the other conversation; the store
+    gives back its own previous turn (outputs equal a model without any cache). Without the store
+    (prefix_cache_mb=0) the row keeps nothing of it."""
+    prompts = interleaved_turns(reference)
+    stored = load(ckpt, prefix_cache=True, **BUCKETS)
+    for p in prompts:
+        assert stored.generate([p], max_new_tokens=NEW, eos_token_id=[])[0, len(p):].tolist() == reference(p)
+    assert stored.prompt_tokens_kept == kept_by_turn(prompts)
+    assert stored.prefix_store.stats()["restored"] == len(prompts) - 2
+    rows_only = load(ckpt, prefix_cache=True, prefix_cache_mb=0, **BUCKETS)
+    assert rows_only.prefix_store is None
+    for p in prompts:
+        rows_only.generate([p], max_new_tokens=NEW, eos_token_id=[])
+    assert rows_only.prompt_tokens_kept == 0
+
+
+def test_a_stored_prefix_goes_back_into_another_row_as_the_whole_prompt_would_encode(ckpt):
+    first, other, rest = prompt_ids(20, 15), prompt_ids(20, 16), prompt_ids(9, 17)
+    cached, plain = load(ckpt, batch_size=2, prefix_cache=True, **BUCKETS), load(ckpt, **BUCKETS)
+    params = cached.sampling_params(do_sample=False)
+    cached.prefill([torch.tensor(first)], params, rows=[0])
+    cached.prefill([torch.tensor(other)], params, rows=[0])          # row 0 gives up ``first``: stored
+    out = cached.prefill([torch.tensor(first + rest)], params, rows=[1])
+    ref = plain.prefill([torch.tensor(first + rest)], plain.sampling_params(do_sample=False))
+    assert cached.prompt_tokens_kept == len(first) and cached.prefix_store.stats()["restored"] == 1
+    torch.testing.assert_close(out.logits[:, -1], ref.logits[:, -1], atol=1e-4, rtol=1e-4)
+    assert cached.cached_length(1) == len(first + rest) and cached.shared_prefix(0, other + [1]) == len(other)
+
+
+def test_the_prefix_store_stays_within_its_bound_least_recently_used_first():
+    def slots(n: int) -> list[torch.Tensor]:
+        return [torch.zeros(n, 4), torch.zeros(n, 4)]             # 32 bytes a token
+    store = PrefixStore(32 * 100)
+    store.add(list(range(40)), slots(40))
+    store.add(list(range(100, 140)), slots(40))
+    assert store.longest(list(range(10)) + [7]) == (10, store.entries[0])
+    store.hit(store.entries[0])                                   # the first entry becomes the most recent
+    store.add(list(range(200, 240)), slots(40))                   # 120 tokens > 100: the least recent goes
+    assert [e.tokens[0] for e in store.entries.values()] == [0, 200] and store.bytes == 32 * 80
+    store.add(list(range(200, 250)), slots(50))                   # extends an entry: replaces it
+    assert [e.tokens[0] for e in store.entries.values()] == [0, 200] and store.bytes == 32 * 90
+    store.add(list(range(200, 220)), slots(20))                   # held already (a prefix of an entry)
+    store.add(list(range(300, 410)), slots(110))                  # larger than the bound: not kept
+    assert store.stats() == {"entries": 2, "bytes": 32 * 90, "max_bytes": 3200, "added": 3 + 1, "restored": 1,
+                             "evicted": 1}
+    assert store.longest([5, 6]) == (0, None)
+    with pytest.raises(ValueError, match="budget must be an int >= 0"):
+        PrefixStore(-1)
+
+
+def test_prefix_cache_mb_must_be_a_size(ckpt):
+    with pytest.raises(ValueError, match="prefix_cache_mb must be an int >= 0"):
+        DecoderModel.from_pretrained(ckpt.path, backend="eager", prefix_cache=True, prefix_cache_mb=-1,
+                                     progress=False)
+
+
+def test_the_server_restores_stored_prefixes_and_reports_the_store(ckpt, reference):
+    engine = AsyncEngine(Engine(load(ckpt, prefix_cache=True, **BUCKETS)))
+    prompts = interleaved_turns(reference, 2)
+    for p in prompts:
+        (out,) = serve_all(engine, [(p, NEW)])
+        assert out.token_ids == reference(p)
+    text = engine.metrics.exposition().decode()
+    assert "specdec_prefix_store_restored_total 2.0" in text
+    assert f"specdec_prompt_tokens_cached_total {float(kept_by_turn(prompts))}" in text
+    assert "specdec_prefix_store_entries 2.0" in text
+
+
 def test_drafts_reading_the_prompts_hidden_states_refuse_a_prefix_cache_target(ckpt):
     target = load(ckpt, prefix_cache=True, **BUCKETS)
     heads = MedusaHeads(target.config.hidden_size, target.vocab_size, 4)
@@ -177,7 +260,12 @@ def test_the_cli_flag_reaches_the_loaded_models(ckpt, reference, capsys):
     options = options_from(ModelOptions, parser.parse_args(["--model", str(ckpt.path), "--prefix-cache",
                                                             "--backend", "eager", "--amp", "f32",
                                                             "--n-positions", "128"]))
-    assert options.prefix_cache and options.load(progress=False).prefix_cache
+    loaded = options.load(progress=False)
+    assert options.prefix_cache and loaded.prefix_cache and loaded.prefix_store.max_bytes == 1024 << 20
+    options = options_from(ModelOptions, parser.parse_args(["--model", str(ckpt.path), "--prefix-cache",
+                                                            "--prefix-cache-mb", "0", "--backend", "eager",
+                                                            "--n-positions", "128"]))
+    assert options.prefix_cache_mb == 0 and options.load(progress=False).prefix_store is None
     prompt = prompt_ids(10, 12)
     rc, out, err = run(generate_args(ckpt.path, prompt, NEW, 128, "--prefix-cache", "--draft", "lookup"), capsys)
     assert rc == 0, err

@@ -30,9 +30,10 @@ from .graph_cache import GraphCache
 from .graphs import COMPILING, GraphKey, StepGraph
 from .kv_state import KVState
 from .loading import RuntimeSettings, load_decoder, rank_weights
-from .model import DecoderLM, causal_mask, check_feature_layers, split_hidden
+from .model import Attention, DecoderLM, causal_mask, check_feature_layers, split_hidden
 from .parallel import TPGroup
 from .persistence import load_compiled, read_saved, save_compiled
+from .prefix_store import STORE_MIN_TOKENS, PrefixStore, StoredPrefix
 from .prompts import prompt_rows
 from .sampling import (
     TEMPERATURE,
@@ -64,6 +65,9 @@ class DecoderModel:
                           self.graphs.compaction, settings.prefix_cache)
         self._tokenizer = None
         self.prompt_tokens_kept = 0            # prompt tokens whose KV a prompt encoding kept (``prefix_cache``)
+        # KV prefixes rows gave up, in host memory (``prefix_cache_mb``)
+        store = settings.prefix_cache and settings.prefix_cache_mb > 0
+        self.prefix_store = PrefixStore(settings.prefix_cache_mb << 20) if store else None
         self.progress = True                   # progress output: lazy compiles of graphs on first use
         if self.device.type == "xla":
             from .xla import materialize
@@ -79,7 +83,7 @@ class DecoderModel:
                         feature_layers: tuple[int, ...] | list[int] = (), autotune: bool = False,
                         output_vocab_size: int | None = None, saved_graphs: bool = False,
                         prompt_weights: str | None = None, prefix_cache: bool = False,
-                        progress: bool = True) -> DecoderModel:
+                        prefix_cache_mb: int = 1024, progress: bool = True) -> DecoderModel:
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, a named model (e.g.
         ``"qwen2.5-coder-1.5b-instruct"``, ``named_models.NAMED_MODELS``: a GGUF file assembled once from
         its packages), or (``None``) the embedded SmolLM2-135M-Instruct. Graphs are built lazily on first
@@ -122,11 +126,13 @@ class DecoderModel:
         keep the blocks (``block_linear``); a prompt's KV and first token then come from bf16 arithmetic.
         ``prefix_cache`` (llama.cpp's ``cache_prompt``, vLLM's prefix caching; not on ``neuron``): a row's prompt
         encoding keeps the KV its cache already holds for the prompt's leading tokens and encodes only the rest
-        (``prefill``): an agent's or a chat's next turn, which re-sends the conversation, costs its new tokens only."""
+        (``prefill``): an agent's or a chat's next turn, which re-sends the conversation, costs its new tokens only;
+        ``prefix_cache_mb`` MiB of host memory (0: none) keep the prefixes rows give up (``prefix_store``: llama.cpp's
+        ``--cache-ram``), so a conversation whose row served another one in between keeps its prefix too."""
         requested = RuntimeSettings(batch_size, n_positions, amp, tp_degree, gqa_strategy, context_buckets, kv_buckets,
                                     sampling or SamplingConfig(), backend, device, quantization, kv_cache_dtype,
                                     feature_layers, autotune, output_vocab_size, saved_graphs, prompt_weights,
-                                    prefix_cache)
+                                    prefix_cache, prefix_cache_mb)
         loaded = load_decoder(path, requested, progress)
         model = cls(loaded.path, loaded.config, loaded.lm, loaded.settings)
         model.source = loaded.source
@@ -371,8 +377,7 @@ class DecoderModel:
                 out = self.graph(key)(*inputs)
         else:
             out = self.graphs.first_run(key, inputs, self.progress, self.graph)
-        if self.prefix_cache:
-            self.kv.forget_from(torch.as_tensor(cache_lengths), None if seq_ids is None else seq_ids.tolist())
+        self.kv.forget_from(torch.as_tensor(cache_lengths), None if seq_ids is None else seq_ids.tolist())
         tokens, probs, logits, hidden = out if key.return_probs else (out[0], None, *out[1:])
         hidden, aux = split_hidden(hidden, self.config.hidden_size)
         return StepOutput(tokens, logits, hidden, probs, aux)
@@ -394,14 +399,18 @@ class DecoderModel:
         (``_kept``); its hidden states then cover the new positions only (``hidden[:, :len - p]``), which is why
         feature-reading drafts refuse such a target. With ``rows=None`` the prompts then go through single-row
         graphs and the rows past them keep their slots (length 1)."""
-        if rows is None and self.settings.prefix_cache and features is None and \
-                any(self._kept(i, p) for i, p in enumerate(prompts)):
-            out = self.prefill(prompts, params, rng, rows=list(range(len(prompts))))
-            self.kv.lengths[len(prompts):] = 1
-            return out
-        if rows is not None:
-            outs = [self._prefill_row(r, p, params, rng, None if features is None else features[i:i + 1])
-                    for i, (r, p) in enumerate(zip(rows, prompts))]
+        for r in rows or ():
+            if not 0 <= r < self.batch_size:
+                raise ValueError(f"row {r} is outside the batch [0, {self.batch_size})")
+        kept: list[tuple[int, StoredPrefix | None]] = [(0, None)] * len(prompts)
+        if self.prefix_cache and features is None:
+            kept = [self._kept(r, p) for r, p in zip(range(len(prompts)) if rows is None else rows, prompts)]
+        single = rows if rows is not None or not any(n for n, _ in kept) else list(range(len(prompts)))
+        if single is not None:
+            outs = [self._prefill_row(r, p, params, rng, None if features is None else features[i:i + 1], *kept[i])
+                    for i, (r, p) in enumerate(zip(single, prompts))]
+            if rows is None:
+                self.kv.lengths[len(prompts):] = 1
             width = max(o.hidden.shape[1] for o in outs)
             hidden = torch.cat([_fit(o.hidden, width) for o in outs])
             aux = None if outs[0].aux_hidden is None else torch.cat([_fit(o.aux_hidden, width) for o in outs])
@@ -413,35 +422,60 @@ class DecoderModel:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.as_tensor(p)      # a 1-D tensor or a list of ids
         b = self.batch_size
+        for i in range(b):
+            self._store_record(i, prompts[i] if i < len(prompts) else [])
         key = self._key(bucket, 1, bucket, params)
         out = self._run(key, ids, torch.arange(bucket).expand(b, bucket), torch.zeros(b, dtype=torch.long),
                         causal_mask(bucket, lens), (lens - 1).unsqueeze(1), params, rng, _fit(features, bucket))
         self.kv.lengths.copy_(lens)
-        if self.prefix_cache:
-            for i, p in enumerate(prompts):
-                self.kv.keep(i, torch.as_tensor(p).tolist())
+        for i, p in enumerate(prompts):
+            self.kv.keep(i, p)
         return out
 
-    def _kept(self, row: int, prompt: torch.Tensor) -> int:
-        """How many leading tokens of ``prompt`` row ``row``'s prompt encoding keeps (``prefill``): 0 unless the
-        model caches prefixes and encoding only the rest takes a smaller context bucket and fits a KV bucket."""
-        if not self.settings.prefix_cache:
-            return 0
-        kept = self.kv.shared_prefix(row, torch.as_tensor(prompt).tolist())
-        if kept == 0:
-            return 0
-        n, buckets = len(prompt), self.context_buckets
-        rest = pick_bucket(buckets, n - kept, "prompt length")
-        fits = kept + rest <= self.kv_buckets[-1]
-        return kept if fits and rest < pick_bucket(buckets, n, "prompt length") else 0
+    def _kept(self, row: int, prompt: torch.Tensor) -> tuple[int, StoredPrefix | None]:
+        """How many leading tokens of ``prompt`` row ``row``'s prompt encoding keeps (``prefill``) and the stored
+        prefix they come from (None: the row's own slots): the longer of what the row holds and what the prefix
+        store holds, when encoding only the rest takes a smaller context bucket and fits a KV bucket; (0, None)
+        when neither does."""
+        ids = torch.as_tensor(prompt).tolist()
+        own = self.kv.shared_prefix(row, ids)
+        stored, entry = (0, None) if self.prefix_store is None else self.prefix_store.longest(ids)
+        for kept, source in ([(stored, entry)] if stored > own else []) + [(own, None)]:
+            rest = pick_bucket(self.context_buckets, len(ids) - kept, "prompt length")
+            if kept and kept + rest <= self.kv_buckets[-1] and \
+                    rest < pick_bucket(self.context_buckets, len(ids), "prompt length"):
+                return kept, source
+        return 0, None
+
+    def _store_record(self, row: int, prompt: torch.Tensor | list[int]) -> None:
+        """Before ``prompt``'s encoding overwrites row ``row``'s slots past what the two share: the row's record
+        and its slots into the prefix store, when that loses at least ``STORE_MIN_TOKENS`` of it."""
+        record = self.kv.cached[row]
+        if self.prefix_store is None or \
+                len(record) - self.kv.shared_prefix(row, prompt) < STORE_MIN_TOKENS or self.prefix_store.covers(record):
+            return
+        n = len(record)
+        self.prefix_store.add(record, [buffer[row, :n].to("cpu", copy=True) for buffer in self._cache_buffers()])
+
+    def _restore(self, row: int, entry: StoredPrefix, n: int) -> None:
+        """Row ``row``'s slots [0, n) := the stored prefix ``entry``'s first n."""
+        for buffer, slots in zip(self._cache_buffers(), entry.slots):
+            buffer[row, :n].copy_(slots[:n])
+        self.kv.keep(row, entry.tokens[:n])
+        self.prefix_store.hit(entry)
+
+    def _cache_buffers(self) -> list[torch.Tensor]:
+        """Every layer's per-slot cache buffers (``Attention.cache_buffers``), in module order."""
+        return [b for m in self.lm.modules() if isinstance(m, Attention) for b in m.cache_buffers()]
 
     def _prefill_row(self, row: int, prompt: torch.Tensor, params: torch.Tensor, rng: RowGenerators | None,
-                     features: torch.Tensor | None) -> StepOutput:
+                     features: torch.Tensor | None, kept: int, entry: StoredPrefix | None) -> StepOutput:
         """Context encoding of one prompt into cache row ``row`` (a single-row graph): its tokens from
-        ``_kept`` on, written at slots kept.. and attending to the kept slots too."""
-        if not 0 <= row < self.batch_size:
-            raise ValueError(f"row {row} is outside the batch [0, {self.batch_size})")
-        kept = self._kept(row, prompt) if features is None else 0
+        ``kept`` (``_kept``) on, written at slots kept.. and attending to the kept slots too (the row's own, or
+        first restored from the stored prefix ``entry``)."""
+        self._store_record(row, prompt)
+        if entry is not None:
+            self._restore(row, entry, kept)
         n = len(prompt) - kept
         bucket = pick_bucket(self.context_buckets, n, "prompt length")
         kv = bucket if kept == 0 else pick_bucket(self.kv_buckets, kept + bucket, "KV length")
@@ -453,8 +487,7 @@ class DecoderModel:
                         causal_mask(bucket, torch.tensor([n])), torch.tensor([[n - 1]]), row_params, rng,
                         _fit(features, bucket), torch.tensor([row]))
         self.kv.lengths[row] = len(prompt)
-        if self.prefix_cache:
-            self.kv.keep(row, torch.as_tensor(prompt).tolist())
+        self.kv.keep(row, prompt)
         self.prompt_tokens_kept += kept
         return out
 

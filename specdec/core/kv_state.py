@@ -38,21 +38,22 @@ class KVState:
         self.lengths.zero_()
         self.cached = [[] for _ in self.cached]
 
-    def shared_prefix(self, row: int, prompt: list[int]) -> int:
-        """How many leading ids of ``prompt`` row ``row``'s cache already holds the KV of (at most
+    def shared_prefix(self, row: int, prompt: torch.Tensor | list[int]) -> int:
+        """How many leading ids of ``prompt`` (1-D) row ``row``'s cache already holds the KV of (at most
         len(prompt) - 1: a prompt's last id is always fed, for the logits of the next token)."""
         cached = self.cached[row][:len(prompt) - 1]     # one copy (a server reads it while its engine steps)
+        prompt = torch.as_tensor(prompt[:len(cached)]).tolist()
         n, i = len(cached), 0
         while i < n and cached[i] == prompt[i]:
             i += 1
         return i
 
-    def keep(self, row: int, tokens: list[int]) -> None:
-        """Row ``row``'s slots [0, len(tokens)) hold the KV of ``tokens`` (the caller's knowledge)."""
+    def keep(self, row: int, tokens: torch.Tensor | list[int]) -> None:
+        """Row ``row``'s slots [0, len(tokens)) hold the KV of ``tokens`` (ids, 1-D; the caller's knowledge)."""
         if len(tokens) > self.n_positions:
             raise ValueError(f"{len(tokens)} tokens do not fit {self.n_positions} cache slots")
         if self.prefix_cache:
-            self.cached[row] = list(tokens)
+            self.cached[row] = torch.as_tensor(tokens).tolist()
 
     def forget_from(self, starts: torch.Tensor, rows: list[int] | None = None) -> None:
         """A graph wrote ``rows`` (default all) from slot starts[i] on: their records stop there."""

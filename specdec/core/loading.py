@@ -56,6 +56,7 @@ class RuntimeSettings:
     saved_graphs: bool = False             # compiled, CPU: graphs compiled ahead of time into files (``saved_graphs``)
     prompt_weights: str | None = None      # "bf16": GGML blocks also dense in bf16 for prompts (``block_linear``)
     prefix_cache: bool = False             # a prompt's encoding keeps the KV its row already holds (``prefill``)
+    prefix_cache_mb: int = 1024            # prefix_cache: host memory for the prefixes rows give up (``prefix_store``)
 
 
 class LoadedDecoder(NamedTuple):
@@ -92,6 +93,10 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
                          f"{quantization!r} re-quantizes the head to int8: use None, 'gguf' or 'q4_0'")
     kv_cache_dtype = parse_kv_cache_dtype(requested.kv_cache_dtype)
     check_prompt_weights(requested.prompt_weights, quantization, backend, device)
+    mb = requested.prefix_cache_mb
+    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+        raise ValueError(f"prefix_cache_mb must be an int >= 0 (MiB of host memory for stored prefixes; 0: none), "
+                         f"got {mb!r}")
     if requested.prefix_cache and backend == "neuron":
         raise ValueError("prefix_cache=True encodes the rest of a prompt after a kept prefix in graphs the neuron "
                          "backend's program does not hold: use prefix_cache=False on neuron")

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from .prefix_store import PrefixStore
 from .sampling import RowGenerators
 
 
@@ -37,6 +38,7 @@ class Target(Protocol):
     device: torch.device
     prefix_cache: bool
     prompt_tokens_kept: int
+    prefix_store: PrefixStore | None
 
     def set_lengths(self, lengths: torch.Tensor) -> None: ...
 

@@ -5,6 +5,8 @@ Counters, gauges and histograms (names prefixed ``specdec_``):
     requests_total{outcome}        finished requests: stop, length, abort, error; rejected (queue full)
     prompt_tokens_total            prompt tokens of accepted requests
     prompt_tokens_cached_total     prompt tokens whose KV a row kept from an earlier request (``prefix_cache``)
+    prefix_store_bytes, prefix_store_entries, prefix_store_restored_total   the host store of prefixes rows gave
+                                   up (``prefix_cache_mb``): its bytes, its entries, those restored into a row
     generation_tokens_total        tokens streamed to clients
     queue_depth, rows_in_use, rows requests waiting, rows occupied, rows of the static batch
     time_to_first_token_seconds    arrival → first token (queueing included)
@@ -75,6 +77,14 @@ class _PromptCacheCollector:
     def collect(self):
         yield CounterMetricFamily("specdec_prompt_tokens_cached", "Prompt tokens whose KV a row kept from an "
                                   "earlier request (prefix_cache)", value=self.target.prompt_tokens_kept)
+        store = self.target.prefix_store
+        if store is not None:
+            s = store.stats()
+            yield GaugeMetricFamily("specdec_prefix_store_bytes", "Host memory of the stored prefixes' KV",
+                                    value=s["bytes"])
+            yield GaugeMetricFamily("specdec_prefix_store_entries", "Stored prefixes", value=s["entries"])
+            yield CounterMetricFamily("specdec_prefix_store_restored", "Stored prefixes restored into a row",
+                                      value=s["restored"])
 
 
 class _SpecCollector:

@@ -138,6 +138,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "(llama.cpp's cache_prompt, vLLM's prefix caching): a multi-turn conversation's next turn "
                         "costs its new tokens only; drafts keep theirs too (not with EAGLE / Medusa drafts, not on "
                         "--backend neuron)")
+    p.add_argument("--prefix-cache-mb", type=int, default=1024, metavar="MB",
+                   help="--prefix-cache: host memory keeping the KV of the prefixes rows give up, so a conversation "
+                        "whose row served another one in between keeps its prefix too (llama.cpp's --cache-ram; "
+                        "0: none; default 1024)")
 
 
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
