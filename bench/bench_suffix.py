@@ -91,11 +91,12 @@ class SuffixBenchOptions:
     ``draft_model`` of suffix+model (None: the shipped draft) scoring ``draft_vocab`` ids (None: all) with its own
     weight-only ``draft_quantization`` (None: the target's) and confidence stop ``draft_p_min`` (None: none), the
     suffix ``strategies``, the ``workloads``, the ``modes`` (offline, server), ``requests`` per workload (agent:
-    sessions of ``turns`` requests), ``max_new_tokens`` per request, the server's ``concurrency``, ``ks`` (each
+    sessions of ``turns`` requests), ``max_new_tokens`` per request, the server's ``concurrency`` and ``rows``
+    (its batch; None: ``concurrency``), ``ks`` (each
     strategy once per k, named ``<strategy>-k<k>`` when there are several; None: the strategy's own k), ``gate``
     (every speculative system with the cost gate: ``gate=True``, ``specdec.gate``),
     the runtime (``backend``, ``amp``, ``quantization``, ``n_positions``, ``context_buckets``, ``prompt_weights``,
-    ``prefix_cache``, ``threads``),
+    ``prefix_cache``, ``prefix_cache_mb``, ``threads``),
     the workloads' ``seed``, ``output`` (None: bench/results/suffix_<model>.json) and the suffix options
     (``SpeculationOptions``' suffix fields)."""
 
@@ -111,6 +112,7 @@ class SuffixBenchOptions:
     turns: int = 4
     max_new_tokens: int = 128
     concurrency: int = 4
+    rows: int | None = None
     ks: list[int] | None = None
     gate: bool = False
     backend: str = "eager"
@@ -120,6 +122,7 @@ class SuffixBenchOptions:
     context_buckets: list[int] | None = None
     prompt_weights: str | None = None
     prefix_cache: bool = False
+    prefix_cache_mb: int = 1024
     threads: int = field(default_factory=available_cores)
     seed: int = 0
     output: str | None = None
@@ -427,23 +430,27 @@ def speculation_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -
 
 def serve_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -> ServeOptions:
     """``specdec serve``'s options for ``strategy`` drafting ``k`` tokens a step (``speculation_options``), batch
-    ``--concurrency``."""
+    ``--rows`` (default ``--concurrency``)."""
     speculation = speculation_options(cfg, strategy, k)
     model = ModelOptions(model=cfg.model, backend=cfg.backend, amp=cfg.amp, n_positions=cfg.n_positions,
                          context_buckets=cfg.context_buckets, quantization=cfg.quantization,
-                         prompt_weights=cfg.prompt_weights, prefix_cache=cfg.prefix_cache)
-    return ServeOptions(model=model, speculation=speculation.checked(cfg.model), batch_size=cfg.concurrency,
+                         prompt_weights=cfg.prompt_weights, prefix_cache=cfg.prefix_cache,
+                         prefix_cache_mb=cfg.prefix_cache_mb)
+    return ServeOptions(model=model, speculation=speculation.checked(cfg.model), batch_size=cfg.rows or cfg.concurrency,
                         max_waiting=4 * cfg.concurrency)
 
 
-async def serve_workload(base: str, wl: Workload, tokenizer, cfg: SuffixBenchOptions) -> list[list[int]]:
+async def serve_workload(base: str, wl: Workload, tokenizer, cfg: SuffixBenchOptions) -> tuple[list[list[int]], int]:
     """``wl`` through the HTTP API, ``--concurrency`` at a time (requests: a closed loop of that many clients;
-    agent: that many sessions at once, each turn after the previous one) → the outputs."""
+    agent: that many sessions at once, each turn after the previous one) → (the outputs, their prompt tokens)."""
     import httpx
 
     gate = asyncio.Semaphore(cfg.concurrency)
+    prompt_tokens = 0
     async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=cfg.concurrency + 2)) as client:
         async def complete(ids: list[int]) -> list[int]:
+            nonlocal prompt_tokens
+            prompt_tokens += len(ids)
             body = {"prompt": ids, "max_tokens": cfg.max_new_tokens, "temperature": 0}
             r = await client.post(f"{base}/v1/completions", json=body)
             if r.status_code != 200:
@@ -463,7 +470,7 @@ async def serve_workload(base: str, wl: Workload, tokenizer, cfg: SuffixBenchOpt
             return outputs
 
         done = await asyncio.gather(*[request(p) for p in wl.prompts], *[session(t) for t in wl.sessions])
-    return [o for outs in done for o in outs]
+    return [o for outs in done for o in outs], prompt_tokens
 
 
 def run_server(cfg: SuffixBenchOptions, workloads: list[Workload]) -> dict:
@@ -495,10 +502,13 @@ def run_server(cfg: SuffixBenchOptions, workloads: list[Workload]) -> dict:
                     cache.clear()
                 before = {} if cache is None else cache.stats()
                 core.stats.reset()                   # (the engine thread is idle between workloads)
+                kept = core.target.prompt_tokens_kept
                 start = time.perf_counter()
-                outputs = asyncio.run(serve_workload(base, wl, core.target.tokenizer, cfg))
+                outputs, prompt_tokens = asyncio.run(serve_workload(base, wl, core.target.tokenizer, cfg))
                 seconds = time.perf_counter() - start
                 result.setdefault(wl.name, {})[system] = entry(core, outputs, seconds, before)
+                result[wl.name][system].update(prompt_tokens=prompt_tokens,
+                                               prompt_tokens_kept=core.target.prompt_tokens_kept - kept)
     return finish({name: {system: systems[system] for system in served} for name, systems in result.items()})
 
 
@@ -533,7 +543,10 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
                    help="requests per workload (agent: sessions, each of --turns requests)")
     p.add_argument("--turns", type=int, default=4, help="agent: turns per session")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per request (a request may end at EOS first)")
-    p.add_argument("--concurrency", type=int, default=4, help="server: concurrent streams = rows of the batch")
+    p.add_argument("--concurrency", type=int, default=4, help="server: concurrent streams")
+    p.add_argument("--rows", type=int, default=None,
+                   help="server: rows of the batch (default: --concurrency; fewer rows than agent sessions make "
+                        "sessions share rows, where the prefix store keeps their prefixes)")
     p.add_argument("--ks", type=int_list, default=None,
                    help="draft tokens per step, a comma list: each strategy runs once per k, named <strategy>-k<k> "
                         "when there are several (default: the strategy's own k)")
@@ -552,14 +565,19 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     p.add_argument("--prefix-cache", action="store_true",
                    help="every system keeps each row's KV for the next prompt starting with it (an agent's next "
                         "turn encodes its new tokens only; DecoderModel.from_pretrained(prefix_cache=True))")
+    p.add_argument("--prefix-cache-mb", type=int, default=1024, metavar="MB",
+                   help="--prefix-cache: host memory keeping the prefixes rows give up (0: none; offline, where the "
+                        "systems share one target, it starts empty for every request)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     p.add_argument("--seed", type=int, default=0, help="the workloads' generator seed")
     p.add_argument("--output", default=None,
                    help="also write the JSON here (default: bench/results/suffix_<model>.json)")
     add_suffix_arguments(p)
     args = p.parse_args(argv)
-    if min(args.requests, args.turns, args.max_new_tokens, args.concurrency) < 1:
-        p.error("--requests, --turns, --max-new-tokens and --concurrency must be >= 1")
+    if min(args.requests, args.turns, args.max_new_tokens, args.concurrency, args.rows or 1) < 1 or \
+            args.prefix_cache_mb < 0:
+        p.error("--requests, --turns, --max-new-tokens, --concurrency and --rows must be >= 1, --prefix-cache-mb "
+                ">= 0")
     if args.ks is not None:
         if not args.ks or min(args.ks) < 1:
             p.error("--ks must list draft lengths >= 1")
@@ -611,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
                                           context_buckets=cfg.context_buckets, amp=cfg.amp,
                                           backend=cfg.backend, quantization=cfg.quantization,
                                           prompt_weights=cfg.prompt_weights, prefix_cache=cfg.prefix_cache,
+                                          prefix_cache_mb=cfg.prefix_cache_mb,
                                           progress=False)
     workloads = [workload(w, target.tokenizer, cfg.requests, cfg.turns, cfg.seed) for w in cfg.workloads]
     longest = max(len(p) for wl in workloads for p in wl.prompts or [wl.sessions[0]([])])
