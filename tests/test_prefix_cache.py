@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from specdec import DecoderModel, Engine, SpeculativeGenerator
+from specdec.core.prefix_store import PrefixStore
 from specdec.medusa import MedusaHeads, load_tree
 from specdec.medusa.draft import MedusaDraft
-from specdec.core.prefix_store import PrefixStore
 from specdec.options import ModelOptions, options_from
 from specdec.registry import REGISTRY
 from specdec.serving import AsyncEngine
