@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from .prefix_store import shared_length
+
 
 class KVState:
     """Lengths and presence of ``batch_size`` rows of up to ``n_positions`` tokens over a ``vocab_size``
@@ -42,11 +44,7 @@ class KVState:
         """How many leading ids of ``prompt`` (1-D) row ``row``'s cache already holds the KV of (at most
         len(prompt) - 1: a prompt's last id is always fed, for the logits of the next token)."""
         cached = self.cached[row][:len(prompt) - 1]     # one copy (a server reads it while its engine steps)
-        prompt = torch.as_tensor(prompt[:len(cached)]).tolist()
-        n, i = len(cached), 0
-        while i < n and cached[i] == prompt[i]:
-            i += 1
-        return i
+        return shared_length(cached, torch.as_tensor(prompt[:len(cached)]).tolist())
 
     def keep(self, row: int, tokens: torch.Tensor | list[int]) -> None:
         """Row ``row``'s slots [0, len(tokens)) hold the KV of ``tokens`` (ids, 1-D; the caller's knowledge)."""
