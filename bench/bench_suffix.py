@@ -122,7 +122,7 @@ class SuffixBenchOptions:
     context_buckets: list[int] | None = None
     prompt_weights: str | None = None
     prefix_cache: bool = False
-    prefix_cache_mb: int = 1024
+    prefix_cache_mb: list[int] = field(default_factory=lambda: [1024])
     threads: int = field(default_factory=available_cores)
     seed: int = 0
     output: str | None = None
@@ -132,14 +132,19 @@ class SuffixBenchOptions:
     suffix_min_match: int | None = None
 
 
-def systems_of(cfg: SuffixBenchOptions) -> dict[str, tuple[str, int | None]]:
-    """The systems a run compares → {name: (registry strategy, k; None: the strategy's own)}: target-only first,
-    then each strategy once per k of ``cfg.ks`` (named ``<strategy>-k<k>`` when there are several)."""
+def systems_of(cfg: SuffixBenchOptions) -> dict[str, tuple[str, int | None, int]]:
+    """The systems a run compares → {name: (registry strategy, k (None: the strategy's own), prefix store MiB)}:
+    target-only first, then each strategy once per k of ``cfg.ks`` (named ``<strategy>-k<k>`` when there are
+    several), all of them once per prefix store size of ``cfg.prefix_cache_mb`` (named ``<system>-store<mb>``
+    past the first)."""
     ks = cfg.ks or [None]
-    out: dict[str, tuple[str, int | None]] = {TARGET: ("none", None)}
-    for strategy in cfg.strategies:
-        for k in ks:
-            out[strategy if len(ks) == 1 else f"{strategy}-k{k}"] = (strategy, k)
+    out: dict[str, tuple[str, int | None, int]] = {}
+    for i, mb in enumerate(cfg.prefix_cache_mb):
+        tail = f"-store{mb}" if i else ""
+        out[TARGET + tail] = ("none", None, mb)
+        for strategy in cfg.strategies:
+            for k in ks:
+                out[(strategy if len(ks) == 1 else f"{strategy}-k{k}") + tail] = (strategy, k, mb)
     return out
 
 
@@ -317,7 +322,7 @@ def run_offline(cfg: SuffixBenchOptions, workloads: list[Workload], target: Deco
     systems = systems_of(cfg)
 
     def generator(name: str) -> SpeculativeGenerator | None:
-        strategy, k = systems[name]
+        strategy, k, _ = systems[name]
         if name == TARGET:
             return None
         return SpeculativeGenerator(proposer(strategy), target, k or REGISTRY[strategy].default_k, gate=cfg.gate)
@@ -428,14 +433,14 @@ def speculation_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -
                               gate=cfg.gate and strategy != "none", **suffix)
 
 
-def serve_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -> ServeOptions:
+def serve_options(cfg: SuffixBenchOptions, strategy: str, k: int | None, prefix_cache_mb: int) -> ServeOptions:
     """``specdec serve``'s options for ``strategy`` drafting ``k`` tokens a step (``speculation_options``), batch
-    ``--rows`` (default ``--concurrency``)."""
+    ``--rows`` (default ``--concurrency``), a prefix store of ``prefix_cache_mb`` MiB with ``--prefix-cache``."""
     speculation = speculation_options(cfg, strategy, k)
     model = ModelOptions(model=cfg.model, backend=cfg.backend, amp=cfg.amp, n_positions=cfg.n_positions,
                          context_buckets=cfg.context_buckets, quantization=cfg.quantization,
                          prompt_weights=cfg.prompt_weights, prefix_cache=cfg.prefix_cache,
-                         prefix_cache_mb=cfg.prefix_cache_mb)
+                         prefix_cache_mb=prefix_cache_mb)
     return ServeOptions(model=model, speculation=speculation.checked(cfg.model), batch_size=cfg.rows or cfg.concurrency,
                         max_waiting=4 * cfg.concurrency)
 
@@ -484,9 +489,9 @@ def run_server(cfg: SuffixBenchOptions, workloads: list[Workload]) -> dict:
     result: dict[str, dict] = {}
     with ExitStack() as stack:
         served = {}
-        for system, (strategy, k) in systems_of(cfg).items():
+        for system, (strategy, k, mb) in systems_of(cfg).items():
             log(f"server: loading {system}")
-            options = serve_options(cfg, strategy, k)
+            options = serve_options(cfg, strategy, k, mb)
             engine = serving_engine(load_engine(options), options.max_waiting)
             served[system] = (engine.engine, stack.enter_context(running_server(create_app(engine, "bench"))))
             for wl in workloads:                     # warm-up: each workload's first request, a few tokens
@@ -565,9 +570,10 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     p.add_argument("--prefix-cache", action="store_true",
                    help="every system keeps each row's KV for the next prompt starting with it (an agent's next "
                         "turn encodes its new tokens only; DecoderModel.from_pretrained(prefix_cache=True))")
-    p.add_argument("--prefix-cache-mb", type=int, default=1024, metavar="MB",
-                   help="--prefix-cache: host memory keeping the prefixes rows give up (0: none; offline, where the "
-                        "systems share one target, it starts empty for every request)")
+    p.add_argument("--prefix-cache-mb", type=int_list, default=[1024], metavar="MB",
+                   help="--prefix-cache: host memory keeping the prefixes rows give up (0: none); a comma list runs "
+                        "every system once per size (server mode; named <system>-store<MB> past the first). Offline, "
+                        "where the systems share one target, it starts empty for every request")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     p.add_argument("--seed", type=int, default=0, help="the workloads' generator seed")
     p.add_argument("--output", default=None,
@@ -575,9 +581,12 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     add_suffix_arguments(p)
     args = p.parse_args(argv)
     if min(args.requests, args.turns, args.max_new_tokens, args.concurrency, args.rows or 1) < 1 or \
-            args.prefix_cache_mb < 0:
+            min(args.prefix_cache_mb) < 0:
         p.error("--requests, --turns, --max-new-tokens, --concurrency and --rows must be >= 1, --prefix-cache-mb "
                 ">= 0")
+    args.prefix_cache_mb = list(dict.fromkeys(args.prefix_cache_mb))
+    if len(args.prefix_cache_mb) > 1 and (args.modes != ["server"] or not args.prefix_cache):
+        p.error("several --prefix-cache-mb sizes compare servers: use them with --prefix-cache --modes server")
     if args.ks is not None:
         if not args.ks or min(args.ks) < 1:
             p.error("--ks must list draft lengths >= 1")
@@ -629,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                                           context_buckets=cfg.context_buckets, amp=cfg.amp,
                                           backend=cfg.backend, quantization=cfg.quantization,
                                           prompt_weights=cfg.prompt_weights, prefix_cache=cfg.prefix_cache,
-                                          prefix_cache_mb=cfg.prefix_cache_mb,
+                                          prefix_cache_mb=cfg.prefix_cache_mb[0],
                                           progress=False)
     workloads = [workload(w, target.tokenizer, cfg.requests, cfg.turns, cfg.seed) for w in cfg.workloads]
     longest = max(len(p) for wl in workloads for p in wl.prompts or [wl.sessions[0]([])])

@@ -316,3 +316,15 @@ def test_suffix_benchmark_interleaves_systems_request_by_request(monkeypatch):
     out = bench.interleaved(bench.Workload("s", sessions=[session]), Tok(), {"a": system("a", 1), "b": system("b", 2)})
     assert out == {"a": [[101], [202]], "b": [[102], [204]]}      # b's second prompt: 100 + its own 102
     assert [c[0] for c in calls] == ["a", "b", "b", "a"]
+
+
+def test_suffix_benchmark_runs_every_system_once_per_prefix_store_size(monkeypatch):
+    bench = bench_script("bench_suffix", monkeypatch)
+    cfg = bench.parse_args(["--strategies", "suffix", "--modes", "server", "--prefix-cache",
+                            "--prefix-cache-mb", "1024,0", "--rows", "2"])
+    assert bench.systems_of(cfg) == {"target": ("none", None, 1024), "suffix": ("suffix", None, 1024),
+                                     "target-store0": ("none", None, 0), "suffix-store0": ("suffix", None, 0)}
+    assert bench.serve_options(cfg, "none", None, 0).batch_size == 2
+    assert bench.serve_options(cfg, "none", None, 0).model.prefix_cache_mb == 0
+    with pytest.raises(SystemExit):         # offline systems share one target: one store size
+        bench.parse_args(["--modes", "offline", "--prefix-cache", "--prefix-cache-mb", "1024,0"])
