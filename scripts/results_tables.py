@@ -193,6 +193,7 @@ TABLES: dict[str, Table] = {
     "suffix_prefix_cache_qwen": Table(("suffix_prefix_cache_qwen",), suffix_table),
     "suffix_server_qwen": Table(("suffix_server_qwen",), suffix_table),
     "suffix_server_prefix_cache_qwen": Table(("suffix_server_prefix_cache_qwen",), suffix_table),
+    "suffix_server_prefix_store_qwen": Table(("suffix_server_prefix_store_qwen",), suffix_table),
     "suffix_gate_embedded": Table(("suffix_gate_embedded",), suffix_table),
     "runtime": Table(("runtime",), runtime.markdown_table),
     "decode_step": Table(("decode_step", "decode_step_autotune"), decode_step_table),
