@@ -6,6 +6,7 @@ and the strategies that need the whole prompt's hidden states refuse such a targ
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -203,8 +204,8 @@ def test_a_stored_prefix_goes_back_into_another_row_as_the_whole_prompt_would_en
 
 
 def test_the_prefix_store_stays_within_its_bound_least_recently_used_first():
-    def slots(n: int) -> list[torch.Tensor]:
-        return [torch.zeros(n, 4), torch.zeros(n, 4)]             # 32 bytes a token
+    def slots(n: int) -> Callable[[], list[torch.Tensor]]:
+        return lambda: [torch.zeros(n, 4), torch.zeros(n, 4)]     # 32 bytes a token
     store = PrefixStore(32 * 100)
     store.add(list(range(40)), slots(40))
     store.add(list(range(100, 140)), slots(40))
@@ -214,7 +215,7 @@ def test_the_prefix_store_stays_within_its_bound_least_recently_used_first():
     assert [e.tokens[0] for e in store.entries.values()] == [0, 200] and store.bytes == 32 * 80
     store.add(list(range(200, 250)), slots(50))                   # extends an entry: replaces it
     assert [e.tokens[0] for e in store.entries.values()] == [0, 200] and store.bytes == 32 * 90
-    store.add(list(range(200, 220)), slots(20))                   # held already (a prefix of an entry)
+    store.add(list(range(200, 220)), lambda: pytest.fail("read"))  # held already (a prefix of an entry): not read
     store.add(list(range(300, 410)), slots(110))                  # larger than the bound: not kept
     assert store.stats() == {"entries": 2, "bytes": 32 * 90, "max_bytes": 3200, "added": 3 + 1, "restored": 1,
                              "evicted": 1}

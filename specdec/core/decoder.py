@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +46,16 @@ from .sampling import (
     sampling_params,
 )
 from .target import StepOutput
+
+
+class Kept(NamedTuple):
+    """What a row's prompt encoding keeps (``DecoderModel._kept``): its first ``n`` tokens' KV, from the stored
+    prefix ``entry`` (None: the row's own slots); ``own``: how many leading tokens the row's record shares with
+    the prompt (what a store must save of the record is the rest)."""
+
+    n: int = 0
+    entry: StoredPrefix | None = None
+    own: int = 0
 
 
 class DecoderModel:
@@ -377,7 +388,7 @@ class DecoderModel:
                 out = self.graph(key)(*inputs)
         else:
             out = self.graphs.first_run(key, inputs, self.progress, self.graph)
-        self.kv.forget_from(torch.as_tensor(cache_lengths), None if seq_ids is None else seq_ids.tolist())
+        self.kv.forget_from(cache_lengths, seq_ids)
         tokens, probs, logits, hidden = out if key.return_probs else (out[0], None, *out[1:])
         hidden, aux = split_hidden(hidden, self.config.hidden_size)
         return StepOutput(tokens, logits, hidden, probs, aux)
@@ -402,12 +413,13 @@ class DecoderModel:
         for r in rows or ():
             if not 0 <= r < self.batch_size:
                 raise ValueError(f"row {r} is outside the batch [0, {self.batch_size})")
-        kept: list[tuple[int, StoredPrefix | None]] = [(0, None)] * len(prompts)
-        if self.prefix_cache and features is None:
-            kept = [self._kept(r, p) for r, p in zip(range(len(prompts)) if rows is None else rows, prompts)]
-        single = rows if rows is not None or not any(n for n, _ in kept) else list(range(len(prompts)))
+        kept = [Kept()] * len(prompts)
+        if self.prefix_cache:
+            kept = [self._kept(r, p, features is None)
+                    for r, p in zip(range(len(prompts)) if rows is None else rows, prompts)]
+        single = rows if rows is not None or not any(k.n for k in kept) else list(range(len(prompts)))
         if single is not None:
-            outs = [self._prefill_row(r, p, params, rng, None if features is None else features[i:i + 1], *kept[i])
+            outs = [self._prefill_row(r, p, params, rng, None if features is None else features[i:i + 1], kept[i])
                     for i, (r, p) in enumerate(zip(single, prompts))]
             if rows is None:
                 self.kv.lengths[len(prompts):] = 1
@@ -423,7 +435,7 @@ class DecoderModel:
             ids[i, : len(p)] = torch.as_tensor(p)      # a 1-D tensor or a list of ids
         b = self.batch_size
         for i in range(b):
-            self._store_record(i, prompts[i] if i < len(prompts) else [])
+            self._store_record(i, kept[i].own if i < len(prompts) else 0)
         key = self._key(bucket, 1, bucket, params)
         out = self._run(key, ids, torch.arange(bucket).expand(b, bucket), torch.zeros(b, dtype=torch.long),
                         causal_mask(bucket, lens), (lens - 1).unsqueeze(1), params, rng, _fit(features, bucket))
@@ -432,30 +444,27 @@ class DecoderModel:
             self.kv.keep(i, p)
         return out
 
-    def _kept(self, row: int, prompt: torch.Tensor) -> tuple[int, StoredPrefix | None]:
-        """How many leading tokens of ``prompt`` row ``row``'s prompt encoding keeps (``prefill``) and the stored
-        prefix they come from (None: the row's own slots): the longer of what the row holds and what the prefix
-        store holds, when encoding only the rest takes a smaller context bucket and fits a KV bucket; (0, None)
-        when neither does."""
+    def _kept(self, row: int, prompt: torch.Tensor, keep: bool = True) -> Kept:
+        """What row ``row``'s encoding of ``prompt`` keeps (``prefill``): the longer of what the row holds and what
+        the prefix store holds, when encoding only the rest takes a smaller context bucket and fits a KV bucket;
+        nothing when neither does or not ``keep``."""
         ids = torch.as_tensor(prompt).tolist()
         own = self.kv.shared_prefix(row, ids)
-        stored, entry = (0, None) if self.prefix_store is None else self.prefix_store.longest(ids)
-        for kept, source in ([(stored, entry)] if stored > own else []) + [(own, None)]:
-            rest = pick_bucket(self.context_buckets, len(ids) - kept, "prompt length")
-            if kept and kept + rest <= self.kv_buckets[-1] and \
+        stored, entry = (0, None) if self.prefix_store is None or not keep else self.prefix_store.longest(ids)
+        for n, source in ([(stored, entry)] if stored > own else []) + [(own if keep else 0, None)]:
+            rest = pick_bucket(self.context_buckets, len(ids) - n, "prompt length")
+            if n and n + rest <= self.kv_buckets[-1] and \
                     rest < pick_bucket(self.context_buckets, len(ids), "prompt length"):
-                return kept, source
-        return 0, None
+                return Kept(n, source, own)
+        return Kept(own=own)
 
-    def _store_record(self, row: int, prompt: torch.Tensor | list[int]) -> None:
-        """Before ``prompt``'s encoding overwrites row ``row``'s slots past what the two share: the row's record
-        and its slots into the prefix store, when that loses at least ``STORE_MIN_TOKENS`` of it."""
+    def _store_record(self, row: int, shared: int) -> None:
+        """Before a prompt sharing its first ``shared`` tokens with row ``row``'s record overwrites the slots past
+        them: the record and its slots into the prefix store, when that loses at least ``STORE_MIN_TOKENS`` of it."""
         record = self.kv.cached[row]
-        if self.prefix_store is None or \
-                len(record) - self.kv.shared_prefix(row, prompt) < STORE_MIN_TOKENS or self.prefix_store.covers(record):
-            return
-        n = len(record)
-        self.prefix_store.add(record, [buffer[row, :n].to("cpu", copy=True) for buffer in self._cache_buffers()])
+        if self.prefix_store is not None and len(record) - shared >= STORE_MIN_TOKENS:
+            n = len(record)
+            self.prefix_store.add(record, lambda: [b[row, :n].to("cpu", copy=True) for b in self._cache_buffers()])
 
     def _restore(self, row: int, entry: StoredPrefix, n: int) -> None:
         """Row ``row``'s slots [0, n) := the stored prefix ``entry``'s first n."""
@@ -469,13 +478,14 @@ class DecoderModel:
         return [b for m in self.lm.modules() if isinstance(m, Attention) for b in m.cache_buffers()]
 
     def _prefill_row(self, row: int, prompt: torch.Tensor, params: torch.Tensor, rng: RowGenerators | None,
-                     features: torch.Tensor | None, kept: int, entry: StoredPrefix | None) -> StepOutput:
+                     features: torch.Tensor | None, keeping: Kept) -> StepOutput:
         """Context encoding of one prompt into cache row ``row`` (a single-row graph): its tokens from
-        ``kept`` (``_kept``) on, written at slots kept.. and attending to the kept slots too (the row's own, or
-        first restored from the stored prefix ``entry``)."""
-        self._store_record(row, prompt)
-        if entry is not None:
-            self._restore(row, entry, kept)
+        kept = ``keeping.n`` (``_kept``) on, written at slots kept.. and attending to the kept slots too (the row's
+        own, or first restored from the stored prefix ``keeping.entry``)."""
+        self._store_record(row, keeping.own)
+        kept = keeping.n
+        if keeping.entry is not None:
+            self._restore(row, keeping.entry, kept)
         n = len(prompt) - kept
         bucket = pick_bucket(self.context_buckets, n, "prompt length")
         kv = bucket if kept == 0 else pick_bucket(self.kv_buckets, kept + bucket, "KV length")

@@ -44,7 +44,8 @@ class KVState:
         """How many leading ids of ``prompt`` (1-D) row ``row``'s cache already holds the KV of (at most
         len(prompt) - 1: a prompt's last id is always fed, for the logits of the next token)."""
         cached = self.cached[row][:len(prompt) - 1]     # one copy (a server reads it while its engine steps)
-        return shared_length(cached, torch.as_tensor(prompt[:len(cached)]).tolist())
+        head = prompt[:len(cached)]
+        return shared_length(cached, head if isinstance(head, list) else head.tolist())
 
     def keep(self, row: int, tokens: torch.Tensor | list[int]) -> None:
         """Row ``row``'s slots [0, len(tokens)) hold the KV of ``tokens`` (ids, 1-D; the caller's knowledge)."""
@@ -53,11 +54,12 @@ class KVState:
         if self.prefix_cache:
             self.cached[row] = torch.as_tensor(tokens).tolist()
 
-    def forget_from(self, starts: torch.Tensor, rows: list[int] | None = None) -> None:
-        """A graph wrote ``rows`` (default all) from slot starts[i] on: their records stop there."""
+    def forget_from(self, starts: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """A graph wrote ``rows`` (1-D; default all) from slot starts[i] on: their records stop there."""
         if not self.prefix_cache:
             return
-        for row, start in zip(range(len(self.cached)) if rows is None else rows, starts.tolist()):
+        rows = range(len(self.cached)) if rows is None else rows.tolist()
+        for row, start in zip(rows, starts.tolist()):
             del self.cached[row][max(start, 0):]
 
     def set_lengths(self, lengths: torch.Tensor) -> None:

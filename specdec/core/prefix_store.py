@@ -12,8 +12,9 @@ are evicted; this store does the same for whole prefixes:
   may go back into any row;
 - ``longest(prompt)``: the entry sharing the longest prefix with a prompt (at most len(prompt) - 1 ids: a
   prompt's last id is always fed);
-- ``add``: an entry whose ids are a prefix of another's holds nothing more and is not kept; the least recently
-  used entries go when the copies pass ``max_bytes`` (an entry larger than that is not kept).
+- ``add``: an entry whose ids are a prefix of another's holds nothing more and is not kept (nor copied: the
+  caller passes a function that reads the slots); the least recently used entries go when the copies pass
+  ``max_bytes`` (an entry larger than that is not kept).
 
 ``DecoderModel.prefill`` uses it (``prefix_cache_mb``): it saves a row's record before a prompt overwrites most
 of it, and restores an entry into the row when the entry shares more of the prompt than the row does.
@@ -21,6 +22,7 @@ of it, and restores an entry into the row when the entry shares more of the prom
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +33,11 @@ STORE_MIN_TOKENS = 16
 
 @dataclass
 class StoredPrefix:
-    """token ids and, per cache buffer, their slots [len(tokens), ...] (CPU copies)."""
+    """token ids and, per cache buffer, their slots [len(tokens), ...] (CPU copies); ``key`` in the store."""
 
     tokens: list[int]
     slots: list[torch.Tensor]
+    key: int
 
     @property
     def nbytes(self) -> int:
@@ -67,30 +70,28 @@ class PrefixStore:
         """(n, entry): the entry sharing the longest prefix with ``prompt``, n ids of it (at most len(prompt) - 1);
         (0, None) when none shares any."""
         best, found = 0, None
-        for key, entry in self.entries.items():
+        for entry in self.entries.values():
             n = shared_length(entry.tokens, prompt[:len(prompt) - 1])
             if n > best:
-                best, found = n, key
-        if found is None:
-            return 0, None
-        return best, self.entries[found]
+                best, found = n, entry
+        return best, found
 
     def hit(self, entry: StoredPrefix) -> None:
         """``entry`` went back into a row: it becomes the most recently used."""
-        for key, e in self.entries.items():
-            if e is entry:
-                self.entries.move_to_end(key)
-                self.counts["restored"] += 1
-                return
+        self.entries.move_to_end(entry.key)
+        self.counts["restored"] += 1
 
     def covers(self, tokens: list[int]) -> bool:
         """Whether an entry already holds ``tokens`` (as its ids or a prefix of them)."""
         return any(len(e.tokens) >= len(tokens) and e.tokens[:len(tokens)] == tokens for e in self.entries.values())
 
-    def add(self, tokens: list[int], slots: list[torch.Tensor]) -> None:
-        """Keep ``slots`` (per cache buffer, [len(tokens), ...] CPU copies) as the KV of ``tokens``."""
-        entry = StoredPrefix(list(tokens), slots)
-        if entry.nbytes > self.max_bytes or self.covers(entry.tokens):
+    def add(self, tokens: list[int], read: Callable[[], list[torch.Tensor]]) -> None:
+        """Keep ``read()`` (per cache buffer, [len(tokens), ...] CPU copies) as the KV of ``tokens``; ``read`` is
+        not called when an entry already holds them."""
+        if self.covers(tokens):
+            return
+        entry = StoredPrefix(list(tokens), read(), self._next)
+        if entry.nbytes > self.max_bytes:
             return
         for key in [k for k, e in self.entries.items() if entry.tokens[:len(e.tokens)] == e.tokens]:
             self._drop(key)                          # a prefix of the new entry: nothing the new one lacks
