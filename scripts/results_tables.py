@@ -123,6 +123,19 @@ def graph_calls_table(*results: dict) -> str:
     return "\n".join(rows)
 
 
+def verify_cost_table(result: dict) -> str:
+    """``bench_decode_step.py`` on one model without an A/B: each shape's graph call and its cost in decode steps."""
+    cfg, rows = result["config"], ["| model | tokens | median ms | ÷ decode (median of per-call ratios) |",
+                                   "|---|---:|---:|---:|"]
+    for r in result["results"]:
+        rows.append(f"| {cfg['model']} `{cfg['quantization']}` | {r['n']} | {r['median_ms']:.1f} | "
+                    f"{r.get('vs_n1_median', 1.0):.2f} |")
+    rows += ["", f"Batch 1, KV bucket {result['results'][0]['kv']}; {cfg['backend']} {cfg['amp']}, {cfg['threads']} "
+                 f"threads; medians of {cfg['repeats']} calls per shape ({cfg['warmup']} warm-up), the shapes called "
+                 "in turn."]
+    return "\n".join(rows)
+
+
 def quantization_ab_table(result: dict) -> str:
     """``bench_decode_step.py --ab-quantization Q``: each graph call of one model loaded two ways, called in turn."""
     cfg = result["config"]
@@ -187,6 +200,8 @@ TABLES: dict[str, Table] = {
     "pair_code_compiled": Table(("pair_code_compiled",), pair_table, sources=False),
     "pair_code_t07": Table(("pair_code_t07",), pair_table, sources=False),
     "pair_code_b4": Table(("pair_code_b4",), pair_table, sources=False),
+    "pair_code_epyc": Table(("pair_code_epyc",), pair_table, sources=False),
+    "verify_cost_qwen_epyc": Table(("decode_step_qwen_target_epyc",), verify_cost_table),
     "suffix_embedded": Table(("suffix_smollm2-135m-instruct",), suffix_table),
     "suffix_qwen": Table(("suffix_qwen2.5-coder-1.5b-instruct",), suffix_table),
     "suffix_gate_qwen": Table(("suffix_gate_qwen",), suffix_table),
