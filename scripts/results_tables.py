@@ -123,16 +123,22 @@ def graph_calls_table(*results: dict) -> str:
     return "\n".join(rows)
 
 
-def verify_cost_table(result: dict) -> str:
-    """``bench_decode_step.py`` on one model without an A/B: each shape's graph call and its cost in decode steps."""
-    cfg, rows = result["config"], ["| model | tokens | median ms | ÷ decode (median of per-call ratios) |",
-                                   "|---|---:|---:|---:|"]
-    for r in result["results"]:
-        rows.append(f"| {cfg['model']} `{cfg['quantization']}` | {r['n']} | {r['median_ms']:.1f} | "
-                    f"{r.get('vs_n1_median', 1.0):.2f} |")
-    rows += ["", f"Batch 1, KV bucket {result['results'][0]['kv']}; {cfg['backend']} {cfg['amp']}, {cfg['threads']} "
-                 f"threads; medians of {cfg['repeats']} calls per shape ({cfg['warmup']} warm-up), the shapes called "
-                 "in turn."]
+def verify_cost_table(*results: dict) -> str:
+    """``bench_decode_step.py`` on named models without an A/B, run one after the other: each shape's graph call,
+    its cost in the first model's decode steps, and in its own model's (the median of per-call ratios)."""
+    decode = results[0]["results"][0]["median_ms"]
+    rows = ["| model | tokens | median ms | ÷ first model's decode | ÷ own decode (per-call ratios) |",
+            "|---|---:|---:|---:|---:|"]
+    for result in results:
+        cfg = result["config"]
+        vocab = f" (ids < {cfg['output_vocab_size']:,})" if cfg.get("output_vocab_size") else ""
+        for r in result["results"]:
+            rows.append(f"| {cfg['model']} `{cfg['quantization']}`{vocab} | {r['n']} | {r['median_ms']:.1f} | "
+                        f"{r['median_ms'] / decode:.2f} | {r.get('vs_n1_median', 1.0):.2f} |")
+    cfg = results[0]["config"]
+    rows += ["", f"Batch 1, KV bucket {results[0]['results'][0]['kv']}; {cfg['backend']} {cfg['amp']}, "
+                 f"{cfg['threads']} threads; medians of {cfg['repeats']} calls per shape ({cfg['warmup']} warm-up), "
+                 "a model's shapes called in turn."]
     return "\n".join(rows)
 
 
@@ -201,7 +207,8 @@ TABLES: dict[str, Table] = {
     "pair_code_t07": Table(("pair_code_t07",), pair_table, sources=False),
     "pair_code_b4": Table(("pair_code_b4",), pair_table, sources=False),
     "pair_code_epyc": Table(("pair_code_epyc",), pair_table, sources=False),
-    "verify_cost_qwen_epyc": Table(("decode_step_qwen_target_epyc",), verify_cost_table),
+    "verify_cost_qwen_epyc": Table(("decode_step_qwen_target_epyc", "decode_step_qwen_draft_epyc"),
+                                   verify_cost_table),
     "suffix_embedded": Table(("suffix_smollm2-135m-instruct",), suffix_table),
     "suffix_qwen": Table(("suffix_qwen2.5-coder-1.5b-instruct",), suffix_table),
     "suffix_gate_qwen": Table(("suffix_gate_qwen",), suffix_table),
