@@ -8,7 +8,10 @@ draft Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF):
 
 - ``specdec-target``: ``DecoderModel.generate`` (the GGUF file's own Q4_K/Q6_K blocks on ``block_mm``);
 - ``specdec-<strategy>-k<k>``: ``SpeculativeGenerator`` with ``model`` (``DraftModel`` of the draft GGUF),
-  ``lookup`` (``PromptLookup``) or ``lookup+model`` (``LookupOrDraft``), for every k of ``--ks``;
+  ``lookup`` (``PromptLookup``) or ``lookup+model`` (``LookupOrDraft``), for every k of ``--ks``; with
+  ``--gate`` each of them also as ``...-gate``, with the cost gate (``gate=True``: a step speculates only while
+  speculative steps emit tokens faster than plain ones); its meter starts afresh when timing starts (the warm-up
+  runs do not teach it) and then learns over the prompts in turn, as a server's generator would;
 - ``llamacpp-target``: ``llama-completion`` on the target GGUF;
 - ``llamacpp-spec-k<k>``: ``llama-speculative`` with the draft GGUF, ``--spec-draft-n-max k`` (its greedy
   draft sampler gives every draft token p = 1, so each round drafts k tokens).
@@ -78,6 +81,7 @@ from specdec import DecoderModel, DraftModel, SpecStats, SpeculativeGenerator
 from specdec.core.chat import chat_ids
 from specdec.core.named_models import is_named_model, named_model_path
 from specdec.registry import REGISTRY, name_list
+from specdec.speculation.gate import GateMeter
 from specdec.tools.arguments import draft_p_min_value, int_list
 from specdec.tools.bench import emit_json
 from specdec.tools.bench.llamacpp import (
@@ -118,6 +122,7 @@ class Config:
     draft_quantization: str | None
     draft_p_min: float | None
     draft_variants: list[str] | None
+    gate: bool
     temperature: float
     batch_size: int
     backend: str
@@ -169,6 +174,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--draft-variants", type=lambda text: text.split(","), default=None, metavar="NAMES",
                    help="run only these drafts of the ones above, comma-separated by their system-name suffix "
                         "('base' for the plain draft; e.g. q4_0-p0.7,v65536-q4_0-p0.7); default: all")
+    p.add_argument("--gate", action="store_true",
+                   help="also run every speculative system with the cost gate (gate=True), named ...-gate")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; T > 0: sample at temperature T (specdec systems only: implies --no-llamacpp)")
     p.add_argument("--batch-size", type=int, default=1,
@@ -208,7 +215,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
                   max_new_tokens=a.max_new_tokens, threads=a.threads,
                   ks=list(dict.fromkeys(a.ks)), strategies=a.strategies, model=a.model, draft_model=a.draft_model,
                   draft_vocab=a.draft_vocab, draft_quantization=a.draft_quantization, draft_p_min=a.draft_p_min,
-                  draft_variants=a.draft_variants,
+                  draft_variants=a.draft_variants, gate=a.gate,
                   temperature=a.temperature, batch_size=a.batch_size,
                   backend=a.backend, amp=a.amp, quantization=None if a.quantization == "none" else a.quantization,
                   n_positions=a.n_positions, context_buckets=a.context_buckets, prompt_weights=a.prompt_weights,
@@ -241,6 +248,7 @@ class OurSystem:
     k: int | None
     generate: Callable[..., torch.Tensor]
     last_stats: Callable[[], SpecStats] | None = None
+    gate_meter: GateMeter | None = None       # the cost gate's measurements (``-gate`` systems)
 
 
 @dataclass
@@ -283,9 +291,11 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
             continue
         for k in cfg.ks:
             for suffix, draft in drafts.items() if REGISTRY[strategy].part == "model" else [("", None)]:
-                gen = SpeculativeGenerator(REGISTRY[strategy].build(target, part=draft), target, k)
-                name = f"specdec-{strategy}-k{k}{suffix}"
-                systems[name] = OurSystem(name, strategy, k, gen.generate, lambda gen=gen: gen.last_stats)
+                for gate in (False, True)[:1 + cfg.gate]:
+                    gen = SpeculativeGenerator(REGISTRY[strategy].build(target, part=draft), target, k, gate=gate)
+                    name = f"specdec-{strategy}-k{k}{suffix}{'-gate' if gate else ''}"
+                    systems[name] = OurSystem(name, strategy, k, gen.generate, lambda gen=gen: gen.last_stats,
+                                              gen.gate_meter)
     return systems
 
 
@@ -342,8 +352,10 @@ def sampling(cfg: Config, seed: int) -> dict:
 
 def run_ours(system: OurSystem, group: list[list[int]], n_new: int, decoding: dict) -> dict:
     """One timed generation of a group of prompts (one row each): the new tokens per row, wall seconds, e2e and
-    decode tok/s over every row, and (speculative) the stats."""
+    decode tok/s over every row, (speculative) the stats and (gated) the gate's speculative and plain steps."""
     clock = TokenClock()
+    meter = system.gate_meter
+    before = dict(meter.steps) if meter is not None else {}
     start = time.perf_counter()
     out = system.generate(group, max_new_tokens=n_new, eos_token_id=[], streamer=clock, **decoding)
     seconds = time.perf_counter() - start
@@ -359,6 +371,9 @@ def run_ours(system: OurSystem, group: list[list[int]], n_new: int, decoding: di
         st = system.last_stats()
         result |= {"steps": st.steps, "drafted": st.drafted, "accepted": st.accepted,
                    "tau": st.mean_acceptance_length, "acceptance": st.acceptance_rate}
+    if meter is not None:      # the gate's choices in this call: speculative and plain steps
+        result["gate_steps"] = {kind: meter.steps[speculated] - before[speculated]
+                                for kind, speculated in (("speculative", True), ("plain", False))}
     return result
 
 
@@ -410,6 +425,8 @@ def warm_up(ours: dict[str, OurSystem], llamas: dict[str, LlamaSystem], groups: 
         start = time.perf_counter()
         for i, group in enumerate(warm):
             system.generate(group, max_new_tokens=n_new, eos_token_id=[], **sampling(cfg, i))
+        if system.gate_meter is not None:
+            system.gate_meter.reset()       # the timed runs teach the gate from scratch
         log(f"warm-up {name}: {time.perf_counter() - start:.1f} s")
     for name, system in llamas.items():
         assert llama_files is not None

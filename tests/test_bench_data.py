@@ -282,7 +282,7 @@ def test_pair_benchmark_names_its_drafts_and_refuses_unknown_variants(monkeypatc
     assert specs["-q4_0"] == ({"quantization": "q4_0"}, None) and specs[""] == ({}, None)
     assert list(bench.draft_specs(None, None, None)) == [""] and bench.variant_name("") == "base"
     cfg = bench.parse_args(["--draft-p-min", "0.7", "--draft-variants", "base,p0.7"])
-    assert cfg.draft_variants == ["base", "p0.7"]
+    assert cfg.draft_variants == ["base", "p0.7"] and not cfg.gate and bench.parse_args(["--gate"]).gate
     with pytest.raises(SystemExit):
         bench.parse_args(["--draft-p-min", "0.7", "--draft-variants", "q4_0-p0.7"])
     assert "no draft named q4_0-p0.7 (these flags make base, p0.7)" in capsys.readouterr().err

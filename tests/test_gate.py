@@ -90,6 +90,9 @@ def test_policy_warms_up_both_kinds_then_prefers_the_faster_and_probes_the_other
         kind = capped.speculate()
         capped.record(kind, 1 if kind else 4, 1.0)
     assert capped.spacing == 4
+    meter.reset()                        # forgets everything: warms up again, speculative first
+    assert meter.steps == {True: 0, False: 0} and meter.rate(True) is None and meter.spacing == 4
+    assert meter.speculate() and meter.preferred() is None
 
 
 def test_cost_gate_validation(checkpoint):

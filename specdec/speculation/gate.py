@@ -68,11 +68,15 @@ class GateMeter:
 
     def __init__(self, gate: CostGate, clock: Callable[[], float] = time.perf_counter):
         self.gate, self.clock = gate, clock
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every measurement: the next steps warm up again (e.g. when the machine's load changes)."""
         self.steps = {True: 0, False: 0}
         self.tokens = {True: 0.0, False: 0.0}
         self.seconds = {True: 0.0, False: 0.0}
         self.run = 0                        # steps of the preferred kind since the last probe
-        self.spacing = gate.probe_every     # the current probe spacing
+        self.spacing = self.gate.probe_every    # the current probe spacing
 
     def rate(self, speculated: bool) -> float | None:
         """Tokens per second of the kind (None before its first step)."""
