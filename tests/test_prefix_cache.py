@@ -220,6 +220,10 @@ def test_the_prefix_store_stays_within_its_bound_least_recently_used_first():
     assert store.stats() == {"entries": 2, "bytes": 32 * 90, "max_bytes": 3200, "added": 3 + 1, "restored": 1,
                              "evicted": 1}
     assert store.longest([5, 6]) == (0, None)
+    _, found = store.longest(list(range(200, 260)))
+    store.add(list(range(200, 270)), slots(70))                   # replaces the entry longest found (and evicts)
+    store.hit(found)                                              # restored all the same (its copies live on)
+    assert [len(e.tokens) for e in store.entries.values()] == [70] and store.stats()["restored"] == 2
     with pytest.raises(ValueError, match="budget must be an int >= 0"):
         PrefixStore(-1)
 

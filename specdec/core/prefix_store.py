@@ -77,8 +77,10 @@ class PrefixStore:
         return best, found
 
     def hit(self, entry: StoredPrefix) -> None:
-        """``entry`` went back into a row: it becomes the most recently used."""
-        self.entries.move_to_end(entry.key)
+        """``entry`` went back into a row: it becomes the most recently used (if it is still held: the record
+        its row gave up may have evicted or replaced it since ``longest`` found it)."""
+        if entry.key in self.entries:
+            self.entries.move_to_end(entry.key)
         self.counts["restored"] += 1
 
     def covers(self, tokens: list[int]) -> bool:
