@@ -97,49 +97,45 @@ def fused_projections_table(plain: dict, tuned: dict) -> str:
     return "\n".join(rows)
 
 
+def graph_call_rows(results: tuple[dict, ...], columns: str, cells: Callable[[dict], str], note: str) -> str:
+    """A table of ``bench_decode_step.py`` results on named models, one row per graph call: the model, its tokens,
+    the median, its ratio to the first model's decode step, then ``columns`` (their markdown header cells) filled
+    by ``cells(result row)``; under it the shared conditions and ``note``."""
+    decode = results[0]["results"][0]["median_ms"]
+    rows = [f"| model | tokens | median ms | ÷ first model's decode | {columns} |",
+            "|---|---:|---:|---:|" + "---:|" * (columns.count("|") + 1)]
+    for result in results:
+        cfg = result["config"]
+        vocab = f" (ids < {cfg['output_vocab_size']:,})" if cfg.get("output_vocab_size") else ""
+        for r in result["results"]:
+            rows.append(f"| {cfg['model']} `{cfg['quantization']}`{vocab} | {r['n']} | {r['median_ms']:.1f} | "
+                        f"{r['median_ms'] / decode:.2f} | {cells(r)} |")
+    cfg = results[0]["config"]
+    rows += ["", f"Batch 1, KV bucket {results[0]['results'][0]['kv']}; {cfg['backend']} {cfg['amp']}, "
+                 f"{cfg['threads']} threads; medians of {cfg['repeats']} calls per shape ({cfg['warmup']} warm-up), "
+                 f"{note}"]
+    return "\n".join(rows)
+
+
 def graph_calls_table(*results: dict) -> str:
     """``bench_decode_step.py --ab-unfused-layers`` or ``--ab-layer-loop`` on named models: each graph call with
     the layers as ``block_layer``'s kernel calls (all in one ``block_layers`` call), its ratio to the first model's
     decode step, and the other variant in turn — the layers' own forward (unfused / fused > 1: the kernel calls are
     faster) or one ``block_layer`` call a layer (loop / one call > 1: the one call is faster)."""
-    decode = results[0]["results"][0]["median_ms"]
     key, column, ratio = (("unfused", "unfused layers ms", "unfused / fused")
                           if results[0]["config"].get("ab_unfused_layers") else
                           ("loop", "a call a layer ms", "loop / one call"))
-    rows = [f"| model | tokens | median ms | ÷ first model's decode | {column} | {ratio} |",
-            "|---|---:|---:|---:|---:|---:|"]
-    for result in results:
-        cfg = result["config"]
-        vocab = f" (ids < {cfg['output_vocab_size']:,})" if cfg.get("output_vocab_size") else ""
-        for r in result["results"]:
-            rows.append(f"| {cfg['model']} `{cfg['quantization']}`{vocab} | {r['n']} | {r['median_ms']:.1f} | "
-                        f"{r['median_ms'] / decode:.2f} | {r[f'{key}_median_ms']:.1f} | "
-                        f"{r[f'{key}_over_fused_median']:.3f} |")
-    cfg = results[0]["config"]
-    rows += ["", f"Batch 1, KV bucket {results[0]['results'][0]['kv']}; {cfg['backend']} {cfg['amp']}, "
-                 f"{cfg['threads']} threads; medians of {cfg['repeats']} calls per shape "
-                 f"({cfg['warmup']} warm-up), a model's shapes and both variants called in turn (alternating which "
-                 f"goes first); {ratio} is the median of the per-pair ratios."]
-    return "\n".join(rows)
+    return graph_call_rows(results, f"{column} | {ratio}",
+                           lambda r: f"{r[f'{key}_median_ms']:.1f} | {r[f'{key}_over_fused_median']:.3f}",
+                           "a model's shapes and both variants called in turn (alternating which goes first); "
+                           f"{ratio} is the median of the per-pair ratios.")
 
 
 def verify_cost_table(*results: dict) -> str:
     """``bench_decode_step.py`` on named models without an A/B, run one after the other: each shape's graph call,
     its cost in the first model's decode steps, and in its own model's (the median of per-call ratios)."""
-    decode = results[0]["results"][0]["median_ms"]
-    rows = ["| model | tokens | median ms | ÷ first model's decode | ÷ own decode (per-call ratios) |",
-            "|---|---:|---:|---:|---:|"]
-    for result in results:
-        cfg = result["config"]
-        vocab = f" (ids < {cfg['output_vocab_size']:,})" if cfg.get("output_vocab_size") else ""
-        for r in result["results"]:
-            rows.append(f"| {cfg['model']} `{cfg['quantization']}`{vocab} | {r['n']} | {r['median_ms']:.1f} | "
-                        f"{r['median_ms'] / decode:.2f} | {r.get('vs_n1_median', 1.0):.2f} |")
-    cfg = results[0]["config"]
-    rows += ["", f"Batch 1, KV bucket {results[0]['results'][0]['kv']}; {cfg['backend']} {cfg['amp']}, "
-                 f"{cfg['threads']} threads; medians of {cfg['repeats']} calls per shape ({cfg['warmup']} warm-up), "
-                 "a model's shapes called in turn."]
-    return "\n".join(rows)
+    return graph_call_rows(results, "÷ own decode (per-call ratios)", lambda r: f"{r.get('vs_n1_median', 1.0):.2f}",
+                           "a model's shapes called in turn.")
 
 
 def quantization_ab_table(result: dict) -> str:
