@@ -450,8 +450,10 @@ class DecoderModel:
         nothing when neither does or not ``keep``."""
         ids = torch.as_tensor(prompt).tolist()
         own = self.kv.shared_prefix(row, ids)
-        stored, entry = (0, None) if self.prefix_store is None or not keep else self.prefix_store.longest(ids)
-        for n, source in ([(stored, entry)] if stored > own else []) + [(own if keep else 0, None)]:
+        if not keep:
+            return Kept(own=own)
+        stored, entry = (0, None) if self.prefix_store is None else self.prefix_store.longest(ids)
+        for n, source in ([(stored, entry)] if stored > own else []) + [(own, None)]:
             rest = pick_bucket(self.context_buckets, len(ids) - n, "prompt length")
             if n and n + rest <= self.kv_buckets[-1] and \
                     rest < pick_bucket(self.context_buckets, len(ids), "prompt length"):
