@@ -349,8 +349,8 @@ def precompile(target: DecoderModel, gen: SpeculativeGenerator | None, prompt_le
     the list is empty.
     ``single_row``: also the context graphs of requests joining a running batch (serving).
     ``penalty``: the target's graphs apply a repetition penalty (drafts never do). Adaptive k and "padded"
-    proposers verify 2 .. k + 1 tokens; a ``MatchOrDraft``'s (``LookupOrDraft``, ``SuffixOrDraft``) draft
-    model re-reads up to k + 1 tokens after steps its source drafted."""
+    proposers verify 2 .. k + 1 tokens; a draft model re-reads up to k + 1 tokens after steps that skipped it
+    (a ``MatchOrDraft``'s source drafted, or the gate's plain steps) and encodes prompts one row at a time."""
     from .eagle.proposer import EagleDraft
     from .eagle.tree import EagleTreeDraft
     from .fused import FusedSpeculator
@@ -363,13 +363,15 @@ def precompile(target: DecoderModel, gen: SpeculativeGenerator | None, prompt_le
     max_length = min(target.n_positions, prompt_length + max_new_tokens + width - 1)
     sampled = target.settings.sampling.do_sample
 
-    def keys(model, spec: tuple[int, ...], step_probs: bool):
+    def keys(model, spec: tuple[int, ...], step_probs: bool, rows: bool = single_row):
         # graph_keys marks multi-token steps as returning probabilities; speculation asks for them only
         # when sampling (verify; a draft model's steps too)
-        out = model.graph_keys(spec_tokens=spec, prompt_length=prompt_length, max_length=max_length,
-                               single_row=single_row)
+        out = model.graph_keys(spec_tokens=spec, prompt_length=prompt_length, max_length=max_length, single_row=rows)
         return [replace(k, return_probs=sampled) if k.n_logits == k.n_tokens and (k.n_tokens > 1 or step_probs)
                 else k for k in out]
+
+    def row_context(graph_keys):    # a draft model encodes each row's prompt alone (DraftModel.flush)
+        return [k for k in graph_keys if k.single_row or k.n_logits == k.n_tokens]
 
     fused = gen is not None and isinstance(gen.speculator, FusedSpeculator)
     verify = (width,) if gen is not None and not fused else ()
@@ -378,20 +380,21 @@ def precompile(target: DecoderModel, gen: SpeculativeGenerator | None, prompt_le
     tree = proposer is not None and proposer.depth is not None     # verify compacts up to depth accepted slots
     todo = [(target, [replace(k, penalty=penalty) for k in keys(target, verify, False)],
              (proposer.depth,) if tree else ())]
-    combined = isinstance(proposer, MatchOrDraft)
+    # a draft model skipped by its source (MatchOrDraft) or by the gate's plain steps catches up k + 1 tokens a step
+    resyncs = isinstance(proposer, MatchOrDraft) or (gen is not None and gen.speculator.gate is not None)
     if proposer is not None and proposer.draft is not None:    # a combination: its model proposer's graphs
         proposer = proposer.draft
     draft = None if proposer is None else proposer.model
     if isinstance(proposer, EagleTreeDraft):   # greedy re-read and tree expansion steps
         todo.append((draft, proposer.draft_graph_keys(prompt_length, max_length, single_row), ()))
     elif fused:   # the draft's context graphs; its steps run inside the fused graphs, built below
-        todo.append((draft, [k for k in draft.graph_keys(prompt_length=prompt_length, single_row=single_row)
+        todo.append((draft, [k for k in row_context(draft.graph_keys(prompt_length=prompt_length, single_row=True))
                              if k.n_tokens > 1], ()))
     elif isinstance(proposer, EagleDraft):   # its own graph_keys: the k + 1 position re-read step
         todo.append((draft, draft.graph_keys(spec_tokens=(gen.k,), prompt_length=prompt_length,
                                              max_length=max_length, single_row=single_row), ()))
     elif isinstance(draft, DecoderModel):  # a draft model re-reads the last two tokens, then drafts one at a time
-        todo.append((draft, keys(draft, tuple(range(2, gen.k + 2)) if combined else (2,), True), ()))
+        todo.append((draft, row_context(keys(draft, tuple(range(2, gen.k + 2)) if resyncs else (2,), True, True)), ()))
     deferred = []
     for model, graph_keys, compaction_slots in todo:
         graph_keys = list(dict.fromkeys(graph_keys))

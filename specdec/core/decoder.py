@@ -68,6 +68,7 @@ class DecoderModel:
         # graphs that compile nothing per prompt bucket (layers as row-invariant block kernels, eager or regional)
         # get fine default context buckets (a prompt over 32 tokens pads by under half its length), at no compile cost
         fine = settings.backend in ("eager", "regional") and runs_block_layers(lm)
+        self._shapes_free = settings.backend == "eager" or fine
         self.context_buckets = check_buckets("context_buckets", settings.context_buckets, settings.n_positions, fine)
         self.kv_buckets = check_buckets("kv_buckets", settings.kv_buckets, settings.n_positions)
         self.device = torch.device(settings.device)
@@ -282,6 +283,12 @@ class DecoderModel:
         self.kv.reset()
 
     @property
+    def shapes_free(self) -> bool:
+        """Whether a graph of a shape not built before costs no compilation (``eager``, or ``regional`` over
+        block-kernel layers), so a caller may choose a call's width freely."""
+        return self._shapes_free
+
+    @property
     def prefix_cache(self) -> bool:
         """Whether a prompt's encoding keeps the KV its row already holds (``prefill``)."""
         return self.settings.prefix_cache
@@ -421,6 +428,7 @@ class DecoderModel:
         if single is not None:
             outs = [self._prefill_row(r, p, params, rng, None if features is None else features[i:i + 1], kept[i])
                     for i, (r, p) in enumerate(zip(single, prompts))]
+            self.prompt_tokens_kept += sum(k.n for k in kept)
             if rows is None:
                 self.kv.lengths[len(prompts):] = 1
             width = max(o.hidden.shape[1] for o in outs)
@@ -500,8 +508,20 @@ class DecoderModel:
                         _fit(features, bucket), torch.tensor([row]))
         self.kv.lengths[row] = len(prompt)
         self.kv.keep(row, prompt)
-        self.prompt_tokens_kept += kept
         return out
+
+    def extend(self, row: int, tokens: torch.Tensor, start: int, params: torch.Tensor,
+               rng: RowGenerators | None = None) -> StepOutput:
+        """Row ``row``'s slots [0, ``start``) hold the KV of tokens[:start] (the caller's word): encode
+        tokens[start:] (1-D ids) at slots start.. in one single-row context graph attending to them → the
+        token after ``tokens`` [1, 1]; the row's length becomes len(tokens). A cache that fell behind its
+        sequence catches up in one call instead of token steps. ValueError when the rest exceeds the largest
+        context bucket or start + its bucket the largest KV bucket."""
+        if not 0 <= start < len(tokens):
+            raise ValueError(f"start={start} must be in [0, {len(tokens)}): the slots already held")
+        bucket = pick_bucket(self.context_buckets, len(tokens) - start, "tokens to encode")
+        pick_bucket(self.kv_buckets, start + bucket, "KV length")
+        return self._prefill_row(row, tokens, params, rng, None, Kept(start, None, start))
 
     def _uniform(self, rng: RowGenerators | torch.Generator | None, b: int, n_logits: int,
                  seq_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,9 +14,20 @@ step, n + the length of the prefix of its drafts x_1 .. x_{k-1}, ingested at slo
 equals the emitted tokens); W = max(2, the largest n - synced) then re-reads every stale slot of every
 row (rows shorter than W start at slot 0; the slots past their length are overwritten later).
 
-A ``MatchOrDraft`` skips ``propose`` on greedy steps where every row takes its source's tokens ("resyncs"): the
-stale span then grows past k + 1, and ``propose`` first catches up in steps of k + 1 tokens (S[synced ..
-synced + k] at slots synced .., the width a re-read after a source step already has) until it fits one.
+Deferred encoding ("deferred"): ``start`` only records a row's prompt; ``flush`` encodes it (one single-row
+context graph: the prompt encoding's prefix cache applies) — the speculation step calls it before its first step
+that speculates (outside the cost gate's timing: a once-a-request cost), a fused step at once (its graph runs the
+draft's steps itself), and ``propose`` itself first. So a request's first token waits for the target's prompt
+encoding only, and a request whose steps never speculate (the gate's plain steps: ``specdec.speculation.gate``)
+never runs the draft.
+
+A ``MatchOrDraft`` skips ``propose`` on greedy steps where every row takes its source's tokens ("resyncs"), and
+the gate's plain steps skip it too: the stale span then grows past k + 1, and ``propose`` first catches up: a
+span of at least the smallest context bucket in one single-row context graph (``DecoderModel.extend``, where the
+backend compiles nothing per shape: ``shapes_free``), the rest in steps of k + 1 tokens (S[synced .. synced + k]
+at slots synced .., the width a re-read after a source step already has) until it fits one. The tokens these
+encodings sample are discarded, so their noise comes from no row's stream (``discard``): a row's random stream
+does not depend on when its draft catches up.
 
 Confidence stop (``p_min``, llama.cpp's ``--draft-p-min``, Hugging Face's ``assistant_confidence_threshold``):
 a greedy row stops drafting after the first token x_i its draft gives a probability below p_min (softmax of
@@ -36,9 +47,10 @@ from pathlib import Path
 
 import torch
 
+from ..core.buckets import pick_bucket
 from ..core.decoder import DecoderModel
 from ..core.paths import gguf_source
-from ..core.sampling import any_sampled, greedy_rows
+from ..core.sampling import RowGenerators, any_sampled, greedy_rows
 from ..fused.step import FusedKey
 from ..speculation.proposer import BaseProposer, Proposal
 from .fused import DraftLoop
@@ -51,7 +63,7 @@ class DraftModel(BaseProposer):
     ``p_min`` (0 < p_min < 1, None: off): the confidence stop (module docstring). A draft with
     it declares "padded" instead of "fused_drafter" (a fused graph always drafts k)."""
 
-    abilities = frozenset({"check_target", "fused_drafter", "model", "resyncs", "finished"})
+    abilities = frozenset({"check_target", "fused_drafter", "model", "resyncs", "finished", "deferred"})
 
     def __init__(self, model: DecoderModel, p_min: float | None = None):
         if getattr(model.lm, "feature_size", None):
@@ -66,6 +78,9 @@ class DraftModel(BaseProposer):
         self.vocab_size, self.batch_size = model.vocab_size, model.batch_size
         self.seq = torch.zeros(model.batch_size, model.n_positions, dtype=torch.long)   # S per row (host)
         self.synced = torch.zeros(model.batch_size, dtype=torch.long)   # leading cache slots holding S
+        self.pending = torch.zeros(model.batch_size, dtype=torch.long)  # prompt tokens to encode (0: none)
+        self.live = torch.zeros(model.batch_size, dtype=torch.bool)     # rows started and not finished
+        self.discard = RowGenerators(model.batch_size, model.device)    # no streams: zero noise
         self.drafts: torch.Tensor | None = None    # the last proposal, until ``accepted`` reads it
 
     @classmethod
@@ -104,14 +119,23 @@ class DraftModel(BaseProposer):
         # a draft proposes without the repetition penalty (the acceptance rule still makes the output the
         # target's penalised distribution), also when its model ran as a target before and tracked presence
         self.model.presence = None
-        self.model.prefill(prompts, params, rng, rows=rows)
+        for p in prompts:       # (encoded later: refuse now what the draft's buckets cannot hold)
+            pick_bucket(self.model.context_buckets, len(p), "the draft's prompt length")
         first = target_out.tokens[:, -1].cpu()
         if rows is None:
             self.synced.zero_()
+            self.pending.zero_()
+            self.live.zero_()
         for i, (r, p) in enumerate(zip(range(len(prompts)) if rows is None else rows, prompts)):
-            self.seq[r, :len(p)] = p
+            self.seq[r, :len(p)] = torch.as_tensor(p)
             self.seq[r, len(p)] = first[i]
-            self.synced[r] = len(p)
+            self.synced[r], self.pending[r], self.live[r] = 0, len(p), True
+
+    def flush(self, params) -> None:
+        """Encode the prompts ``start`` deferred (the module docstring), each in a single-row context graph."""
+        for r in self.pending.nonzero().flatten().tolist():
+            self.model.prefill([self.seq[r, :int(self.pending[r])]], params, self.discard, rows=[r])
+            self.synced[r], self.pending[r] = int(self.pending[r]), 0
 
     def max_draft_tokens(self, length: int) -> int:
         return self.model.n_positions - length + 1
@@ -120,7 +144,7 @@ class DraftModel(BaseProposer):
         m = self.model
         sampled = any_sampled(params)
         n = lengths.cpu()
-        self.catch_up(n, k + 1, params, rng)
+        self.catch_up(n, k + 1, params)
         width = max(2, int((n - self.synced).max()))           # re-read every row's stale slots
         start = (n - width).clamp(min=0)
         pos = (start.unsqueeze(1) + torch.arange(width)).clamp(max=m.n_positions - 1)
@@ -165,17 +189,32 @@ class DraftModel(BaseProposer):
             top = torch.where(greedy_rows(params).to(top.device), top, probs.amax(-1).to(top.device))
         return torch.where((num == k) & (top.cpu() < self.p_min), i, num)
 
-    def catch_up(self, n: torch.Tensor, most: int, params, rng) -> None:
-        """Ingest S[synced ..] in steps of ``most`` tokens while a row of length n [B] has more than ``most``
-        stale slots (steps whose ``propose`` was skipped); a row re-reads from at most n_positions - most,
-        and what a step writes past a row's S is overwritten before it is read (the draft steps after S[-1])."""
+    def catch_up(self, n: torch.Tensor, most: int, params) -> None:
+        """Bring every row of length n [B] to at most ``most`` stale slots (steps whose ``propose`` was skipped):
+        encode the deferred prompts (``flush``), a live row's stale span of at least the smallest context bucket
+        in one context graph (``shapes_free`` backends), then ingest S[synced ..] in steps of ``most`` tokens; a row
+        re-reads from at most n_positions - most, and what a step writes past a row's S is overwritten before it
+        is read (the draft steps after S[-1])."""
         m = self.model
+        self.flush(params)
+        span = n - 1 - self.synced          # S[synced : n - 1]: what a wide encoding takes
+        wide = (span >= most) & (span >= m.context_buckets[0]) & self.live & m.shapes_free
+        for r in wide.nonzero().flatten().tolist():
+            if self._fits(int(self.synced[r]), int(span[r])):
+                m.extend(r, self.seq[r, :int(n[r]) - 1], int(self.synced[r]), params, self.discard)
+                self.synced[r] = n[r] - 1
         while int((n - self.synced).max()) > most:
             start = self.synced.clamp(max=m.n_positions - most)
             m.set_lengths(start)
-            m.step(self.seq.gather(1, start.unsqueeze(1) + torch.arange(most)), params, rng, advance=False,
+            m.step(self.seq.gather(1, start.unsqueeze(1) + torch.arange(most)), params, self.discard, advance=False,
                    return_probs=any_sampled(params))
             self.synced = torch.minimum(start + most, n)
+
+    def _fits(self, start: int, span: int) -> bool:
+        """Whether ``span`` tokens at slots ``start``.. fit one context graph (``DecoderModel.extend``)."""
+        m = self.model
+        return span <= m.context_buckets[-1] and \
+            start + pick_bucket(m.context_buckets, span, "span") <= m.kv_buckets[-1]
 
     def accepted(self, lengths, verified) -> None:
         """Record the emitted tokens in ``seq`` and which cache slots hold S (see the module docstring)."""
@@ -195,6 +234,7 @@ class DraftModel(BaseProposer):
     def finished(self, rows, lengths=None) -> None:
         """A request ended: its row's draft cache holds the KV of S[:synced] (kept for the row's next prompt when
         the draft caches prefixes: ``DecoderModel.keep_prefix``)."""
+        self.pending[list(rows)], self.live[list(rows)] = 0, False
         if self.model.prefix_cache:
             for r in rows:
                 self.model.keep_prefix(r, self.seq[r, :int(self.synced[r])].tolist())

@@ -68,6 +68,7 @@ class FusedSpeculator(Speculator):
     def start(self, rows, prompts, params, rng, target_out) -> None:
         self._chain = None
         super().start(rows, prompts, params, rng, target_out)
+        self.proposer.flush(params)     # the fused graph's draft loop reads the draft's cache of S[:-2]
 
     def key(self, k: int, longest: int, params: torch.Tensor) -> FusedKey:
         """The graph for k drafts when the longest active row has ``longest`` tokens."""

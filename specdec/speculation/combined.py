@@ -61,7 +61,7 @@ class MatchOrDraft(BaseProposer):
     ``from_source`` [B] bool: which rows the last proposal took from the source. Subclasses name the source
     (``LookupOrDraft.lookup``, ``SuffixOrDraft.suffix``) and check ``min_match`` against it."""
 
-    abilities = frozenset({"check_target", "draft", "finished", "padded"})
+    abilities = frozenset({"check_target", "draft", "finished", "padded", "deferred"})
 
     def __init__(self, source: MatchSource, draft: Proposer, min_match: int):
         draft = declared(draft)
@@ -84,6 +84,10 @@ class MatchOrDraft(BaseProposer):
     def start(self, rows, prompts, params, rng, target_out) -> None:
         self.source.start(rows, prompts, params, rng, target_out)
         self.draft.start(rows, prompts, params, rng, target_out)
+
+    def flush(self, params) -> None:
+        """What the model proposer's ``start`` deferred (a draft model's prompt encoding), done now."""
+        self.draft.flush(params)
 
     def max_draft_tokens(self, length: int) -> int:
         return min(self.source.max_draft_tokens(length), self.draft.max_draft_tokens(length))

@@ -28,10 +28,10 @@ wrapped as ``PlainProposer`` (no optional abilities); one that carries an abilit
 declaring it is refused by name, so nothing it has is silently ignored.
 Invariants (``tests/test_registry.py`` checks them for every proposer class): "depth" declared ⇔
 ``depth`` is an int, and likewise ``verifier`` / ``verify_size`` / ``model`` / ``draft`` / ``fused_drafter`` /
-``cache`` not None; a method ability (``check_target``, ``reread_width``, ``finished``) is declared ⇔ the
-class overrides ``BaseProposer``'s default; "pending" is declared only with "depth" (a dynamic tree proposer),
-"padded" only without it (chains), "fused_drafter" only with "model" (the fused graph sizes the draft's cache
-from it).
+``cache`` not None; a method ability (``check_target``, ``reread_width``, ``finished``; "deferred":
+``flush``) is declared ⇔ the class overrides ``BaseProposer``'s default; "pending" is declared only with
+"depth" (a dynamic tree proposer), "padded" only without it (chains), "fused_drafter" only with "model" (the
+fused graph sizes the draft's cache from it).
 """
 from __future__ import annotations
 
@@ -133,6 +133,9 @@ ABILITIES = {
     "resyncs": "a chain proposer whose propose() may be skipped on steps where another proposer's tokens are "
                "verified (MatchOrDraft, when every row takes its source): accepted() records them, and the "
                "next propose() first re-reads what its cache missed",
+    "deferred": "flush(params): its start puts work off (a draft model's prompt encoding, so a request that never "
+                "speculates never runs it); flush does it now: the speculation step before a step that speculates "
+                "(outside the gate's timing), a fused step at start",
     "padded": "its chains end in padding where a row has fewer than k drafts (Proposal.num_drafts says how "
               "many are real): a greedy step verifies only the longest active row's real drafts, and is a "
               "plain decode step when no row has any, so its verify graphs are 2 .. k + 1 tokens wide",
@@ -173,6 +176,9 @@ class BaseProposer:
     def reread_width(self, k: int) -> int:
         """No re-read (a proposer declaring "reread_width" says how many positions its first step re-reads)."""
         return 0
+
+    def flush(self, params: torch.Tensor) -> None:
+        """Nothing deferred (a proposer declaring "deferred" does now what its ``start`` put off)."""
 
     def finished(self, rows: Sequence[int], lengths: Sequence[int] | None = None) -> None:
         """Nothing to learn (a proposer declaring "finished" is told that the requests in ``rows`` ended;

@@ -21,7 +21,9 @@ A "padded" proposer's rows say how many of their k drafts are real (``Proposal.n
 verifies only the longest active row's (``narrowed``); a greedy step where no row has any is a plain decode
 step.
 With a ``GateMeter`` (``specdec.speculation.gate``) a step is plain (k = 0) whenever plain steps have been
-emitting tokens faster than speculative ones.
+emitting tokens faster than speculative ones. What a proposer's ``start`` deferred ("deferred": a draft model's
+prompt encoding) runs before the first step that speculates, outside the step's time the gate measures: a cost
+paid once a request is not a speculative step's rate.
 The loop never asks which strategy it runs.
 """
 from __future__ import annotations
@@ -82,11 +84,14 @@ class Speculator:
     def step(self, tail: torch.Tensor, lengths: torch.Tensor, active: torch.Tensor, params: torch.Tensor,
              rng: RowGenerators, stats: SpecStats) -> StepResult:
         """One step for every row (see the module docstring); the target's lengths are len(S) - 1."""
-        started = self.gate.clock() if self.gate is not None else 0.0
         longest = int(lengths[active].max())
         k = max(0, min(self.k, self.target.n_positions - longest, self.proposer.max_draft_tokens(longest)))
         if self.gate is not None and not self.gate.speculate():
             k = 0
+        if k > 0:   # what start deferred (a draft model's prompt encoding): once a request, outside the gate's rates
+            with stats.timer("draft"):
+                self.proposer.flush(params)
+        started = self.gate.clock() if self.gate is not None else 0.0
         caps = None     # per-row caps (adaptive k)
         if self.adaptive is not None and k > 0:
             k = min(k, int(self.row_k[active].max()))
