@@ -222,6 +222,7 @@ TABLES: dict[str, Table] = {
     "layer_stack_qwen": Table(("decode_step_qwen_target_stack", "decode_step_qwen_draft_stack"), graph_calls_table),
     "draft_q4_0_qwen": Table(("decode_step_qwen_draft_q4_0",), quantization_ab_table),
     "prefill_qwen": Table(("prefill_qwen",), prefill_table),
+    "prefill_qwen_epyc": Table(("prefill_qwen_epyc",), prefill_table),
     **dict(spec(name) for name in (
         "spec_eagle3_mtbench_allcat_b1", "spec_eagle3_mtbench_b1", "spec_eagle3_varied_b1", "spec_eagle3_mtbench_b4",
         "spec_trees_mtbench_b1", "spec_trees_varied_b1", "spec_trees_mtbench_b4", "spec_model_mtbench_b1",
