@@ -510,17 +510,22 @@ class DecoderModel:
         self.kv.keep(row, prompt)
         return out
 
+    def can_extend(self, start: int, n: int) -> bool:
+        """Whether ``extend`` encodes n > 0 tokens after ``start`` held slots: n fits a context bucket and start +
+        that bucket the largest KV bucket."""
+        return 0 < n <= self.context_buckets[-1] and \
+            start + pick_bucket(self.context_buckets, n) <= self.kv_buckets[-1]
+
     def extend(self, row: int, tokens: torch.Tensor, start: int, params: torch.Tensor,
                rng: RowGenerators | None = None) -> StepOutput:
         """Row ``row``'s slots [0, ``start``) hold the KV of tokens[:start] (the caller's word): encode
         tokens[start:] (1-D ids) at slots start.. in one single-row context graph attending to them → the
         token after ``tokens`` [1, 1]; the row's length becomes len(tokens). A cache that fell behind its
-        sequence catches up in one call instead of token steps. ValueError when the rest exceeds the largest
-        context bucket or start + its bucket the largest KV bucket."""
-        if not 0 <= start < len(tokens):
-            raise ValueError(f"start={start} must be in [0, {len(tokens)}): the slots already held")
-        bucket = pick_bucket(self.context_buckets, len(tokens) - start, "tokens to encode")
-        pick_bucket(self.kv_buckets, start + bucket, "KV length")
+        sequence catches up in one call instead of token steps. ValueError unless ``can_extend``."""
+        if start < 0 or not self.can_extend(start, len(tokens) - start):
+            raise ValueError(f"cannot encode tokens[{start}:] of {len(tokens)} after slot {start}: it takes 1 to "
+                             f"{self.context_buckets[-1]} tokens (the largest context bucket), whose bucket after "
+                             f"the held slots fits {self.kv_buckets[-1]} (the largest KV bucket)")
         return self._prefill_row(row, tokens, params, rng, None, Kept(start, None, start))
 
     def _uniform(self, rng: RowGenerators | torch.Generator | None, b: int, n_logits: int,

@@ -200,7 +200,7 @@ class DraftModel(BaseProposer):
         span = n - 1 - self.synced          # S[synced : n - 1]: what a wide encoding takes
         wide = (span >= most) & (span >= m.context_buckets[0]) & self.live & m.shapes_free
         for r in wide.nonzero().flatten().tolist():
-            if self._fits(int(self.synced[r]), int(span[r])):
+            if m.can_extend(int(self.synced[r]), int(span[r])):
                 m.extend(r, self.seq[r, :int(n[r]) - 1], int(self.synced[r]), params, self.discard)
                 self.synced[r] = n[r] - 1
         while int((n - self.synced).max()) > most:
@@ -209,12 +209,6 @@ class DraftModel(BaseProposer):
             m.step(self.seq.gather(1, start.unsqueeze(1) + torch.arange(most)), params, self.discard, advance=False,
                    return_probs=any_sampled(params))
             self.synced = torch.minimum(start + most, n)
-
-    def _fits(self, start: int, span: int) -> bool:
-        """Whether ``span`` tokens at slots ``start``.. fit one context graph (``DecoderModel.extend``)."""
-        m = self.model
-        return span <= m.context_buckets[-1] and \
-            start + pick_bucket(m.context_buckets, span, "span") <= m.kv_buckets[-1]
 
     def accepted(self, lengths, verified) -> None:
         """Record the emitted tokens in ``seq`` and which cache slots hold S (see the module docstring)."""
