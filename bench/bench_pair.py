@@ -121,6 +121,7 @@ class Config:
     draft_vocab: int | None
     draft_quantization: str | None
     draft_p_min: float | None
+    draft_window: int | None
     draft_variants: list[str] | None
     gate: bool
     temperature: float
@@ -171,6 +172,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--draft-p-min", type=draft_p_min_value, default=None, metavar="P",
                    help="also run every draft-model strategy with the draft's confidence stop at P (DraftModel's "
                         "p_min, on the same weights; systems named ...-p<P>)")
+    p.add_argument("--draft-window", type=int, default=None, metavar="W",
+                   help="also run each of those drafts encoding at most W tokens of a row at once (DraftModel's "
+                        "window, on the same weights; systems named ...-w<W>)")
     p.add_argument("--draft-variants", type=lambda text: text.split(","), default=None, metavar="NAMES",
                    help="run only these drafts of the ones above, comma-separated by their system-name suffix "
                         "('base' for the plain draft; e.g. q4_0-p0.7,v65536-q4_0-p0.7); default: all")
@@ -199,13 +203,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--output", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
     if a.max_new_tokens < 2 or min(a.num_prompts, a.per_category or 1, a.threads, a.warmup_tokens, a.batch_size,
-                                    *a.ks) < 1:
+                                    a.draft_window or 1, *a.ks) < 1:
         p.error("--max-new-tokens must be >= 2, --num-prompts, --per-category, --threads, --warmup-tokens, "
-                "--batch-size and every k >= 1")
+                "--batch-size, --draft-window and every k >= 1")
     if a.temperature < 0:
         p.error("--temperature must be >= 0 (0: greedy)")
     if a.draft_variants is not None:
-        known = [variant_name(suffix) for suffix in draft_specs(a.draft_vocab, a.draft_quantization, a.draft_p_min)]
+        known = [variant_name(suffix) for suffix in draft_specs(a.draft_vocab, a.draft_quantization, a.draft_p_min,
+                                                                a.draft_window)]
         unknown = [name for name in a.draft_variants if name not in known]
         if unknown:
             p.error(f"--draft-variants: no draft named {', '.join(unknown)} (these flags make {', '.join(known)})")
@@ -215,7 +220,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
                   max_new_tokens=a.max_new_tokens, threads=a.threads,
                   ks=list(dict.fromkeys(a.ks)), strategies=a.strategies, model=a.model, draft_model=a.draft_model,
                   draft_vocab=a.draft_vocab, draft_quantization=a.draft_quantization, draft_p_min=a.draft_p_min,
-                  draft_variants=a.draft_variants, gate=a.gate,
+                  draft_window=a.draft_window, draft_variants=a.draft_variants, gate=a.gate,
                   temperature=a.temperature, batch_size=a.batch_size,
                   backend=a.backend, amp=a.amp, quantization=None if a.quantization == "none" else a.quantization,
                   n_positions=a.n_positions, context_buckets=a.context_buckets, prompt_weights=a.prompt_weights,
@@ -271,21 +276,22 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
     (loaded only if a strategy needs it) serves every system that drafts with it. With ``draft_vocab`` N, every
     draft-model strategy also runs as ``specdec-<strategy>-k<k>-v<N>`` on a draft scoring ids [0, N) only; with
     ``draft_quantization`` Q, each of those drafts also as ``...-<Q>``, loaded with ``quantization=Q``; with
-    ``draft_p_min`` P, each of those also as ``...-p<P>`` (the same weights, ``DraftModel(model, p_min=P)``)."""
+    ``draft_p_min`` P, each of those also as ``...-p<P>`` (the same weights, ``DraftModel(model, p_min=P)``); with
+    ``draft_window`` W, each of those also as ``...-w<W>`` (``DraftModel(model, p_min, window=W)``)."""
     systems = {SPECDEC_TARGET: OurSystem(SPECDEC_TARGET, "none", None, target.generate)}
     drafts: dict[str, DraftModel | None] = {"": None}
     if any(REGISTRY[s].part == "model" for s in cfg.strategies):
-        specs = draft_specs(cfg.draft_vocab, cfg.draft_quantization, cfg.draft_p_min)
+        specs = draft_specs(cfg.draft_vocab, cfg.draft_quantization, cfg.draft_p_min, cfg.draft_window)
         if cfg.draft_variants is not None:
             specs = {suffix: spec for suffix, spec in specs.items() if variant_name(suffix) in cfg.draft_variants}
         models: dict[tuple, DecoderModel] = {}     # one copy of the weights per load, shared by its p_min drafts
         drafts = {}
-        for suffix, (overrides, p_min) in specs.items():
+        for suffix, (overrides, p_min, window) in specs.items():
             key = tuple(sorted(overrides.items()))
             if key not in models:
                 log(f"loading the draft {cfg.draft_model}{f' {overrides}' if overrides else ''} ...")
                 models[key] = REGISTRY["model"].build(target, cfg.draft_model, **overrides).model
-            drafts[suffix] = DraftModel(models[key], p_min=p_min)
+            drafts[suffix] = DraftModel(models[key], p_min=p_min, window=window)
     for strategy in cfg.strategies:
         if strategy == "none":
             continue
@@ -299,19 +305,21 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
     return systems
 
 
-def draft_specs(vocab: int | None, quantization: str | None,
-                p_min: float | None) -> dict[str, tuple[dict[str, object], float | None]]:
-    """The drafts of ``--draft-vocab`` / ``--draft-quantization`` / ``--draft-p-min``, by system-name suffix ("":
-    the plain draft; ``-v<N>``, ``-<Q>``, ``-p<P>`` and their combinations) → (``from_pretrained`` overrides,
-    ``p_min``)."""
+def draft_specs(vocab: int | None, quantization: str | None, p_min: float | None,
+                window: int | None = None) -> dict[str, tuple[dict[str, object], float | None, int | None]]:
+    """The drafts of ``--draft-vocab`` / ``--draft-quantization`` / ``--draft-p-min`` / ``--draft-window``, by
+    system-name suffix ("": the plain draft; ``-v<N>``, ``-<Q>``, ``-p<P>``, ``-w<W>`` and their combinations) →
+    (``from_pretrained`` overrides, ``p_min``, ``window``)."""
     loads: dict[str, dict[str, object]] = {"": {}}
     if vocab is not None:
         loads[f"-v{vocab}"] = {"output_vocab_size": vocab}
     if quantization is not None:
         loads |= {f"{name}-{quantization}": kw | {"quantization": quantization} for name, kw in list(loads.items())}
-    specs = {name: (kw, None) for name, kw in loads.items()}
+    specs = {name: (kw, None, None) for name, kw in loads.items()}
     if p_min is not None:
-        specs |= {f"{name}-p{p_min:g}": (kw, p_min) for name, kw in loads.items()}
+        specs |= {f"{name}-p{p_min:g}": (kw, p_min, None) for name, kw in loads.items()}
+    if window is not None:
+        specs |= {f"{name}-w{window}": (kw, p, window) for name, (kw, p, _) in list(specs.items())}
     return specs
 
 

@@ -182,7 +182,8 @@ class SpeculationOptions:
     per step; adaptive_k: per-row k <= k; gate: speculate only while it pays; draft_quantization: the draft's
     own weight-only scheme ("none", "int8", "int4", "gguf", "q4_0"; None: the target's); draft_vocab: a draft
     model scoring only token ids [0, draft_vocab) (``output_vocab_size``; None: its whole head); draft_p_min: a
-    draft model's confidence stop (``DraftModel``'s ``p_min``; None: k drafts a step); tree: a Medusa
+    draft model's confidence stop (``DraftModel``'s ``p_min``; None: k drafts a step); draft_window: the most
+    tokens a draft model encodes at once (``DraftModel``'s ``window``; None: no limit); tree: a Medusa
     tree (name or JSON file) or an EAGLE-2 shape "DxKxN"; suffix_cache_tokens / suffix_alpha / suffix_min_prob /
     suffix_min_match: suffix decoding's cache budget (tokens), drafts per matched token, least continuation
     share and least match for the suffix chain (None: the strategy's defaults)."""
@@ -197,6 +198,7 @@ class SpeculationOptions:
     draft_quantization: str | None = None
     draft_vocab: int | None = None
     draft_p_min: float | None = None
+    draft_window: int | None = None
     tree: str | None = None
     suffix_cache_tokens: int | None = None
     suffix_alpha: float | None = None
@@ -259,6 +261,11 @@ class SpeculationOptions:
                               f"{_or(_strategies(lambda s: s.part == 'model'))}")
         if self.draft_p_min is not None and not 0 < self.draft_p_min < 1:
             raise OptionError(f"--draft-p-min must be in (0, 1), got {self.draft_p_min}")
+        if self.draft_window is not None and (s.part != "model" or self.fused):
+            raise OptionError(f"--draft-window bounds what a draft model encodes at once: it is for an unfused "
+                              f"--draft {_or(_strategies(lambda s: s.part == 'model'))}")
+        if self.draft_window is not None and self.draft_window < 1:
+            raise OptionError(f"--draft-window must be >= 1, got {self.draft_window}")
         if self.tree is not None and s.tree is None:
             trees = sorted((name for name in loaders if REGISTRY[name].tree),
                            key=lambda n: REGISTRY[n].tree != "static")
@@ -294,9 +301,10 @@ class SpeculationOptions:
 
     def draft_overrides(self) -> dict[str, Any]:
         """The draft network's loading arguments these options set: ``quantization`` (``draft_quantization``),
-        ``output_vocab_size`` (``draft_vocab``), ``p_min`` (``draft_p_min``); unset ones are left out."""
+        ``output_vocab_size`` (``draft_vocab``), ``p_min`` (``draft_p_min``), ``window`` (``draft_window``); unset
+        ones are left out."""
         given = {"quantization": self.draft_quantization, "output_vocab_size": self.draft_vocab,
-                 "p_min": self.draft_p_min}
+                 "p_min": self.draft_p_min, "window": self.draft_window}
         return {name: value for name, value in given.items() if value is not None}
 
     def make_proposer(self, target: DecoderModel):

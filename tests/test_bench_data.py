@@ -272,15 +272,19 @@ def bench_script(name: str, monkeypatch):
 
 
 def test_pair_benchmark_names_its_drafts_and_refuses_unknown_variants(monkeypatch, capsys):
-    """bench_pair's drafts: every combination of --draft-vocab / --draft-quantization / --draft-p-min, the p_min
-    copies sharing their weights' load; --draft-variants keeps named ones and refuses others before loading."""
+    """bench_pair's drafts: every combination of --draft-vocab / --draft-quantization / --draft-p-min /
+    --draft-window, the p_min and window copies sharing their weights' load; --draft-variants keeps named ones and
+    refuses others before loading."""
     bench = bench_script("bench_pair", monkeypatch)
     specs = bench.draft_specs(65536, "q4_0", 0.7)
     assert list(specs) == ["", "-v65536", "-q4_0", "-v65536-q4_0", "-p0.7", "-v65536-p0.7", "-q4_0-p0.7",
                            "-v65536-q4_0-p0.7"]
-    assert specs["-v65536-q4_0-p0.7"] == ({"output_vocab_size": 65536, "quantization": "q4_0"}, 0.7)
-    assert specs["-q4_0"] == ({"quantization": "q4_0"}, None) and specs[""] == ({}, None)
+    assert specs["-v65536-q4_0-p0.7"] == ({"output_vocab_size": 65536, "quantization": "q4_0"}, 0.7, None)
+    assert specs["-q4_0"] == ({"quantization": "q4_0"}, None, None) and specs[""] == ({}, None, None)
     assert list(bench.draft_specs(None, None, None)) == [""] and bench.variant_name("") == "base"
+    windowed = bench.draft_specs(None, "q4_0", 0.7, 32)
+    assert list(windowed) == ["", "-q4_0", "-p0.7", "-q4_0-p0.7", "-w32", "-q4_0-w32", "-p0.7-w32", "-q4_0-p0.7-w32"]
+    assert windowed["-q4_0-p0.7-w32"] == ({"quantization": "q4_0"}, 0.7, 32) and windowed["-w32"] == ({}, None, 32)
     cfg = bench.parse_args(["--draft-p-min", "0.7", "--draft-variants", "base,p0.7"])
     assert cfg.draft_variants == ["base", "p0.7"] and not cfg.gate and bench.parse_args(["--gate"]).gate
     with pytest.raises(SystemExit):

@@ -103,7 +103,8 @@ def test_draft_choices_give_the_targets_greedy_output(checkpoint, capsys, draft,
 
 @pytest.mark.parametrize("extra", [["--draft", "model", "--draft-vocab", "96"], ["--draft", "model", "--adaptive-k"],
                                    ["--draft", "lookup+model"], ["--draft", "lookup+model", "--draft-p-min", "0.1"],
-                                   ["--draft", "lookup+model", "--adaptive-k"], ["--draft", "model", "--gate"]])
+                                   ["--draft", "lookup+model", "--adaptive-k"], ["--draft", "model", "--gate"],
+                                   ["--draft", "model", "--gate", "--draft-window", "4"]])
 def test_adaptive_k_and_lookup_plus_model_give_the_targets_greedy_output(checkpoint, capsys, extra):
     target = checkpoint("llama").path
     rc, out, err = run(generate_args(target, REPEATS), capsys)
@@ -285,6 +286,10 @@ def test_bad_arguments_exit_2_with_one_line(checkpoint, tmp_path, capsys):
          "suffix+model"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--fused", "--draft-p-min", "0.5"),
          "--draft-p-min stops a draft model's chain early"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--fused", "--draft-window", "8"),
+         "--draft-window bounds what a draft model encodes at once: it is for an unfused --draft model"),
+        (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--draft-window", "0"),
+         "argument --draft-window: must be >= 1, got 0"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "lookup", "--draft-path", tmp_path),
          "--draft-path needs --draft model, eagle, eagle-tree, eagle3, eagle3-tree or medusa"),
         (generate_args(target, list(range(3, 70)), 8, 64), "the prompt has 67 tokens: --n-positions 64 leaves no room"),

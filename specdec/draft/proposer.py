@@ -29,6 +29,14 @@ at slots synced .., the width a re-read after a source step already has) until i
 encodings sample are discarded, so their noise comes from no row's stream (``discard``): a row's random stream
 does not depend on when its draft catches up.
 
+Window (``window`` = W, None: off): a row's draft never encodes more than W tokens at once. A deferred prompt
+longer than W is encoded from its last W tokens, and a catch-up span longer than W restarts the row's draft
+context at the last W tokens of S, in one context graph, instead of encoding the span. The draft then holds
+S[base:] for a per-row ``base`` (slot j, position j: S[base + j]) and proposes from that suffix of S, a shorter
+context, never a wrong one. So what a request's first speculative step, and a probe of the cost gate after many
+plain steps, cost is bounded by W tokens a row, however long the prompt or the run of plain steps was. Lossless
+(any proposal is: the target verifies it); the acceptance is what a draft reading the last W + tokens gets.
+
 Confidence stop (``p_min``, llama.cpp's ``--draft-p-min``, Hugging Face's ``assistant_confidence_threshold``):
 a greedy row stops drafting after the first token x_i its draft gives a probability below p_min (softmax of
 the draft's logits), keeping x_i; the step drafts while any row goes on, and the proposal says how many
@@ -61,23 +69,31 @@ class DraftModel(BaseProposer):
     proposer running the graphs of ``model``, which fuses (``fused_drafter``) and may skip steps ("resyncs").
 
     ``p_min`` (0 < p_min < 1, None: off): the confidence stop (module docstring). A draft with
-    it declares "padded" instead of "fused_drafter" (a fused graph always drafts k)."""
+    it declares "padded" instead of "fused_drafter" (a fused graph always drafts k). ``window`` (an int >= 1,
+    None: off): the most tokens a row's draft encodes at once (module docstring); a windowed draft is unfused
+    too (a fused graph reads the draft's cache at the target's positions)."""
 
     abilities = frozenset({"check_target", "fused_drafter", "model", "resyncs", "finished", "deferred"})
 
-    def __init__(self, model: DecoderModel, p_min: float | None = None):
+    def __init__(self, model: DecoderModel, p_min: float | None = None, window: int | None = None):
         if getattr(model.lm, "feature_size", None):
             raise ValueError("this is an EAGLE draft network: use EagleDraft.from_pretrained(path, target)")
         if p_min is not None and (isinstance(p_min, bool) or not isinstance(p_min, (int, float))
                                   or not 0 < p_min < 1):
             raise ValueError(f"p_min must be a probability in (0, 1) (None: draft k tokens), got {p_min!r}")
-        self.p_min = p_min
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be an int >= 1 (the most tokens a row's draft encodes at once; None: "
+                             f"no limit), got {window!r}")
+        self.p_min, self.window = p_min, window
         if p_min is not None:
             self.abilities = (DraftModel.abilities - {"fused_drafter"}) | {"padded"}
+        elif window is not None:
+            self.abilities = DraftModel.abilities - {"fused_drafter"}
         self.model, self.module = model, model.lm
         self.vocab_size, self.batch_size = model.vocab_size, model.batch_size
         self.seq = torch.zeros(model.batch_size, model.n_positions, dtype=torch.long)   # S per row (host)
-        self.synced = torch.zeros(model.batch_size, dtype=torch.long)   # leading cache slots holding S
+        self.synced = torch.zeros(model.batch_size, dtype=torch.long)   # S[:synced] is known to the cache ...
+        self.base = torch.zeros(model.batch_size, dtype=torch.long)     # ... from S[base], held at slot 0
         self.pending = torch.zeros(model.batch_size, dtype=torch.long)  # prompt tokens to encode (0: none)
         self.live = torch.zeros(model.batch_size, dtype=torch.bool)     # rows started and not finished
         self.discard = RowGenerators(model.batch_size, model.device)    # no streams: zero noise
@@ -85,13 +101,13 @@ class DraftModel(BaseProposer):
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, target: DecoderModel, p_min: float | None = None,
-                        **overrides) -> DraftModel:
+                        window: int | None = None, **overrides) -> DraftModel:
         """Load a draft checkpoint with the target's runtime settings (batch size, ``n_positions``,
         ``amp``, buckets, sampling config, backend, device, ``tp_degree``; the head layout is chosen for the
         draft's own heads, and it returns no EAGLE-3 feature layers) unless ``overrides`` (any
         ``DecoderModel.from_pretrained`` argument) say otherwise. A target's ``quantization="gguf"``
         (and ``prompt_weights``) applies to a GGUF draft; a checkpoint-directory draft then stays in ``amp``.
-        ``p_min``: the confidence stop (``DraftModel``)."""
+        ``p_min``: the confidence stop, ``window``: the longest encoding (``DraftModel``)."""
         settings = {**asdict(target.settings), "sampling": target.settings.sampling, "gqa_strategy": None,
                     "feature_layers": (), **overrides}     # (an EAGLE-3 head's target layers: not the draft's)
         if settings["backend"] != "compiled" and "autotune" not in overrides:
@@ -101,7 +117,7 @@ class DraftModel(BaseProposer):
             if "prompt_weights" not in overrides:
                 settings["prompt_weights"] = None    # (dense copies of GGML blocks: it has none)
         model = DecoderModel.from_pretrained(path, **settings)
-        draft = cls(model, p_min)
+        draft = cls(model, p_min, window)
         draft.check_target(target)
         return draft
 
@@ -124,18 +140,26 @@ class DraftModel(BaseProposer):
         first = target_out.tokens[:, -1].cpu()
         if rows is None:
             self.synced.zero_()
+            self.base.zero_()
             self.pending.zero_()
             self.live.zero_()
         for i, (r, p) in enumerate(zip(range(len(prompts)) if rows is None else rows, prompts)):
             self.seq[r, :len(p)] = torch.as_tensor(p)
             self.seq[r, len(p)] = first[i]
-            self.synced[r], self.pending[r], self.live[r] = 0, len(p), True
+            self.synced[r], self.base[r], self.pending[r], self.live[r] = 0, 0, len(p), True
 
     def flush(self, params) -> None:
-        """Encode the prompts ``start`` deferred (the module docstring), each in a single-row context graph."""
+        """Encode the prompts ``start`` deferred (the module docstring), each in a single-row context graph
+        (its last ``window`` tokens at most)."""
         for r in self.pending.nonzero().flatten().tolist():
-            self.model.prefill([self.seq[r, :int(self.pending[r])]], params, self.discard, rows=[r])
-            self.synced[r], self.pending[r] = int(self.pending[r]), 0
+            self._restart(r, int(self.pending[r]), params)
+            self.pending[r] = 0
+
+    def _restart(self, row: int, end: int, params) -> None:
+        """Encode S[:end] of ``row`` afresh (its last ``window`` tokens at most) in one single-row context graph."""
+        base = 0 if self.window is None else max(end - self.window, 0)
+        self.model.prefill([self.seq[row, base:end]], params, self.discard, rows=[row])
+        self.base[row], self.synced[row] = base, end
 
     def max_draft_tokens(self, length: int) -> int:
         return self.model.n_positions - length + 1
@@ -146,11 +170,13 @@ class DraftModel(BaseProposer):
         n = lengths.cpu()
         self.catch_up(n, k + 1, params)
         width = max(2, int((n - self.synced).max()))           # re-read every row's stale slots
-        start = (n - width).clamp(min=0)
-        pos = (start.unsqueeze(1) + torch.arange(width)).clamp(max=m.n_positions - 1)
+        local = n - self.base                                    # the rows' lengths in the draft's cache
+        start = (local - width).clamp(min=0)
+        pos = (self.base + start).unsqueeze(1) + torch.arange(width)
         m.set_lengths(start)
-        out = m.step(self.seq.gather(1, pos), params, rng, advance=False, return_probs=sampled)
-        last = (n - 1 - start).to(out.tokens.device)             # S[-1]'s column: width - 1 unless n < width
+        out = m.step(self.seq.gather(1, pos.clamp(max=self.seq.shape[1] - 1)), params, rng, advance=False,
+                     return_probs=sampled)
+        last = (local - 1 - start).to(out.tokens.device)         # S[-1]'s column: width - 1 unless n < width
         rows = torch.arange(len(last), device=last.device)
         tokens = [out.tokens[rows, last]]
         probs = [out.probs[rows, last]] if sampled else []
@@ -158,7 +184,7 @@ class DraftModel(BaseProposer):
         if self.p_min is not None:
             num = self._stopped(torch.full_like(n, k), out.logits[rows, last], probs[0] if sampled else None,
                                 params, 1, k)
-        m.set_lengths(n)
+        m.set_lengths(local)
         for i in range(2, k + 1):
             if num is not None and bool((num < k).all()):      # every row has stopped
                 if sampled:     # the noise of the steps not run: each row's stream moves as if they had
@@ -191,24 +217,30 @@ class DraftModel(BaseProposer):
 
     def catch_up(self, n: torch.Tensor, most: int, params) -> None:
         """Bring every row of length n [B] to at most ``most`` stale slots (steps whose ``propose`` was skipped):
-        encode the deferred prompts (``flush``), a live row's stale span of at least the smallest context bucket
-        in one context graph (``shapes_free`` backends), then ingest S[synced ..] in steps of ``most`` tokens; a row
-        re-reads from at most n_positions - most, and what a step writes past a row's S is overwritten before it
-        is read (the draft steps after S[-1])."""
+        encode the deferred prompts (``flush``), restart a live row whose stale span is longer than ``window`` at
+        S[n - 1 - window : n - 1], encode a live row's stale span of at least the smallest context bucket in one
+        context graph (``shapes_free`` backends), then ingest S[synced ..] in steps of ``most`` tokens; a row
+        re-reads from at most slot n_positions - most, and what a step writes past a row's S is overwritten before
+        it is read (the draft steps after S[-1])."""
         m = self.model
         self.flush(params)
         span = n - 1 - self.synced          # S[synced : n - 1]: what a wide encoding takes
+        if self.window is not None:
+            for r in ((span > max(self.window, most)) & self.live).nonzero().flatten().tolist():
+                self._restart(r, int(n[r]) - 1, params)
+            span = n - 1 - self.synced
         wide = (span >= most) & (span >= m.context_buckets[0]) & self.live & m.shapes_free
         for r in wide.nonzero().flatten().tolist():
-            if m.can_extend(int(self.synced[r]), int(span[r])):
-                m.extend(r, self.seq[r, :int(n[r]) - 1], int(self.synced[r]), params, self.discard)
+            base, held = int(self.base[r]), int(self.synced[r] - self.base[r])
+            if m.can_extend(held, int(span[r])):
+                m.extend(r, self.seq[r, base:int(n[r]) - 1], held, params, self.discard)
                 self.synced[r] = n[r] - 1
         while int((n - self.synced).max()) > most:
-            start = self.synced.clamp(max=m.n_positions - most)
+            start = (self.synced - self.base).clamp(max=m.n_positions - most)      # slots
+            pos = ((self.base + start).unsqueeze(1) + torch.arange(most)).clamp(max=self.seq.shape[1] - 1)
             m.set_lengths(start)
-            m.step(self.seq.gather(1, start.unsqueeze(1) + torch.arange(most)), params, self.discard, advance=False,
-                   return_probs=any_sampled(params))
-            self.synced = torch.minimum(start + most, n)
+            m.step(self.seq.gather(1, pos), params, self.discard, advance=False, return_probs=any_sampled(params))
+            self.synced = torch.minimum(self.base + start + most, n)
 
     def accepted(self, lengths, verified) -> None:
         """Record the emitted tokens in ``seq`` and which cache slots hold S (see the module docstring)."""
@@ -226,12 +258,12 @@ class DraftModel(BaseProposer):
             self.drafts = None
 
     def finished(self, rows, lengths=None) -> None:
-        """A request ended: its row's draft cache holds the KV of S[:synced] (kept for the row's next prompt when
-        the draft caches prefixes: ``DecoderModel.keep_prefix``)."""
+        """A request ended: its row's draft cache holds the KV of S[base:synced] (kept for the row's next prompt
+        when the draft caches prefixes: ``DecoderModel.keep_prefix``)."""
         self.pending[list(rows)], self.live[list(rows)] = 0, False
         if self.model.prefix_cache:
             for r in rows:
-                self.model.keep_prefix(r, self.seq[r, :int(self.synced[r])].tolist())
+                self.model.keep_prefix(r, self.seq[r, int(self.base[r]):int(self.synced[r])].tolist())
 
     def fused_drafter(self, key: FusedKey) -> DraftLoop:
         """``propose``'s k steps as one module for fused speculation (``specdec.fused``)."""

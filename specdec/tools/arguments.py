@@ -192,6 +192,11 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft models (model, lookup+model, suffix+model), greedy steps: a row stops drafting after a "
                         "token the draft gives a probability below P (llama.cpp's --draft-p-min); fewer draft steps "
                         "and a narrower verify where the draft doubts, the same output (default: k drafts a step)")
+    s.add_argument("--draft-window", type=positive_int, default=None, metavar="W",
+                   help="draft models (model, lookup+model, suffix+model), unfused: the draft encodes at most W tokens "
+                        "of a row at once; a longer prompt, or a longer span it missed (the --gate's plain steps), "
+                        "restarts its context at the last W tokens: a bounded cost, the same output (default: the "
+                        "whole sequence)")
     s.add_argument("--tree", default=None,
                    help="medusa: a built-in tree name (e.g. mc_sim_7b_63) or a JSON file of paths "
                         "(default: the heads' own tree); eagle-tree: DEPTHxTOPKxNODES (default 3x8x8)")

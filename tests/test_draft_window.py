@@ -1,0 +1,81 @@
+"""A draft model's window (``DraftModel(model, window=W)``): a row's draft never encodes more than W tokens at once.
+A long prompt is encoded from its last W tokens, and a draft that missed more than W tokens (the gate's plain
+steps) restarts at the last W tokens of its sequence; every proposal is then the draft's greedy continuation of
+that suffix of the sequence, and greedy output stays target-only's."""
+import itertools
+
+import pytest
+import torch
+
+from specdec import DraftModel, SpeculativeGenerator
+from specdec.lookup import LookupOrDraft, PromptLookup
+
+from conftest import load, prompt_ids
+from test_draft_deferred import calls, scripted_gate
+
+PROMPT = prompt_ids(13, 3)
+
+
+@pytest.mark.parametrize("shapes_free", [True, False], ids=["context-graph", "token-steps"])
+def test_a_windowed_draft_restarts_at_the_last_w_tokens(checkpoint, monkeypatch, shapes_free):
+    """Window 8, 25 plain steps, then speculation: the draft encodes the prompt's last 8 tokens, then restarts at
+    the last 8 tokens of the sequence instead of catching up on the 25 it missed (no extend, no wide step); each
+    proposal is a fresh draft's greedy continuation of the sequence from that restart on."""
+    target = load(checkpoint("llama"), batch_size=1)
+    draft = load(checkpoint("llama-draft"), batch_size=1)
+    fresh = load(checkpoint("llama-draft"), batch_size=1, context_buckets=[16, 32, 64, 128])
+    monkeypatch.setattr(draft, "_shapes_free", shapes_free)
+    reference = target.generate([PROMPT], max_new_tokens=50, eos_token_id=[])
+    gen = SpeculativeGenerator(DraftModel(draft, window=8), target, 4, gate=True)
+    scripted_gate(gen, plain=25)
+    encoded, extended, widths = calls(draft, "prefill"), calls(draft, "extend"), []
+    step = draft.step
+
+    def counted(tokens, *args, **kwargs):
+        widths.append(tokens.shape[1])
+        return step(tokens, *args, **kwargs)
+    draft.step = counted
+    proposals, propose = [], gen.speculator.proposer.propose
+
+    def recorded(tail, lengths, k, params, rng):
+        proposal = propose(tail, lengths, k, params, rng)
+        proposals.append((int(lengths[0]), proposal.tokens[0].tolist()))
+        return proposal
+    gen.speculator.proposer.propose = recorded
+    out = gen.generate([PROMPT], max_new_tokens=50, eos_token_id=[])
+    assert torch.equal(out, reference)
+    first = len(PROMPT) + 26                                   # the length at the first speculative step
+    assert proposals[0][0] == first
+    assert [args[0][0].tolist() for args, _ in encoded] == [PROMPT[-8:], out[0, first - 9:first - 1].tolist()]
+    assert not extended and max(widths) == 2
+    base = first - 9
+    assert all(fresh.generate([out[0, base:n].tolist()], max_new_tokens=4, eos_token_id=[])[0, n - base:].tolist()
+               == drafts for n, drafts in proposals)
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["model", "lookup+model"])
+def test_windowed_drafts_keep_the_targets_greedy_output(checkpoint, combined):
+    """Batch 2, prompts of 13 and 5 tokens, window 6, runs of plain steps between speculative ones (restarts
+    again and again, at different lengths per row): the output is target-only's, alone and under prompt lookup."""
+    target = load(checkpoint("llama"), batch_size=2)
+    draft = load(checkpoint("llama-draft"), batch_size=2)
+    prompts = [PROMPT, prompt_ids(5, 7)]
+    reference = target.generate(prompts, max_new_tokens=60, eos_token_id=[])
+    proposer = DraftModel(draft, window=6)
+    gen = SpeculativeGenerator(LookupOrDraft(PromptLookup(target), proposer) if combined else proposer, target, 3,
+                               gate=True)
+    script = itertools.cycle([False] * 9 + [True] * 2 + [False] * 3 + [True])
+    gen.gate_meter.speculate = lambda: next(script)
+    encoded = calls(draft, "prefill")
+    assert torch.equal(gen.generate(prompts, max_new_tokens=60, eos_token_id=[]), reference)
+    assert len(encoded) > 2 and max(len(args[0][0]) for args, _ in encoded) == 6
+    assert int(proposer.base.min()) > 0                        # both rows restarted past their start
+
+
+def test_window_validation(checkpoint):
+    draft = load(checkpoint("llama-draft"), batch_size=1)
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="window must be an int >= 1"):
+            DraftModel(draft, window=bad)
+    assert "fused_drafter" in DraftModel(draft).abilities
+    assert "fused_drafter" not in DraftModel(draft, window=8).abilities    # the fused graph reads target positions
