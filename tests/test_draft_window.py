@@ -68,8 +68,9 @@ def test_windowed_drafts_keep_the_targets_greedy_output(checkpoint, combined):
     gen.gate_meter.speculate = lambda: next(script)
     encoded = calls(draft, "prefill")
     assert torch.equal(gen.generate(prompts, max_new_tokens=60, eos_token_id=[]), reference)
-    assert len(encoded) > 2 and max(len(args[0][0]) for args, _ in encoded) == 6
-    assert int(proposer.base.min()) > 0                        # both rows restarted past their start
+    assert max(len(args[0][0]) for args, _ in encoded) == 6
+    restarts = [kwargs["rows"] for args, kwargs in encoded if len(args[0][0]) == 6]
+    assert restarts.count([0]) > 1 and restarts.count([1]) > 1        # both rows restarted, again and again
 
 
 def test_window_validation(checkpoint):
@@ -79,3 +80,16 @@ def test_window_validation(checkpoint):
             DraftModel(draft, window=bad)
     assert "fused_drafter" in DraftModel(draft).abilities
     assert "fused_drafter" not in DraftModel(draft, window=8).abilities    # the fused graph reads target positions
+
+
+def test_rows_that_finish_first_and_the_next_requests(checkpoint):
+    """Batch 4, prompts of 9 to 31 tokens, a restarted window in most rows: rows that reach their budget first sit
+    out the last steps at the engine's placeholder length (shorter than their window's start), and the next 4
+    requests reuse the rows; both calls give target-only's output."""
+    target = load(checkpoint("llama"), batch_size=4)
+    draft = load(checkpoint("llama-draft"), batch_size=4)
+    gen = SpeculativeGenerator(LookupOrDraft(PromptLookup(target), DraftModel(draft, p_min=0.5, window=8)), target, 4)
+    for group in ([prompt_ids(20, 1), prompt_ids(30, 2), prompt_ids(9, 3), prompt_ids(14, 4)],
+                  [prompt_ids(25, 5), prompt_ids(12, 6), prompt_ids(31, 7), prompt_ids(17, 8)]):
+        reference = target.generate(group, max_new_tokens=30, eos_token_id=[])
+        assert torch.equal(gen.generate(group, max_new_tokens=30, eos_token_id=[]), reference)

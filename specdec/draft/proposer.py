@@ -170,7 +170,7 @@ class DraftModel(BaseProposer):
         n = lengths.cpu()
         self.catch_up(n, k + 1, params)
         width = max(2, int((n - self.synced).max()))           # re-read every row's stale slots
-        local = n - self.base                                    # the rows' lengths in the draft's cache
+        local = (n - self.base).clamp(min=1)      # the rows' lengths in the draft's cache (a finished row's: any)
         start = (local - width).clamp(min=0)
         pos = (self.base + start).unsqueeze(1) + torch.arange(width)
         m.set_lengths(start)
@@ -236,7 +236,7 @@ class DraftModel(BaseProposer):
                 m.extend(r, self.seq[r, base:int(n[r]) - 1], held, params, self.discard)
                 self.synced[r] = n[r] - 1
         while int((n - self.synced).max()) > most:
-            start = (self.synced - self.base).clamp(max=m.n_positions - most)      # slots
+            start = (self.synced - self.base).clamp(0, m.n_positions - most)      # slots
             pos = ((self.base + start).unsqueeze(1) + torch.arange(most)).clamp(max=self.seq.shape[1] - 1)
             m.set_lengths(start)
             m.step(self.seq.gather(1, pos), params, self.discard, advance=False, return_probs=any_sampled(params))
@@ -264,6 +264,7 @@ class DraftModel(BaseProposer):
         if self.model.prefix_cache:
             for r in rows:
                 self.model.keep_prefix(r, self.seq[r, int(self.base[r]):int(self.synced[r])].tolist())
+        self.base[list(rows)] = 0     # the engine's placeholder lengths of finished rows count from slot 0
 
     def fused_drafter(self, key: FusedKey) -> DraftLoop:
         """``propose``'s k steps as one module for fused speculation (``specdec.fused``)."""
