@@ -89,7 +89,8 @@ TARGET = "target"
 class SuffixBenchOptions:
     """What the benchmark runs (the flags of ``parse_args``, same names): the target ``model`` and the
     ``draft_model`` of suffix+model (None: the shipped draft) scoring ``draft_vocab`` ids (None: all) with its own
-    weight-only ``draft_quantization`` (None: the target's) and confidence stop ``draft_p_min`` (None: none), the
+    weight-only ``draft_quantization`` (None: the target's), confidence stop ``draft_p_min`` (None: none) and
+    window ``draft_window`` (None: none), the
     suffix ``strategies``, the ``workloads``, the ``modes`` (offline, server), ``requests`` per workload (agent:
     sessions of ``turns`` requests), ``max_new_tokens`` per request, the server's ``concurrency`` and ``rows``
     (its batch; None: ``concurrency``), ``ks`` (each
@@ -105,6 +106,7 @@ class SuffixBenchOptions:
     draft_vocab: int | None = None
     draft_quantization: str | None = None
     draft_p_min: float | None = None
+    draft_window: int | None = None
     strategies: list[str] = field(default_factory=lambda: ["suffix", "suffix+model"])
     workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
     modes: list[str] = field(default_factory=lambda: ["offline", "server"])
@@ -421,7 +423,8 @@ def finish(result: dict) -> dict:
 # ---------------------------------------------------------------------------------------------- server
 def speculation_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -> SpeculationOptions:
     """The options of ``strategy`` ("none": target only) drafting ``k`` tokens a step (None: the strategy's own):
-    the draft flags for the draft network it has (``--draft-vocab`` and ``--draft-p-min``: a draft model only),
+    the draft flags for the draft network it has (``--draft-vocab``, ``--draft-p-min``, ``--draft-window``: a draft
+    model only),
     the suffix flags for a suffix strategy (not yet ``checked``)."""
     s = REGISTRY[strategy]
     suffix = {name: getattr(cfg, name) for name in SUFFIX_SETTINGS} if s.suffix else {}
@@ -429,6 +432,7 @@ def speculation_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -
                               draft_vocab=cfg.draft_vocab if s.part == "model" else None,
                               draft_quantization=cfg.draft_quantization if s.part is not None else None,
                               draft_p_min=cfg.draft_p_min if s.part == "model" else None,
+                              draft_window=cfg.draft_window if s.part == "model" else None,
                               k=k if strategy != "none" else None,
                               gate=cfg.gate and strategy != "none", **suffix)
 
@@ -539,6 +543,8 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     p.add_argument("--draft-p-min", type=draft_p_min_value, default=None, metavar="P",
                    help="the draft model's confidence stop: a row stops drafting after a token the draft gives a "
                         "probability below P (DraftModel's p_min)")
+    p.add_argument("--draft-window", type=int, default=None, metavar="W",
+                   help="the draft model encodes at most W tokens of a row at once (DraftModel's window)")
     p.add_argument("--strategies", type=name_list(SUFFIX), default=["suffix", "suffix+model"],
                    help=f"comma list of {', '.join(SUFFIX)} (target-only always runs)")
     p.add_argument("--workloads", type=name_list_of(WORKLOADS), default=list(WORKLOADS), help="comma list")

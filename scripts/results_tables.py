@@ -205,6 +205,7 @@ TABLES: dict[str, Table] = {
     "pair_code_epyc": Table(("pair_code_epyc",), pair_table, sources=False),
     "pair_code_b4_epyc": Table(("pair_code_b4_epyc",), pair_table, sources=False),
     "pair_code_gate_epyc": Table(("pair_code_gate_epyc",), pair_table, sources=False),
+    "pair_code_window_epyc": Table(("pair_code_window_epyc",), pair_table, sources=False),
     "verify_cost_qwen_epyc": Table(("decode_step_qwen_target_epyc", "decode_step_qwen_draft_epyc"),
                                    verify_cost_table),
     "suffix_embedded": Table(("suffix_smollm2-135m-instruct",), suffix_table),

@@ -220,6 +220,24 @@ def test_sampling_with_the_drafts_confidence_stop_is_lossless(lossless_models, s
     assert pvalue > 1e-3
 
 
+def test_sampling_with_a_windowed_draft_is_lossless(lossless_models, monkeypatch):
+    """``DraftModel(window=2)``: the draft reads the 3-token prompt's last 2 tokens only, so its proposals and their
+    q differ from the whole-context draft's; the output is still the target's."""
+    target_hf, target, drafts = lossless_models
+    draft, encoded = drafts["full"], []
+    prefill = draft.prefill
+
+    def recorded(prompts, *args, **kwargs):
+        encoded.append([p.tolist() for p in prompts])
+        return prefill(prompts, *args, **kwargs)
+    monkeypatch.setattr(draft, "prefill", recorded)
+    gen = SpeculativeGenerator(DraftModel(draft, window=2), target, 2)
+    pvalue = lossless_pvalue(target_hf, target, gen, dict(temperature=0.7), 3)     # 20,480 samples of 3 tokens
+    assert encoded and all(prompts == [[1, 4]] for prompts in encoded)            # the prompt's last 2 tokens
+    assert 0.05 < gen.stats.acceptance_rate < 0.95
+    assert pvalue > 1e-3
+
+
 def test_wrong_acceptor_is_detected(lossless_models, monkeypatch):
     """The same check with an acceptor that accepts every draft must fail (the test has power)."""
     target_hf, target, drafts = lossless_models
