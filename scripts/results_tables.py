@@ -201,6 +201,7 @@ TABLES: dict[str, Table] = {
     "pair_chat": Table(("pair_chat",), pair_table, sources=False),
     "pair_code_compiled": Table(("pair_code_compiled",), pair_table, sources=False),
     "pair_code_t07": Table(("pair_code_t07",), pair_table, sources=False),
+    "pair_code_t07_epyc": Table(("pair_code_t07_epyc",), pair_table, sources=False),
     "pair_code_b4": Table(("pair_code_b4",), pair_table, sources=False),
     "pair_code_epyc": Table(("pair_code_epyc",), pair_table, sources=False),
     "pair_code_b4_epyc": Table(("pair_code_b4_epyc",), pair_table, sources=False),

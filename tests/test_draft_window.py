@@ -93,3 +93,32 @@ def test_rows_that_finish_first_and_the_next_requests(checkpoint):
                   [prompt_ids(25, 5), prompt_ids(12, 6), prompt_ids(31, 7), prompt_ids(17, 8)]):
         reference = target.generate(group, max_new_tokens=30, eos_token_id=[])
         assert torch.equal(gen.generate(group, max_new_tokens=30, eos_token_id=[]), reference)
+
+
+def test_rows_joining_a_running_batch(checkpoint):
+    """The serving pattern: a request joins while another runs (its prompt encoded from its last 6 tokens while
+    the other row's draft restarts after plain steps), another takes a finished row's place; each request's
+    output is target-only's."""
+    target = load(checkpoint("llama"), batch_size=2)
+    draft = load(checkpoint("llama-draft"), batch_size=2)
+    prompts = [PROMPT, prompt_ids(11, 5), prompt_ids(8, 9)]
+    budgets = [40, 12, 20]
+    references = [target.generate([p], max_new_tokens=n, eos_token_id=[])[0, len(p):].tolist()
+                  for p, n in zip(prompts, budgets)]
+    gen = SpeculativeGenerator(DraftModel(draft, window=6), target, 3, gate=True)
+    script = itertools.cycle([False] * 7 + [True] * 3)
+    gen.gate_meter.speculate = lambda: next(script)
+    engine = gen.engine
+    rows = {0: engine.add(prompts[0], max_new_tokens=budgets[0], eos_token_id=[])}
+    for _ in range(9):
+        engine.step()
+    rows[1] = engine.add(prompts[1], max_new_tokens=budgets[1], eos_token_id=[])
+    while not engine.rows[rows[1]].done:
+        engine.step()
+    outputs = {1: list(engine.rows[rows[1]].new)}
+    engine.release(rows[1])
+    rows[2] = engine.add(prompts[2], max_new_tokens=budgets[2], eos_token_id=[])
+    while not (engine.rows[rows[0]].done and engine.rows[rows[2]].done):
+        engine.step()
+    outputs |= {i: list(engine.rows[rows[i]].new) for i in (0, 2)}
+    assert [outputs[i] for i in range(3)] == references

@@ -29,13 +29,14 @@ at slots synced .., the width a re-read after a source step already has) until i
 encodings sample are discarded, so their noise comes from no row's stream (``discard``): a row's random stream
 does not depend on when its draft catches up.
 
-Window (``window`` = W, None: off): a row's draft never encodes more than W tokens at once. A deferred prompt
-longer than W is encoded from its last W tokens, and a catch-up span longer than W restarts the row's draft
-context at the last W tokens of S, in one context graph, instead of encoding the span. The draft then holds
-S[base:] for a per-row ``base`` (slot j, position j: S[base + j]) and proposes from that suffix of S, a shorter
-context, never a wrong one. So what a request's first speculative step, and a probe of the cost gate after many
-plain steps, cost is bounded by W tokens a row, however long the prompt or the run of plain steps was. Lossless
-(any proposal is: the target verifies it); the acceptance is what a draft reading the last W + tokens gets.
+Window (``window``, None: off): a row's draft never encodes more than ``window`` tokens at once. A deferred
+prompt longer than that is encoded from its last ``window`` tokens, and a catch-up span longer than that restarts
+the row's draft context at the last ``window`` tokens of S, in one context graph, instead of encoding the span.
+The draft then holds S[base:] for a per-row ``base`` (slot j, at position j, holds S[base + j]; everything above
+counts in slots, n - base for a row of length n) and proposes from that suffix of S: a shorter context, never a
+wrong one. So what a request's first speculative step, and a probe of the cost gate after many plain steps, cost
+is bounded by ``window`` tokens a row, however long the prompt or the run of plain steps was. Lossless (any
+proposal is: the target verifies it); the acceptance is that of a draft reading only the tokens since ``base``.
 
 Confidence stop (``p_min``, llama.cpp's ``--draft-p-min``, Hugging Face's ``assistant_confidence_threshold``):
 a greedy row stops drafting after the first token x_i its draft gives a probability below p_min (softmax of
