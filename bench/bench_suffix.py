@@ -90,8 +90,7 @@ class SuffixBenchOptions:
     """What the benchmark runs (the flags of ``parse_args``, same names): the target ``model`` and the
     ``draft_model`` of suffix+model (None: the shipped draft) scoring ``draft_vocab`` ids (None: all) with its own
     weight-only ``draft_quantization`` (None: the target's), confidence stop ``draft_p_min`` (None: none) and
-    window ``draft_window`` (None: none), the
-    suffix ``strategies``, the ``workloads``, the ``modes`` (offline, server), ``requests`` per workload (agent:
+    window ``draft_window`` (None: none), the suffix ``strategies``, the ``workloads``, the ``modes`` (offline, server), ``requests`` per workload (agent:
     sessions of ``turns`` requests), ``max_new_tokens`` per request, the server's ``concurrency`` and ``rows``
     (its batch; None: ``concurrency``), ``ks`` (each
     strategy once per k, named ``<strategy>-k<k>`` when there are several; None: the strategy's own k), ``gate``
