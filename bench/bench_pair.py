@@ -284,7 +284,7 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
         specs = draft_specs(cfg.draft_vocab, cfg.draft_quantization, cfg.draft_p_min, cfg.draft_window)
         if cfg.draft_variants is not None:
             specs = {suffix: spec for suffix, spec in specs.items() if variant_name(suffix) in cfg.draft_variants}
-        models: dict[tuple, DecoderModel] = {}     # one copy of the weights per load, shared by its p_min / window drafts
+        models: dict[tuple, DecoderModel] = {}     # one copy of the weights per load, shared by its variants
         drafts = {}
         for suffix, (overrides, p_min, window) in specs.items():
             key = tuple(sorted(overrides.items()))

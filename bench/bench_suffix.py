@@ -90,11 +90,11 @@ class SuffixBenchOptions:
     """What the benchmark runs (the flags of ``parse_args``, same names): the target ``model`` and the
     ``draft_model`` of suffix+model (None: the shipped draft) scoring ``draft_vocab`` ids (None: all) with its own
     weight-only ``draft_quantization`` (None: the target's), confidence stop ``draft_p_min`` (None: none) and
-    window ``draft_window`` (None: none), the suffix ``strategies``, the ``workloads``, the ``modes`` (offline, server), ``requests`` per workload (agent:
-    sessions of ``turns`` requests), ``max_new_tokens`` per request, the server's ``concurrency`` and ``rows``
-    (its batch; None: ``concurrency``), ``ks`` (each
-    strategy once per k, named ``<strategy>-k<k>`` when there are several; None: the strategy's own k), ``gate``
-    (every speculative system with the cost gate: ``gate=True``, ``specdec.gate``),
+    window ``draft_window`` (None: none), the suffix ``strategies``, the ``workloads``, the ``modes`` (offline,
+    server), ``requests`` per workload (agent: sessions of ``turns`` requests), ``max_new_tokens`` per request, the
+    server's ``concurrency`` and ``rows`` (its batch; None: ``concurrency``), ``ks`` (each strategy once per k,
+    named ``<strategy>-k<k>`` when there are several; None: the strategy's own k), ``gate`` (every speculative
+    system with the cost gate: ``gate=True``, ``specdec.gate``),
     the runtime (``backend``, ``amp``, ``quantization``, ``n_positions``, ``context_buckets``, ``prompt_weights``,
     ``prefix_cache``, ``prefix_cache_mb``, ``threads``),
     the workloads' ``seed``, ``output`` (None: bench/results/suffix_<model>.json) and the suffix options
