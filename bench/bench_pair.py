@@ -82,7 +82,7 @@ from specdec.core.chat import chat_ids
 from specdec.core.named_models import is_named_model, named_model_path
 from specdec.registry import REGISTRY, name_list
 from specdec.speculation.gate import GateMeter
-from specdec.tools.arguments import draft_p_min_value, int_list
+from specdec.tools.arguments import draft_p_min_value, int_list, positive_int
 from specdec.tools.bench import emit_json
 from specdec.tools.bench.llamacpp import (
     LlamaCppRun,
@@ -172,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--draft-p-min", type=draft_p_min_value, default=None, metavar="P",
                    help="also run every draft-model strategy with the draft's confidence stop at P (DraftModel's "
                         "p_min, on the same weights; systems named ...-p<P>)")
-    p.add_argument("--draft-window", type=int, default=None, metavar="W",
+    p.add_argument("--draft-window", type=positive_int, default=None, metavar="W",
                    help="also run each of those drafts encoding at most W tokens of a row at once (DraftModel's "
                         "window, on the same weights; systems named ...-w<W>)")
     p.add_argument("--draft-variants", type=lambda text: text.split(","), default=None, metavar="NAMES",
@@ -203,9 +203,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--output", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
     if a.max_new_tokens < 2 or min(a.num_prompts, a.per_category or 1, a.threads, a.warmup_tokens, a.batch_size,
-                                    a.draft_window or 1, *a.ks) < 1:
+                                    *a.ks) < 1:
         p.error("--max-new-tokens must be >= 2, --num-prompts, --per-category, --threads, --warmup-tokens, "
-                "--batch-size, --draft-window and every k >= 1")
+                "--batch-size and every k >= 1")
     if a.temperature < 0:
         p.error("--temperature must be >= 0 (0: greedy)")
     if a.draft_variants is not None:

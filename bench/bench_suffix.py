@@ -74,7 +74,7 @@ from specdec.options import (
 )
 from specdec.registry import REGISTRY, name_list
 from specdec.serving.server import ServeOptions
-from specdec.tools.arguments import add_suffix_arguments, draft_p_min_value, int_list
+from specdec.tools.arguments import add_suffix_arguments, draft_p_min_value, int_list, positive_int
 from specdec.tools.bench import emit_json
 from specdec.tools.bench.prompts import load_records
 from specdec.tools.bench.runtime import git_commit, machine_info
@@ -542,7 +542,7 @@ def parse_args(argv: list[str] | None = None) -> SuffixBenchOptions:
     p.add_argument("--draft-p-min", type=draft_p_min_value, default=None, metavar="P",
                    help="the draft model's confidence stop: a row stops drafting after a token the draft gives a "
                         "probability below P (DraftModel's p_min)")
-    p.add_argument("--draft-window", type=int, default=None, metavar="W",
+    p.add_argument("--draft-window", type=positive_int, default=None, metavar="W",
                    help="the draft model encodes at most W tokens of a row at once (DraftModel's window)")
     p.add_argument("--strategies", type=name_list(SUFFIX), default=["suffix", "suffix+model"],
                    help=f"comma list of {', '.join(SUFFIX)} (target-only always runs)")

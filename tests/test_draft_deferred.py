@@ -68,6 +68,24 @@ def test_the_first_speculative_step_encodes_each_started_row(checkpoint):
     assert len(encoded) == 2                               # once per row
 
 
+def recorded_run(gen: SpeculativeGenerator, draft, prompt: list[int], n: int):
+    """Greedy ``gen.generate([prompt], n)`` recording the width of every ``draft.step`` and every proposal →
+    (output, widths, [(len(S) at the step, the row's drafts)])."""
+    widths, proposals = [], []
+    step, propose = draft.step, gen.speculator.proposer.propose
+
+    def counted(tokens, *args, **kwargs):
+        widths.append(tokens.shape[1])
+        return step(tokens, *args, **kwargs)
+
+    def recorded(tail, lengths, k, params, rng):
+        proposal = propose(tail, lengths, k, params, rng)
+        proposals.append((int(lengths[0]), proposal.tokens[0].tolist()))
+        return proposal
+    draft.step, gen.speculator.proposer.propose = counted, recorded
+    return gen.generate([prompt], max_new_tokens=n, eos_token_id=[]), widths, proposals
+
+
 @pytest.mark.parametrize("shapes_free", [True, False], ids=["context-graph", "token-steps"])
 def test_a_draft_far_behind_catches_up(checkpoint, monkeypatch, shapes_free):
     """25 plain steps, then speculation: the draft encodes the prompt, then the 25 tokens it missed (one
@@ -80,21 +98,8 @@ def test_a_draft_far_behind_catches_up(checkpoint, monkeypatch, shapes_free):
     reference = target.generate([PROMPT], max_new_tokens=50, eos_token_id=[])
     gen = SpeculativeGenerator(DraftModel(draft), target, 4, gate=True)
     scripted_gate(gen, plain=25)
-    extended, widths = calls(draft, "extend"), []
-    step = draft.step
-
-    def counted(tokens, *args, **kwargs):
-        widths.append(tokens.shape[1])
-        return step(tokens, *args, **kwargs)
-    draft.step = counted
-    proposals, propose = [], gen.speculator.proposer.propose
-
-    def recorded(tail, lengths, k, params, rng):
-        proposal = propose(tail, lengths, k, params, rng)
-        proposals.append((int(lengths[0]), proposal.tokens[0].tolist()))
-        return proposal
-    gen.speculator.proposer.propose = recorded
-    out = gen.generate([PROMPT], max_new_tokens=50, eos_token_id=[])
+    extended = calls(draft, "extend")
+    out, widths, proposals = recorded_run(gen, draft, PROMPT, 50)
     assert torch.equal(out, reference)
     assert proposals[0][0] == len(PROMPT) + 26              # speculation began after 25 plain steps
     assert [(args[0], args[2]) for args, _ in extended] == ([(0, len(PROMPT))] if shapes_free else [])

@@ -11,7 +11,7 @@ from specdec import DraftModel, SpeculativeGenerator
 from specdec.lookup import LookupOrDraft, PromptLookup
 
 from conftest import load, prompt_ids
-from test_draft_deferred import calls, scripted_gate
+from test_draft_deferred import calls, recorded_run, scripted_gate
 
 PROMPT = prompt_ids(13, 3)
 
@@ -28,21 +28,8 @@ def test_a_windowed_draft_restarts_at_the_last_w_tokens(checkpoint, monkeypatch,
     reference = target.generate([PROMPT], max_new_tokens=50, eos_token_id=[])
     gen = SpeculativeGenerator(DraftModel(draft, window=8), target, 4, gate=True)
     scripted_gate(gen, plain=25)
-    encoded, extended, widths = calls(draft, "prefill"), calls(draft, "extend"), []
-    step = draft.step
-
-    def counted(tokens, *args, **kwargs):
-        widths.append(tokens.shape[1])
-        return step(tokens, *args, **kwargs)
-    draft.step = counted
-    proposals, propose = [], gen.speculator.proposer.propose
-
-    def recorded(tail, lengths, k, params, rng):
-        proposal = propose(tail, lengths, k, params, rng)
-        proposals.append((int(lengths[0]), proposal.tokens[0].tolist()))
-        return proposal
-    gen.speculator.proposer.propose = recorded
-    out = gen.generate([PROMPT], max_new_tokens=50, eos_token_id=[])
+    encoded, extended = calls(draft, "prefill"), calls(draft, "extend")
+    out, widths, proposals = recorded_run(gen, draft, PROMPT, 50)
     assert torch.equal(out, reference)
     first = len(PROMPT) + 26                                   # the length at the first speculative step
     assert proposals[0][0] == first
