@@ -50,7 +50,10 @@ class SpeculativeGenerator:
     ``gate=True`` or a ``CostGate(probe_every, smoothing, max_probe_every, warmup)`` (unfused): each step is
     speculative or plain, whichever kind has been emitting tokens faster (measured wall time, after a
     warm-up of both kinds; the other kind is probed now and then), so speculation that does not pay
-    falls back to decoding; lossless (``specdec.speculation.gate``). ``gate_meter`` holds the measurements.
+    falls back to decoding; lossless (``specdec.speculation.gate``). ``gate_meter`` holds the measurements. A
+    combination of a text source and a model (``lookup+X``, ``suffix+X``: ``MatchOrDraft``) also drafts with the
+    model, where the source has no match, only while that pays (``MatchOrDraft.gate_drafts``: its
+    ``draft_meter``).
     """
 
     def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int | None = None, *,
@@ -71,6 +74,8 @@ class SpeculativeGenerator:
             raise ValueError("k (draft tokens per step) is required for a chain draft")
         policy = _adaptive_policy(adaptive, proposer, depth is not None, fused)
         self.gate_meter = _gate_meter(gate, fused)
+        if self.gate_meter is not None:     # a combination also gates its model's drafts where its source misses
+            proposer.gate_drafts(self.gate_meter.gate)
         self.speculator = FusedSpeculator(proposer, target, k) if fused else \
             Speculator(proposer, target, k, policy, self.gate_meter)
         proposer.check_target(target)

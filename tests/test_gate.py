@@ -1,6 +1,7 @@
 """Speculate only while it pays (``specdec.speculation.gate``): the policy, greedy identity with target-only when the
 gate mixes speculative and plain steps (draft model, prompt lookup, EAGLE-2 trees with the lookup branch;
-batch 3 and 1), a gate that turns slow speculation off and keeps fast speculation on, chi-square
+batch 3 and 1), a gate that turns slow speculation off and keeps fast speculation on, a combination's model
+drafting at misses only while it pays, chi-square
 losslessness of mixed steps, and the API / CLI / bench-spec boundaries."""
 import pytest
 import torch
@@ -28,9 +29,10 @@ class Clock:
         self.t += seconds
 
 
-def record_kinds(gen: SpeculativeGenerator) -> list[bool]:
-    """Wrap the meter's ``record``: one entry per step, True for a speculative step."""
-    kinds, meter = [], gen.gate_meter
+def record_kinds(gen: SpeculativeGenerator, meter: GateMeter | None = None) -> list[bool]:
+    """Wrap the meter's ``record`` (default: the generator's gate): one entry per step, True for a speculative
+    step (a combination's ``draft_meter``: a step at a miss where the model drafted)."""
+    kinds, meter = [], meter or gen.gate_meter
     record = meter.record
 
     def recorded(speculated, tokens, seconds):
@@ -149,6 +151,46 @@ def test_slow_speculation_is_turned_off_and_fast_speculation_kept(checkpoint):
     assert kinds[0] and kinds.count(True) >= 0.8 * len(kinds)          # (rows finishing: fewer tokens)
 
 
+def test_a_combination_drafts_with_its_model_at_misses_only_while_that_pays(checkpoint):
+    """lookup + draft with the gate: the steps where some row's lookup has no match ("misses") are measured in
+    two kinds, the model drafting for those rows or not. Both kinds run (probe_every=2) with greedy output equal
+    to target-only; a draft that costs 50 decode steps stops drafting after the warm-up (one probe per
+    probe_every misses) while the lookup's own drafts keep being verified; a combination without the gate
+    drafts with the model at every miss (no ``draft_meter``)."""
+    target = load(checkpoint("llama"), batch_size=3)
+    reference = target.generate(PROMPTS, max_new_tokens=60, eos_token_id=[])
+    draft = load(checkpoint("llama-draft"), batch_size=3)
+    mixed = SpeculativeGenerator(proposer("lookup+draft", target, draft), target, 4,
+                                 gate=CostGate(probe_every=2, max_probe_every=2))
+    kinds = record_kinds(mixed, mixed.proposer.draft_meter)
+    assert torch.equal(mixed.generate(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
+    assert kinds.count(True) >= 3 and kinds.count(False) >= 3
+
+    clock = Clock()
+    slow = SpeculativeGenerator(proposer("lookup+draft", target, draft), target, 4, gate=True)
+    slow.gate_meter.speculate = lambda: True       # every step speculative: only the drafts' meter chooses
+    meter = slow.proposer.draft_meter
+    meter.clock = clock
+    model, drafted = slow.proposer.draft, []
+    propose = model.propose
+
+    def slow_propose(*args, **kwargs):
+        clock.charge(50.0)
+        drafted.append(True)
+        return propose(*args, **kwargs)
+    model.propose = slow_propose
+    kinds = record_kinds(slow, meter)
+    verified = []
+    step = slow.speculator.verifier.verify
+    slow.speculator.verifier.verify = lambda *a, **kw: verified.append(True) or step(*a, **kw)
+    assert torch.equal(slow.generate(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
+    assert kinds[:8] == [True, False] * 4 and len(kinds) > 20
+    assert kinds[8:].count(True) <= len(kinds[8:]) // 16 + 1
+    assert len(drafted) == kinds.count(True)            # the model drafts at a miss only when the gate says so
+    assert len(verified) > len(drafted)                 # the lookup's drafts were verified without it
+    assert SpeculativeGenerator(proposer("lookup+draft", target, draft), target, 4).proposer.draft_meter is None
+
+
 def test_greedy_tree_with_lookup_branch_equals_target_only_with_mixed_steps(tiny):
     from specdec import DynamicTree, EagleTreeDraft, LookupBranch, PromptLookup
 
@@ -166,14 +208,17 @@ def test_greedy_tree_with_lookup_branch_equals_target_only_with_mixed_steps(tiny
 
 # ---------------------------------------------------------------- lossless sampling
 
-@pytest.mark.parametrize("kind", ["draft", "lookup"])
+@pytest.mark.parametrize("kind", ["draft", "lookup", "lookup+draft"])
 def test_sampling_with_mixed_steps_is_lossless(lossless_models, kind):
+    """lookup+draft: the model's drafts at misses gated too (both kinds at misses, every call)."""
     target_hf, target, drafts = lossless_models
     gen = SpeculativeGenerator(proposer(kind, target, drafts["full"]), target, 2,
                                gate=CostGate(probe_every=2, max_probe_every=2))
     kinds = record_kinds(gen)
+    misses = record_kinds(gen, gen.proposer.draft_meter) if kind == "lookup+draft" else [True, False] * 20
     pvalue = lossless_pvalue(target_hf, target, gen, dict(temperature=0.7), 4)      # 20,480 samples of 4 tokens
     assert kinds.count(True) >= 40 and kinds.count(False) >= 40                   # both kinds in every call
+    assert misses.count(True) >= 20 and misses.count(False) >= 20
     assert pvalue > 1e-3
 
 

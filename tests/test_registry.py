@@ -114,7 +114,8 @@ def test_every_proposer_class_declares_its_abilities(cls):
     """The methods a class declares are the ones it has (the attributes: ``check_declared`` on instances)."""
     assert issubclass(cls, BaseProposer) and cls.abilities <= set(ABILITIES), cls.abilities - set(ABILITIES)
     assert ("fused_drafter" in cls.abilities) == callable(cls.fused_drafter)
-    for ability, method in [("check_target",) * 2, ("reread_width",) * 2, ("finished",) * 2, ("deferred", "flush")]:
+    for ability, method in [("check_target",) * 2, ("reread_width",) * 2, ("finished",) * 2, ("gate_drafts",) * 2,
+                           ("deferred", "flush")]:
         assert (ability in cls.abilities) == (getattr(cls, method) is not getattr(BaseProposer, method)), method
     assert "pending" not in cls.abilities or "depth" in cls.abilities
     assert "padded" not in cls.abilities or "depth" not in cls.abilities

@@ -21,6 +21,16 @@ that differs from its own drafts (or all of them, after a skipped step) and re-r
 (``drafted``), model rows k or the model's own count (a draft model's confidence stop) (``Proposal.num_drafts``),
 so a step verifies only the longest real draft.
 
+Gated drafts (``gate_drafts(gate)``; ``SpeculativeGenerator(..., gate=True)`` calls it): the source's drafts
+cost only their verify, the model's cost its draft steps too, which a CPU may not earn back where the text is
+new. A ``GateMeter`` then measures the steps where some row has no source match ("misses") in two kinds, those
+where the model drafts for those rows and those where it does not (they verify the other rows' source drafts
+or decode plainly), each from ``propose`` to ``accepted`` (the model's draft steps and catch-up, the verify):
+the emitted tokens of every row over the seconds, moving averages, warm-up and probes as the cost gate's
+(``specdec.speculation.gate``). At a miss the faster kind runs. Lossless as the gate is: the choice is a
+function of earlier steps' clock readings, never of this step's drafts or noise; a row without drafts takes
+the target's token. Per batch, like the gate.
+
 Sampling: source rows' proposals are deterministic (q one-hot on the proposed token), model rows' are
 sampled from the model's q. In a batch that mixes them, source rows get q = onehot(x) (a scatter into
 zeros [B, k, V]): the rejection rule with a one-hot q *is* the one-hot rule (accept x with probability
@@ -36,6 +46,7 @@ from typing import Protocol
 import torch
 
 from ..core.sampling import any_sampled
+from .gate import CostGate, GateMeter
 from .proposer import BaseProposer, Proposal, Proposer, Verified, declared
 
 
@@ -58,10 +69,12 @@ class MatchOrDraft(BaseProposer):
     """Per row, ``source``'s proposal when its match is at least ``min_match`` tokens, else ``draft``'s (a
     chain ``specdec.speculation.proposer.Proposer``, declared: ``specdec.speculation.proposer.declared``); itself a
     chain proposer.
-    ``from_source`` [B] bool: which rows the last proposal took from the source. Subclasses name the source
-    (``LookupOrDraft.lookup``, ``SuffixOrDraft.suffix``) and check ``min_match`` against it."""
+    ``from_source`` [B] bool: which rows the last proposal took from the source. ``draft_meter``: the
+    ``GateMeter`` of the model's drafts at misses (``gate_drafts``; None: the model drafts at every miss).
+    Subclasses name the source (``LookupOrDraft.lookup``, ``SuffixOrDraft.suffix``) and check ``min_match``
+    against it."""
 
-    abilities = frozenset({"check_target", "draft", "finished", "padded", "deferred"})
+    abilities = frozenset({"check_target", "draft", "finished", "padded", "deferred", "gate_drafts"})
 
     def __init__(self, source: MatchSource, draft: Proposer, min_match: int):
         draft = declared(draft)
@@ -76,6 +89,13 @@ class MatchOrDraft(BaseProposer):
         self.source, self.draft, self.min_match = source, draft, min_match
         self.vocab_size, self.batch_size = draft.vocab_size, draft.batch_size
         self.from_source = torch.zeros(self.batch_size, dtype=torch.bool)
+        self.draft_meter: GateMeter | None = None
+        self._miss: tuple[bool, float] | None = None    # this step's kind at a miss (model drafts?) and its start
+
+    def gate_drafts(self, gate: CostGate) -> None:
+        """Draft with the model at a miss only while such steps emit tokens faster than steps without it
+        (module docstring); ``gate``'s warm-up, probes and smoothing."""
+        self.draft_meter = GateMeter(gate)
 
     def check_target(self, target) -> None:
         """The model proposer's own check (``SpeculativeGenerator`` calls it)."""
@@ -95,13 +115,18 @@ class MatchOrDraft(BaseProposer):
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
         tokens, matched = self.source.matches(tail, lengths, k)
         self.from_source = matched >= self.min_match
-        real = torch.where(self.from_source, self.source.drafted, k)
-        if bool(self.from_source.all()) and "resyncs" in self.draft.abilities and not any_sampled(params):
-            # the model's drafts would go unused (sampling: it still drafts, so a row's random stream is the
-            # same whatever its batch neighbours take)
+        drafting = True         # whether the model drafts for the rows without a match
+        if self.draft_meter is not None and not bool(self.from_source.all()):
+            drafting = self.draft_meter.speculate()
+            self._miss = (drafting, self.draft_meter.clock())
+        real = torch.where(self.from_source, self.source.drafted, k if drafting else 0)
+        unused = bool(self.from_source.all()) and not any_sampled(params)
+        if (unused or not drafting) and "resyncs" in self.draft.abilities:
+            # the model's drafts would go unused (sampling with every row on the source: it still drafts, so a
+            # row's random stream is the same whatever its batch neighbours take; the gate's choice is per batch)
             return Proposal(tokens, num_drafts=real)
         model = self.draft.propose(tail, lengths, k, params, rng)    # the model tracks the sequence
-        if model.num_drafts is not None:     # a padded model proposer (a draft model's confidence stop)
+        if model.num_drafts is not None and drafting:    # a padded model proposer (a draft model's confidence stop)
             real = torch.where(self.from_source, self.source.drafted, model.num_drafts.cpu())
         use = self.from_source.to(model.tokens.device)
         tokens = torch.where(use.unsqueeze(1), tokens.to(model.tokens.device), model.tokens)
@@ -117,6 +142,12 @@ class MatchOrDraft(BaseProposer):
     def accepted(self, lengths, verified: Verified) -> None:
         self.source.accepted(lengths, verified)
         self.draft.accepted(lengths, verified)
+        if self._miss is not None:      # a step at a miss ends: its kind's tokens and seconds
+            drafting, started = self._miss
+            assert self.draft_meter is not None
+            tokens = int((verified.num_accepted.cpu() + 1).sum())
+            self.draft_meter.record(drafting, tokens, self.draft_meter.clock() - started)
+            self._miss = None
 
     def finished(self, rows: Sequence[int], lengths: Sequence[int] | None = None) -> None:
         """Both proposers hear that the requests in ``rows`` ended."""

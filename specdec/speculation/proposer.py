@@ -28,7 +28,7 @@ wrapped as ``PlainProposer`` (no optional abilities); one that carries an abilit
 declaring it is refused by name, so nothing it has is silently ignored.
 Invariants (``tests/test_registry.py`` checks them for every proposer class): "depth" declared ⇔
 ``depth`` is an int, and likewise ``verifier`` / ``verify_size`` / ``model`` / ``draft`` / ``fused_drafter`` /
-``cache`` not None; a method ability (``check_target``, ``reread_width``, ``finished``; "deferred":
+``cache`` not None; a method ability (``check_target``, ``reread_width``, ``finished``, ``gate_drafts``; "deferred":
 ``flush``) is declared ⇔ the class overrides ``BaseProposer``'s default; "pending" is declared only with
 "depth" (a dynamic tree proposer), "padded" only without it (chains), "fused_drafter" only with "model" (the
 fused graph sizes the draft's cache from it).
@@ -136,6 +136,9 @@ ABILITIES = {
     "deferred": "flush(params): its start puts work off (a draft model's prompt encoding, so a request that never "
                 "speculates never runs it); flush does it now: the speculation step before a step that speculates "
                 "(outside the gate's timing), a fused step at start",
+    "gate_drafts": "gate_drafts(gate): a combination measures its model's steps against plain ones where its text "
+                   "source has no match and drafts with the model only while that pays (SpeculativeGenerator's "
+                   "gate=); default: ignored",
     "padded": "its chains end in padding where a row has fewer than k drafts (Proposal.num_drafts says how "
               "many are real): a greedy step verifies only the longest active row's real drafts, and is a "
               "plain decode step when no row has any, so its verify graphs are 2 .. k + 1 tokens wide",
@@ -179,6 +182,10 @@ class BaseProposer:
 
     def flush(self, params: torch.Tensor) -> None:
         """Nothing deferred (a proposer declaring "deferred" does now what its ``start`` put off)."""
+
+    def gate_drafts(self, gate) -> None:
+        """Nothing to gate (a proposer declaring "gate_drafts" gates its model's drafts with ``gate``, a
+        ``specdec.speculation.gate.CostGate``)."""
 
     def finished(self, rows: Sequence[int], lengths: Sequence[int] | None = None) -> None:
         """Nothing to learn (a proposer declaring "finished" is told that the requests in ``rows`` ended;
