@@ -24,12 +24,12 @@ so a step verifies only the longest real draft.
 Gated drafts (``gate_drafts(gate)``; ``SpeculativeGenerator(..., gate=True)`` calls it): the source's drafts
 cost only their verify, the model's cost its draft steps too, which a CPU may not earn back where the text is
 new. A ``GateMeter`` then measures the steps where some row has no source match ("misses") in two kinds, those
-where the model drafts for those rows and those where it does not (they verify the other rows' source drafts
-or decode plainly), each from ``propose`` to ``accepted`` (the model's draft steps and catch-up, the verify):
-the emitted tokens of every row over the seconds, moving averages, warm-up and probes as the cost gate's
-(``specdec.speculation.gate``). At a miss the faster kind runs. Lossless as the gate is: the choice is a
-function of earlier steps' clock readings, never of this step's drafts or noise; a row without drafts takes
-the target's token. Per batch, like the gate.
+where the model drafts for those rows and those where they take the source's drafts anyway (a match shorter
+than ``min_match``, or none: a plain decode step when no row has any), each from ``propose`` to ``accepted``
+(the model's draft steps and catch-up, the verify): the emitted tokens of every row over the seconds, moving
+averages, warm-up and probes as the cost gate's (``specdec.speculation.gate``). At a miss the faster kind
+runs. Lossless as the gate is: the choice is a function of earlier steps' clock readings, never of this step's
+drafts or noise; a row without drafts takes the target's token. Per batch, like the gate.
 
 Sampling: source rows' proposals are deterministic (q one-hot on the proposed token), model rows' are
 sampled from the model's q. In a batch that mixes them, source rows get q = onehot(x) (a scatter into
@@ -119,14 +119,16 @@ class MatchOrDraft(BaseProposer):
         if self.draft_meter is not None and not bool(self.from_source.all()):
             drafting = self.draft_meter.speculate()
             self._miss = (drafting, self.draft_meter.clock())
-        real = torch.where(self.from_source, self.source.drafted, k if drafting else 0)
-        unused = bool(self.from_source.all()) and not any_sampled(params)
-        if (unused or not drafting) and "resyncs" in self.draft.abilities:
-            # the model's drafts would go unused (sampling with every row on the source: it still drafts, so a
-            # row's random stream is the same whatever its batch neighbours take; the gate's choice is per batch)
+        if not drafting:        # every row takes the source's drafts: a shorter match's, or none
+            self.from_source = torch.ones_like(self.from_source)
+        real = torch.where(self.from_source, self.source.drafted, k)
+        if bool(self.from_source.all()) and (not drafting or not any_sampled(params)) \
+                and "resyncs" in self.draft.abilities:
+            # the model's drafts would go unused (sampling with every row matched: it still drafts, so a row's
+            # random stream is the same whatever its batch neighbours take; the gate's choice is per batch)
             return Proposal(tokens, num_drafts=real)
         model = self.draft.propose(tail, lengths, k, params, rng)    # the model tracks the sequence
-        if model.num_drafts is not None and drafting:    # a padded model proposer (a draft model's confidence stop)
+        if model.num_drafts is not None:     # a padded model proposer (a draft model's confidence stop)
             real = torch.where(self.from_source, self.source.drafted, model.num_drafts.cpu())
         use = self.from_source.to(model.tokens.device)
         tokens = torch.where(use.unsqueeze(1), tokens.to(model.tokens.device), model.tokens)
