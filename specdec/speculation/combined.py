@@ -106,8 +106,11 @@ class MatchOrDraft(BaseProposer):
         self.draft.start(rows, prompts, params, rng, target_out)
 
     def flush(self, params) -> None:
-        """What the model proposer's ``start`` deferred (a draft model's prompt encoding), done now."""
-        self.draft.flush(params)
+        """What the model proposer's ``start`` deferred (a draft model's prompt encoding), done now; with gated
+        drafts, before the model's next drafts instead (``propose``; a request whose misses never take the model
+        never pays it), outside the measured time as the gate's rates leave it out."""
+        if self.draft_meter is None:
+            self.draft.flush(params)
 
     def max_draft_tokens(self, length: int) -> int:
         return min(self.source.max_draft_tokens(length), self.draft.max_draft_tokens(length))
@@ -118,6 +121,8 @@ class MatchOrDraft(BaseProposer):
         drafting = True         # whether the model drafts for the rows without a match
         if self.draft_meter is not None and not bool(self.from_source.all()):
             drafting = self.draft_meter.speculate()
+            if drafting:
+                self.draft.flush(params)
             self._miss = (drafting, self.draft_meter.clock())
         if not drafting:        # every row takes the source's drafts: a shorter match's, or none
             self.from_source = torch.ones_like(self.from_source)
