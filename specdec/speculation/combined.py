@@ -107,9 +107,10 @@ class MatchOrDraft(BaseProposer):
 
     def flush(self, params) -> None:
         """What the model proposer's ``start`` deferred (a draft model's prompt encoding), done now; with gated
-        drafts, before the model's next drafts instead (``propose``; a request whose misses never take the model
-        never pays it), outside the measured time as the gate's rates leave it out."""
-        if self.draft_meter is None:
+        drafts, only when the model's kind is next at a miss (``draft_meter.speculate()``, which reads earlier
+        steps only), so a request whose misses never take the model never pays it. The speculation step calls
+        it before each speculative step, outside every rate the gates measure."""
+        if self.draft_meter is None or self.draft_meter.speculate():
             self.draft.flush(params)
 
     def max_draft_tokens(self, length: int) -> int:
@@ -120,9 +121,7 @@ class MatchOrDraft(BaseProposer):
         self.from_source = matched >= self.min_match
         drafting = True         # whether the model drafts for the rows without a match
         if self.draft_meter is not None and not bool(self.from_source.all()):
-            drafting = self.draft_meter.speculate()
-            if drafting:
-                self.draft.flush(params)
+            drafting = self.draft_meter.speculate()     # (flush ran the model's deferred work when it is True)
             self._miss = (drafting, self.draft_meter.clock())
         if not drafting:        # every row takes the source's drafts: a shorter match's, or none
             self.from_source = torch.ones_like(self.from_source)
