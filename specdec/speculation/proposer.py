@@ -136,9 +136,9 @@ ABILITIES = {
     "deferred": "flush(params): its start puts work off (a draft model's prompt encoding, so a request that never "
                 "speculates never runs it); flush does it now: the speculation step before a step that speculates "
                 "(outside the gate's timing), a fused step at start",
-    "gate_drafts": "gate_drafts(gate): a combination measures its model's steps against plain ones where its text "
-                   "source has no match and drafts with the model only while that pays (SpeculativeGenerator's "
-                   "gate=); default: ignored",
+    "gate_drafts": "gate_drafts(gate): where its text source has no match, a combination measures its model's "
+                   "drafts against the source's shorter matches (or plain steps) and drafts with the model only "
+                   "while that pays (SpeculativeGenerator's gate=); default: ignored",
     "padded": "its chains end in padding where a row has fewer than k drafts (Proposal.num_drafts says how "
               "many are real): a greedy step verifies only the longest active row's real drafts, and is a "
               "plain decode step when no row has any, so its verify graphs are 2 .. k + 1 tokens wide",
