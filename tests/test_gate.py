@@ -215,10 +215,10 @@ def test_sampling_with_mixed_steps_is_lossless(lossless_models, kind):
     gen = SpeculativeGenerator(proposer(kind, target, drafts["full"]), target, 2,
                                gate=CostGate(probe_every=2, max_probe_every=2))
     kinds = record_kinds(gen)
-    misses = record_kinds(gen, gen.proposer.draft_meter) if kind == "lookup+draft" else [True, False] * 20
+    misses = record_kinds(gen, gen.proposer.draft_meter) if kind == "lookup+draft" else None
     pvalue = lossless_pvalue(target_hf, target, gen, dict(temperature=0.7), 4)      # 20,480 samples of 4 tokens
     assert kinds.count(True) >= 40 and kinds.count(False) >= 40                   # both kinds in every call
-    assert misses.count(True) >= 20 and misses.count(False) >= 20
+    assert misses is None or (misses.count(True) >= 20 and misses.count(False) >= 20)
     assert pvalue > 1e-3
 
 
