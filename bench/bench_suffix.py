@@ -61,6 +61,7 @@ sys.path.insert(0, str(REPO))
 
 from specdec import DecoderModel, Engine
 from specdec.core.chat import chat_ids, conversation_ids
+from specdec.core.named_models import is_named_model
 from specdec.generator import SpeculativeGenerator
 from specdec.options import (
     DRAFT_QUANTIZATIONS,
@@ -630,12 +631,18 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
+def default_output(model: str) -> str:
+    """``bench/results/suffix_<name>.json``: a named model's name whole (``qwen2.5-coder-1.5b-instruct``), a
+    checkpoint path's file or folder name without its suffix."""
+    name = model if model == EMBEDDED_NAME or is_named_model(model) else Path(model).stem
+    return str(REPO / "bench" / "results" / f"suffix_{name}.json")
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads)
     torch.set_grad_enabled(False)
-    name = cfg.model if cfg.model == EMBEDDED_NAME else Path(cfg.model).stem
-    output = cfg.output or str(REPO / "bench" / "results" / f"suffix_{name}.json")
+    output = cfg.output or default_output(cfg.model)
     result: dict = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(),
                     "machine": machine_info(), "config": {**asdict(cfg), "output": output}}
     log(f"loading {cfg.model} ...")

@@ -322,6 +322,12 @@ def test_suffix_benchmark_interleaves_systems_request_by_request(monkeypatch):
     assert [c[0] for c in calls] == ["a", "b", "b", "a"]
 
 
+def test_suffix_benchmark_names_its_default_output_after_the_whole_model_name(monkeypatch):
+    bench = bench_script("bench_suffix", monkeypatch)
+    assert bench.default_output("qwen2.5-coder-1.5b-instruct").endswith("/suffix_qwen2.5-coder-1.5b-instruct.json")
+    assert bench.default_output("/models/tiny.gguf").endswith("/suffix_tiny.json")
+
+
 def test_suffix_benchmark_runs_every_system_once_per_prefix_store_size(monkeypatch):
     bench = bench_script("bench_suffix", monkeypatch)
     cfg = bench.parse_args(["--strategies", "suffix", "--modes", "server", "--prefix-cache",
