@@ -254,6 +254,7 @@ class OurSystem:
     generate: Callable[..., torch.Tensor]
     last_stats: Callable[[], SpecStats] | None = None
     gate_meter: GateMeter | None = None       # the cost gate's measurements (``-gate`` systems)
+    reset_gate: Callable[[], None] | None = None     # forgets them (and a combination's draft meter)
 
 
 @dataclass
@@ -301,7 +302,7 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
                     gen = SpeculativeGenerator(REGISTRY[strategy].build(target, part=draft), target, k, gate=gate)
                     name = f"specdec-{strategy}-k{k}{suffix}{'-gate' if gate else ''}"
                     systems[name] = OurSystem(name, strategy, k, gen.generate, lambda gen=gen: gen.last_stats,
-                                              gen.gate_meter)
+                                              gen.gate_meter, gen.reset_gate)
     return systems
 
 
@@ -433,8 +434,8 @@ def warm_up(ours: dict[str, OurSystem], llamas: dict[str, LlamaSystem], groups: 
         start = time.perf_counter()
         for i, group in enumerate(warm):
             system.generate(group, max_new_tokens=n_new, eos_token_id=[], **sampling(cfg, i))
-        if system.gate_meter is not None:
-            system.gate_meter.reset()       # the timed runs teach the gate from scratch
+        if system.reset_gate is not None:
+            system.reset_gate()             # the timed runs teach the gate from scratch
         log(f"warm-up {name}: {time.perf_counter() - start:.1f} s")
     for name, system in llamas.items():
         assert llama_files is not None

@@ -52,8 +52,8 @@ class SpeculativeGenerator:
     warm-up of both kinds; the other kind is probed now and then), so speculation that does not pay
     falls back to decoding; lossless (``specdec.speculation.gate``). ``gate_meter`` holds the measurements. A
     combination of a text source and a model (``lookup+X``, ``suffix+X``: ``MatchOrDraft``) also drafts with the
-    model, where the source has no match, only while that pays (``MatchOrDraft.gate_drafts``: its
-    ``draft_meter``).
+    model, where the source has no match, only while that pays (``MatchOrDraft.gate_drafts``; its measurements:
+    ``draft_meter``, None for other proposers). ``reset_gate()`` forgets both.
     """
 
     def __init__(self, draft: DecoderModel | Proposer, target: DecoderModel, k: int | None = None, *,
@@ -74,13 +74,20 @@ class SpeculativeGenerator:
             raise ValueError("k (draft tokens per step) is required for a chain draft")
         policy = _adaptive_policy(adaptive, proposer, depth is not None, fused)
         self.gate_meter = _gate_meter(gate, fused)
-        if self.gate_meter is not None:     # a combination also gates its model's drafts where its source misses
-            proposer.gate_drafts(self.gate_meter.gate)
+        # a combination also gates its model's drafts where its source misses
+        self.draft_meter = proposer.gate_drafts(self.gate_meter.gate) if self.gate_meter is not None else None
         self.speculator = FusedSpeculator(proposer, target, k) if fused else \
             Speculator(proposer, target, k, policy, self.gate_meter)
         proposer.check_target(target)
         self.proposer, self.target, self.k = proposer, target, k
         self.engine = Engine(target, self.speculator)
+
+    def reset_gate(self) -> None:
+        """Forget what the cost gate (and a combination's draft meter) measured: the next steps warm up again,
+        e.g. after untimed warm-up runs or when the machine's load changes. Nothing without a gate."""
+        for meter in (self.gate_meter, self.draft_meter):
+            if meter is not None:
+                meter.reset()
 
     @property
     def stats(self) -> SpecStats:

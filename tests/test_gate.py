@@ -55,16 +55,18 @@ def record_decisions(gen: SpeculativeGenerator) -> list[bool]:
     return decisions
 
 
-def slowed(gen: SpeculativeGenerator, clock: Clock, seconds: float) -> SpeculativeGenerator:
-    """Every proposal (speculative steps only) costs ``seconds`` more on ``clock``."""
-    propose = gen.proposer.propose
+def slowed(proposer, meter: GateMeter, seconds: float) -> list[bool]:
+    """Every ``proposer.propose`` call costs ``seconds`` more on a fake ``Clock``, which ``meter`` reads → one
+    entry per call."""
+    propose, clock, calls = proposer.propose, Clock(), []
 
     def slow(*args, **kwargs):
         clock.charge(seconds)
+        calls.append(True)
         return propose(*args, **kwargs)
-    gen.proposer.propose = slow
-    gen.gate_meter.clock = clock
-    return gen
+    proposer.propose = slow
+    meter.clock = clock
+    return calls
 
 
 # ---------------------------------------------------------------- the policy
@@ -140,12 +142,14 @@ def test_slow_speculation_is_turned_off_and_fast_speculation_kept(checkpoint):
     target = load(checkpoint("llama"), batch_size=3)
     reference = target.generate(PROMPTS, max_new_tokens=60, eos_token_id=[])
     draft = load(checkpoint("llama-draft"), batch_size=3)
-    slow = slowed(SpeculativeGenerator(proposer("draft", target, draft), target, 4, gate=True), Clock(), 50.0)
+    slow = SpeculativeGenerator(proposer("draft", target, draft), target, 4, gate=True)
+    slowed(slow.proposer, slow.gate_meter, 50.0)
     kinds = record_kinds(slow)
     assert torch.equal(slow.generate(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
     assert kinds[:8] == [True, False] * 4
     assert kinds[8:].count(True) <= len(kinds[8:]) // 16 + 1 and len(kinds) > 20
-    fast = slowed(SpeculativeGenerator(proposer("lookup", target, draft), target, 4, gate=True), Clock(), 0.0)
+    fast = SpeculativeGenerator(proposer("lookup", target, draft), target, 4, gate=True)
+    slowed(fast.proposer, fast.gate_meter, 0.0)
     kinds = record_decisions(fast)
     assert torch.equal(fast.generate(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
     assert kinds[0] and kinds.count(True) >= 0.8 * len(kinds)          # (rows finishing: fewer tokens)
@@ -166,19 +170,11 @@ def test_a_combination_drafts_with_its_model_at_misses_only_while_that_pays(chec
     assert torch.equal(mixed.generate(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
     assert kinds.count(True) >= 3 and kinds.count(False) >= 3
 
-    clock = Clock()
     slow = SpeculativeGenerator(proposer("lookup+draft", target, draft), target, 4, gate=True)
     slow.gate_meter.speculate = lambda: True       # every step speculative: only the drafts' meter chooses
-    meter = slow.proposer.draft_meter
-    meter.clock = clock
-    model, drafted = slow.proposer.draft, []
-    propose = model.propose
-
-    def slow_propose(*args, **kwargs):
-        clock.charge(50.0)
-        drafted.append(True)
-        return propose(*args, **kwargs)
-    model.propose = slow_propose
+    meter = slow.draft_meter
+    assert meter is slow.proposer.draft_meter
+    drafted = slowed(slow.proposer.draft, meter, 50.0)
     kinds = record_kinds(slow, meter)
     verified = []
     step = slow.speculator.verifier.verify
@@ -189,6 +185,11 @@ def test_a_combination_drafts_with_its_model_at_misses_only_while_that_pays(chec
     assert len(drafted) == kinds.count(True)            # the model drafts at a miss only when the gate says so
     assert len(verified) > len(drafted)                 # the lookup's drafts were verified without it
     assert SpeculativeGenerator(proposer("lookup+draft", target, draft), target, 4).proposer.draft_meter is None
+    slow.reset_gate()       # both meters forget: the next request warms up both kinds again
+    assert slow.gate_meter.steps == meter.steps == {True: 0, False: 0}
+    kinds.clear()
+    assert torch.equal(slow.generate(PROMPTS, max_new_tokens=60, eos_token_id=[]), reference)
+    assert kinds[:8] == [True, False] * 4
 
 
 def test_greedy_tree_with_lookup_branch_equals_target_only_with_mixed_steps(tiny):

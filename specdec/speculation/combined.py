@@ -92,10 +92,11 @@ class MatchOrDraft(BaseProposer):
         self.draft_meter: GateMeter | None = None
         self._miss: tuple[bool, float] | None = None    # this step's kind at a miss (model drafts?) and its start
 
-    def gate_drafts(self, gate: CostGate) -> None:
+    def gate_drafts(self, gate: CostGate) -> GateMeter:
         """Draft with the model at a miss only while such steps emit tokens faster than steps without it
-        (module docstring); ``gate``'s warm-up, probes and smoothing."""
+        (module docstring); ``gate``'s warm-up, probes and smoothing → the meter (``draft_meter``)."""
         self.draft_meter = GateMeter(gate)
+        return self.draft_meter
 
     def check_target(self, target) -> None:
         """The model proposer's own check (``SpeculativeGenerator`` calls it)."""

@@ -43,6 +43,7 @@ import torch
 
 from ..core.sampling import RowGenerators
 from ..core.target import StepOutput
+from .gate import CostGate, GateMeter
 from .tree import RowTrees
 
 
@@ -136,9 +137,10 @@ ABILITIES = {
     "deferred": "flush(params): its start puts work off (a draft model's prompt encoding, so a request that never "
                 "speculates never runs it); flush does it now: the speculation step before a step that speculates "
                 "(outside the gate's timing), a fused step at start",
-    "gate_drafts": "gate_drafts(gate): where its text source has no match, a combination measures its model's "
-                   "drafts against the source's shorter matches (or plain steps) and drafts with the model only "
-                   "while that pays (SpeculativeGenerator's gate=); default: ignored",
+    "gate_drafts": "gate_drafts(gate) -> GateMeter: where its text source has no match, a combination measures its "
+                   "model's drafts against the source's shorter matches (or plain steps) and drafts with the model "
+                   "only while that pays (SpeculativeGenerator's gate=; it returns that meter); default: ignored "
+                   "(None)",
     "padded": "its chains end in padding where a row has fewer than k drafts (Proposal.num_drafts says how "
               "many are real): a greedy step verifies only the longest active row's real drafts, and is a "
               "plain decode step when no row has any, so its verify graphs are 2 .. k + 1 tokens wide",
@@ -183,9 +185,9 @@ class BaseProposer:
     def flush(self, params: torch.Tensor) -> None:
         """Nothing deferred (a proposer declaring "deferred" does now what its ``start`` put off)."""
 
-    def gate_drafts(self, gate) -> None:
+    def gate_drafts(self, gate: CostGate) -> GateMeter | None:
         """Nothing to gate (a proposer declaring "gate_drafts" gates its model's drafts with ``gate``, a
-        ``specdec.speculation.gate.CostGate``)."""
+        ``specdec.speculation.gate.CostGate``, and returns the ``GateMeter`` that measures them)."""
 
     def finished(self, rows: Sequence[int], lengths: Sequence[int] | None = None) -> None:
         """Nothing to learn (a proposer declaring "finished" is told that the requests in ``rows`` ended;
