@@ -7,7 +7,7 @@ the command and the commit. To compare kernel versions, run it under each checko
 machine (``PYTHONPATH=<checkout>``; each source builds its own extension). ``--prefetch 4096,0`` times the
 software prefetch distances given (bytes ahead of the weight stream; 0: none) in turn, pass after pass, and adds
 each one's median ratio to the first; ``--prefetch-min-rows`` sets the fewest rows a call prefetches at (the
-kernel's default: 1 on Intel CPUs, 3 on others).
+kernel's default: 1, every call).
 
     python bench/bench_block_mm.py --threads 2 --rows 1,5,9,16 [--isas avx512vnni,avx512] [--prefetch 4096,0]
 """
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--prefetch", default=None,
                     help="comma-separated prefetch distances in bytes, timed in turn (default: the kernel's own)")
     ap.add_argument("--prefetch-min-rows", type=int, default=None,
-                    help="calls of at least this many rows prefetch (default: the kernel's own for this CPU)")
+                    help="calls of at least this many rows prefetch (default: the kernel's own, 1)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

@@ -30,6 +30,11 @@ called in turn; adds that variant's median and the median of the per-pair ratios
 ``--ab-layer-loop`` (such a model): A/B in one process and on one copy of the weights — each shape also runs
 with the layers' ``block_layer`` calls one by one from Python instead of all of them in one ``block_layers`` call
 (``block_layer.BlockStack``); adds that variant's median and the median of the per-pair ratios loop / stack.
+
+``--ab-prefetch BYTES:MIN_ROWS`` (such a model): A/B in one process and on one copy of the weights — each shape
+also runs with ``block_mm``'s software prefetch set so (``set_block_mm_prefetch``: BYTES ahead, in calls of at
+least MIN_ROWS rows; the kernel's default for the first); adds that variant's median
+(``prefetch<BYTES>r<MIN_ROWS>_median_ms``) and the median of the per-pair ratios variant / default.
 """
 from __future__ import annotations
 
@@ -80,15 +85,18 @@ def main() -> None:
                     help="also time the block_layer calls one layer at a time instead of one block_layers call")
     ap.add_argument("--ab-quantization", default=None, choices=["int8", "int4", "gguf", "q4_0"],
                     help="also time a copy loaded with this quantization (paired, in turn)")
+    ap.add_argument("--ab-prefetch", default=None, metavar="BYTES:MIN_ROWS",
+                    help="A/B against block_mm's software prefetch set to BYTES ahead from MIN_ROWS rows")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     if sum(map(bool, (args.ab_split_projections, args.ab_unfused_layers, args.ab_layer_loop,
-                      args.ab_quantization))) > 1:
-        ap.error("--ab-split-projections, --ab-unfused-layers, --ab-layer-loop and --ab-quantization are "
-                 "different A/B runs: pass one")
+                      args.ab_quantization, args.ab_prefetch))) > 1:
+        ap.error("--ab-split-projections, --ab-unfused-layers, --ab-layer-loop, --ab-quantization and --ab-prefetch "
+                 "are different A/B runs: pass one")
     torch.set_num_threads(args.threads)
     from specdec import DecoderModel
     from specdec.core.graphs import compile_layers
+    from specdec.core.kernels import block_mm_prefetch, set_block_mm_prefetch
     from specdec.tools.bench import emit_json
 
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
@@ -107,10 +115,11 @@ def main() -> None:
                     split_projections(model)
                 models.append(model)
         runners = [(models[0].lm.layer_runners, models[0].lm.stack_runner)]
-        one_copy = args.ab_unfused_layers or args.ab_layer_loop
+        one_copy = args.ab_unfused_layers or args.ab_layer_loop or args.ab_prefetch
         if one_copy and runners[0][1] is None:
-            ap.error("--ab-unfused-layers / --ab-layer-loop need a model whose layers run as kernel calls "
-                     "(gguf, f32, CPU)")
+            ap.error("--ab-unfused-layers / --ab-layer-loop / --ab-prefetch need a model whose layers run as kernel "
+                     "calls (gguf or q4_0, f32, CPU)")
+        prefetch = [block_mm_prefetch()]
         if args.ab_unfused_layers:      # the same weights, run by the layers' own forward
             models[0].lm.layer_runners = models[0].lm.stack_runner = None
             if args.backend == "regional":
@@ -120,6 +129,10 @@ def main() -> None:
         elif args.ab_layer_loop:        # the same kernels, one block_layer call a layer
             runners.append((runners[0][0], None))
             models.append(models[0])
+        elif args.ab_prefetch:          # the same kernels and weights, another prefetch setting
+            runners.append(runners[0])
+            models.append(models[0])
+            prefetch.append(tuple(int(v) for v in args.ab_prefetch.split(":")))
         ns = [n for b_, n, kv_ in shapes if (b_, kv_) == (b, kv)]
         params = models[0].sampling_params(do_sample=False)
         tokens = {n: torch.randint(100, 20000, (b, n), generator=torch.Generator().manual_seed(0)) for n in ns}
@@ -132,6 +145,7 @@ def main() -> None:
                 for j, (model, timed) in (order if i % 2 == 0 else order[::-1]):
                     if one_copy:
                         model.lm.layer_runners, model.lm.stack_runner = runners[j]
+                        set_block_mm_prefetch(*prefetch[j % len(prefetch)])
                     model.set_lengths(torch.full((b,), kv - n - 1))
                     start = time.perf_counter()
                     model.step(tokens[n], params, advance=False).tokens.cpu()
@@ -147,6 +161,7 @@ def main() -> None:
             if len(models) > 1:
                 ratios = [other / fused for other, fused in zip(timed[1], timed[0])]
                 name = ("unfused" if args.ab_unfused_layers else "loop" if args.ab_layer_loop
+                        else "prefetch{}r{}".format(*prefetch[1]) if args.ab_prefetch
                         else args.ab_quantization or "split")
                 results[-1] |= {f"{name}_median_ms": round(statistics.median(timed[1]), 2),
                                 f"{name}_over_fused_median": round(statistics.median(ratios), 3)}

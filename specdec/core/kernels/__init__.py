@@ -60,7 +60,7 @@ def set_block_mm_isa(name: str) -> None:
 
 def block_mm_prefetch() -> tuple[int, int]:
     """(bytes, min_rows): calls of at least ``min_rows`` rows prefetch their weight stream ``bytes`` ahead into
-    L2 (0 bytes: none). Defaults: 4096 bytes; 1 row on Intel CPUs, 3 on others (see ``block_mm.cpp``)."""
+    L2 (0 bytes: none). Defaults: 4096 bytes from 1 row: every call (see ``block_mm.cpp``)."""
     load_block_mm()
     if _state["isa"] == "reference":
         return 0, 1

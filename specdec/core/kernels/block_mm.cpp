@@ -41,11 +41,13 @@
 // arithmetic, so the out-of-order window covers fewer groups, fewer of the stream's misses are in flight and the
 // arithmetic and the memory time add up; a software prefetch into L2 (prefetcht1) of the bytes
 // ``prefetch_bytes()`` ahead (4 KB: about 16 Q4_K groups) overlaps them again. Calls of at least
-// ``prefetch_min_rows()`` rows prefetch. A 1.5B-shaped forward pass (bench_block_mm.py --prefetch):
-//   AMD EPYC (Zen 4): 25 % less time at 5 and 9 rows, 7 % at 3 and 16; at 1 and 2 rows nothing or up to 3 %
-//     more, so there calls of fewer than 3 rows do not prefetch;
-//   Intel Xeon (Sapphire Rapids class, AMX): 14 % less time at 1 row, 18 % at 2, 16-30 % at 3-16: calls of any
-//     size prefetch on Intel CPUs. (On a Skylake-SP a prefetch into L1, 2 KB ahead, cost 11-16 %.)
+// ``prefetch_min_rows()`` rows prefetch (default 1: every call). A 1.5B-shaped forward pass (bench_block_mm.py
+// --prefetch):
+//   AMD EPYC (Zen 4): 25 % less time at 5 and 9 rows, 7 % at 3 and 16, 14-16 % at 2; at 1 row within ±3 % —
+//     but in the model's own decode step (attention and KV reads between the matmuls) 4-5 % less time
+//     (bench_decode_step.py --ab-prefetch 4096:3);
+//   Intel Xeon (Sapphire Rapids class, AMX): 14 % less time at 1 row, 18 % at 2, 16-30 % at 3-16.
+//   (On a Skylake-SP a prefetch into L1, 2 KB ahead, cost 11-16 %.)
 // A row's per-group scalars (dx, float(sx), sx in 16 bits, offset · sx, and for s8 the activations widened to 16
 // bits) are prepared once per call, so the inner loops broadcast them from memory (a load, not a shuffle).
 //
@@ -310,14 +312,8 @@ int64_t& prefetch_bytes() {     // how far ahead of the weight stream a call pre
   return bytes;
 }
 
-int64_t& prefetch_min_rows() {  // the fewest rows a call prefetches at: 1 on Intel CPUs, 3 on the others
-  static int64_t rows = [] {      // the CPU is looked up once, not on every call
-#ifdef SPECDEC_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_is("intel")) return int64_t{1};
-#endif
-    return int64_t{3};
-  }();
+int64_t& prefetch_min_rows() {  // the fewest rows a call prefetches at
+  static int64_t rows = 1;
   return rows;
 }
 
