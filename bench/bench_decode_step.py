@@ -63,6 +63,14 @@ def split_projections(model) -> None:
             setattr(block, fused_name, None)
 
 
+def prefetch_setting(text: str) -> str:
+    """``--ab-prefetch``'s BYTES:MIN_ROWS (bytes >= 0, min_rows >= 1), checked."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[1]) < 1:
+        raise argparse.ArgumentTypeError(f"expected BYTES:MIN_ROWS (e.g. 4096:3, min_rows >= 1), got {text!r}")
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x1x384,1x9x384,4x1x384,4x9x384,128x1x640")
@@ -85,7 +93,7 @@ def main() -> None:
                     help="also time the block_layer calls one layer at a time instead of one block_layers call")
     ap.add_argument("--ab-quantization", default=None, choices=["int8", "int4", "gguf", "q4_0"],
                     help="also time a copy loaded with this quantization (paired, in turn)")
-    ap.add_argument("--ab-prefetch", default=None, metavar="BYTES:MIN_ROWS",
+    ap.add_argument("--ab-prefetch", default=None, metavar="BYTES:MIN_ROWS", type=prefetch_setting,
                     help="A/B against block_mm's software prefetch set to BYTES ahead from MIN_ROWS rows")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()

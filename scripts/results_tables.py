@@ -118,13 +118,19 @@ def graph_call_rows(results: tuple[dict, ...], columns: str, cells: Callable[[di
 
 
 def graph_calls_table(*results: dict) -> str:
-    """``bench_decode_step.py --ab-unfused-layers`` or ``--ab-layer-loop`` on named models: each graph call with
-    the layers as ``block_layer``'s kernel calls (all in one ``block_layers`` call), its ratio to the first model's
-    decode step, and the other variant in turn — the layers' own forward (unfused / fused > 1: the kernel calls are
-    faster) or one ``block_layer`` call a layer (loop / one call > 1: the one call is faster)."""
-    key, column, ratio = (("unfused", "unfused layers ms", "unfused / fused")
-                          if results[0]["config"].get("ab_unfused_layers") else
-                          ("loop", "a call a layer ms", "loop / one call"))
+    """``bench_decode_step.py --ab-unfused-layers``, ``--ab-layer-loop`` or ``--ab-prefetch`` on named models: each
+    graph call with the layers as ``block_layer``'s kernel calls (all in one ``block_layers`` call), its ratio to the
+    first model's decode step, and the other variant in turn — the layers' own forward (unfused / fused > 1: the
+    kernel calls are faster), one ``block_layer`` call a layer (loop / one call > 1: the one call is faster) or
+    another software prefetch setting (> 1: the default is faster)."""
+    cfg = results[0]["config"]
+    if cfg.get("ab_prefetch"):
+        nbytes, rows = cfg["ab_prefetch"].split(":")
+        key, column, ratio = (f"prefetch{nbytes}r{rows}", f"prefetch from {rows} rows ms", f"from {rows} rows / default")
+    elif cfg.get("ab_unfused_layers"):
+        key, column, ratio = "unfused", "unfused layers ms", "unfused / fused"
+    else:
+        key, column, ratio = "loop", "a call a layer ms", "loop / one call"
     return graph_call_rows(results, f"{column} | {ratio}",
                            lambda r: f"{r[f'{key}_median_ms']:.1f} | {r[f'{key}_over_fused_median']:.3f}",
                            "a model's shapes and both variants called in turn (alternating which goes first); "
@@ -224,6 +230,8 @@ TABLES: dict[str, Table] = {
     "fused_projections": Table(("fused_projections", "fused_projections_autotune"), fused_projections_table),
     "graph_calls_qwen": Table(("decode_step_qwen_target", "decode_step_qwen_draft"), graph_calls_table),
     "layer_stack_qwen": Table(("decode_step_qwen_target_stack", "decode_step_qwen_draft_stack"), graph_calls_table),
+    "prefetch_qwen_epyc": Table(("decode_step_qwen_target_prefetch_epyc", "decode_step_qwen_draft_prefetch_epyc"),
+                                graph_calls_table),
     "draft_q4_0_qwen": Table(("decode_step_qwen_draft_q4_0",), quantization_ab_table),
     "prefill_qwen": Table(("prefill_qwen",), prefill_table),
     "prefill_qwen_epyc": Table(("prefill_qwen_epyc",), prefill_table),
