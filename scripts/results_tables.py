@@ -126,7 +126,8 @@ def graph_calls_table(*results: dict) -> str:
     cfg = results[0]["config"]
     if cfg.get("ab_prefetch"):
         nbytes, rows = cfg["ab_prefetch"].split(":")
-        key, column, ratio = (f"prefetch{nbytes}r{rows}", f"prefetch from {rows} rows ms", f"from {rows} rows / default")
+        key = f"prefetch{nbytes}r{rows}"
+        column, ratio = f"prefetch from {rows} rows ms", f"from {rows} rows / default"
     elif cfg.get("ab_unfused_layers"):
         key, column, ratio = "unfused", "unfused layers ms", "unfused / fused"
     else:
