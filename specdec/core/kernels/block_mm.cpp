@@ -44,7 +44,7 @@
 // ``prefetch_min_rows()`` rows prefetch (default 1: every call). A 1.5B-shaped forward pass (bench_block_mm.py
 // --prefetch):
 //   AMD EPYC (Zen 4): 25 % less time at 5 and 9 rows, 7 % at 3 and 16, 14-16 % at 2; at 1 row within ±3 % —
-//     but in the model's own decode step (attention and KV reads between the matmuls) 4-5 % less time
+//     but in the model's own decode step (attention and KV reads between the matmuls) 4-8 % less time
 //     (bench_decode_step.py --ab-prefetch 4096:3);
 //   Intel Xeon (Sapphire Rapids class, AMX): 14 % less time at 1 row, 18 % at 2, 16-30 % at 3-16.
 //   (On a Skylake-SP a prefetch into L1, 2 KB ahead, cost 11-16 %.)
