@@ -338,3 +338,19 @@ def test_suffix_benchmark_runs_every_system_once_per_prefix_store_size(monkeypat
     assert bench.serve_options(cfg, "none", None, 0).model.prefix_cache_mb == 0
     with pytest.raises(SystemExit):         # offline systems share one target: one store size
         bench.parse_args(["--modes", "offline", "--prefix-cache", "--prefix-cache-mb", "1024,0"])
+
+
+def test_decode_step_benchmark_times_another_prefetch_setting_in_turn(embedded_model, tmp_path):
+    """bench_decode_step --ab-prefetch BYTES:MIN_ROWS on a model whose layers run as kernel calls: each shape also
+    runs under that prefetch setting (median and per-pair ratio in the JSON); a malformed setting is refused by
+    argparse."""
+    script = str(REPO / "bench" / "bench_decode_step.py")
+    out = tmp_path / "ab.json"
+    subprocess.run([sys.executable, script, "--quantization", "gguf", "--amp", "f32", "--backend", "eager",
+                    "--shapes", "1x1x64,1x2x64", "--warmup", "1", "--repeats", "2", "--threads", "1",
+                    "--ab-prefetch", "0:1", "--output", str(out)], check=True, capture_output=True)
+    results = json.loads(out.read_text())["results"]
+    assert [r["n"] for r in results] == [1, 2]
+    assert all(r["prefetch0r1_median_ms"] > 0 and r["prefetch0r1_over_fused_median"] > 0 for r in results)
+    bad = subprocess.run([sys.executable, script, "--ab-prefetch", "4096"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "expected BYTES:MIN_ROWS" in bad.stderr
