@@ -354,3 +354,21 @@ def test_decode_step_benchmark_times_another_prefetch_setting_in_turn(embedded_m
     assert all(r["prefetch0r1_median_ms"] > 0 and r["prefetch0r1_over_fused_median"] > 0 for r in results)
     bad = subprocess.run([sys.executable, script, "--ab-prefetch", "4096"], capture_output=True, text=True)
     assert bad.returncode == 2 and "expected BYTES:MIN_ROWS" in bad.stderr
+
+
+def test_pair_benchmark_warm_up_resets_both_gate_meters(embedded_model, single_thread, monkeypatch):
+    """bench_pair's untimed warm-up leaves a gated combination's meters empty — the step gate's and the draft
+    meter's at lookup misses — so the timed runs learn from scratch."""
+    from specdec import DecoderModel
+    from specdec.options import EMBEDDED_NAME
+    bench = bench_script("bench_pair", monkeypatch)
+    cfg = bench.parse_args(["--model", EMBEDDED_NAME, "--draft-model", EMBEDDED_NAME, "--strategies",
+                            "none,lookup+model", "--ks", "4", "--gate", "--warmup-tokens", "24"])
+    target = DecoderModel.from_pretrained(EMBEDDED_NAME, batch_size=1, backend="eager", progress=False)
+    system = bench.our_systems(cfg, target)["specdec-lookup+model-k4-gate"]
+    gen = system.reset_gate.__self__
+    prompt = target.tokenizer("Write a haiku about the sea.").input_ids
+    system.generate([prompt], max_new_tokens=24, eos_token_id=[])
+    assert sum(gen.gate_meter.steps.values()) > 0 and sum(gen.draft_meter.steps.values()) > 0
+    bench.warm_up({system.name: system}, {}, [[prompt]], [], cfg, None)
+    assert gen.gate_meter.steps == gen.draft_meter.steps == {True: 0, False: 0}
