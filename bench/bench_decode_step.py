@@ -108,6 +108,8 @@ def main() -> None:
     from specdec.tools.bench import emit_json
 
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
+    # --ab-prefetch: the kernel's default, then the setting asked for (read once: a call leaves its own set)
+    prefetch = [block_mm_prefetch(), tuple(int(v) for v in args.ab_prefetch.split(":"))] if args.ab_prefetch else None
     results = []
     for b, kv in dict.fromkeys((b, kv) for b, _, kv in shapes):      # one model per (batch, KV bucket)
         models = []
@@ -127,7 +129,6 @@ def main() -> None:
         if one_copy and runners[0][1] is None:
             ap.error("--ab-unfused-layers / --ab-layer-loop / --ab-prefetch need a model whose layers run as kernel "
                      "calls (gguf or q4_0, f32, CPU)")
-        prefetch = [block_mm_prefetch()]
         if args.ab_unfused_layers:      # the same weights, run by the layers' own forward
             models[0].lm.layer_runners = models[0].lm.stack_runner = None
             if args.backend == "regional":
@@ -140,7 +141,6 @@ def main() -> None:
         elif args.ab_prefetch:          # the same kernels and weights, another prefetch setting
             runners.append(runners[0])
             models.append(models[0])
-            prefetch.append(tuple(int(v) for v in args.ab_prefetch.split(":")))
         ns = [n for b_, n, kv_ in shapes if (b_, kv_) == (b, kv)]
         params = models[0].sampling_params(do_sample=False)
         tokens = {n: torch.randint(100, 20000, (b, n), generator=torch.Generator().manual_seed(0)) for n in ns}
@@ -153,7 +153,8 @@ def main() -> None:
                 for j, (model, timed) in (order if i % 2 == 0 else order[::-1]):
                     if one_copy:
                         model.lm.layer_runners, model.lm.stack_runner = runners[j]
-                        set_block_mm_prefetch(*prefetch[j % len(prefetch)])
+                    if prefetch:
+                        set_block_mm_prefetch(*prefetch[j])
                     model.set_lengths(torch.full((b,), kv - n - 1))
                     start = time.perf_counter()
                     model.step(tokens[n], params, advance=False).tokens.cpu()
@@ -169,7 +170,7 @@ def main() -> None:
             if len(models) > 1:
                 ratios = [other / fused for other, fused in zip(timed[1], timed[0])]
                 name = ("unfused" if args.ab_unfused_layers else "loop" if args.ab_layer_loop
-                        else "prefetch{}r{}".format(*prefetch[1]) if args.ab_prefetch
+                        else "prefetch{}r{}".format(*prefetch[1]) if prefetch
                         else args.ab_quantization or "split")
                 results[-1] |= {f"{name}_median_ms": round(statistics.median(timed[1]), 2),
                                 f"{name}_over_fused_median": round(statistics.median(ratios), 3)}
