@@ -425,13 +425,16 @@ def speculation_options(cfg: SuffixBenchOptions, strategy: str, k: int | None) -
     """The options of ``strategy`` ("none": target only) drafting ``k`` tokens a step (None: the strategy's own):
     the draft flags for the draft network it has (``--draft-vocab``, ``--draft-p-min``, ``--draft-window``: a draft
     model only),
-    the suffix flags for a suffix strategy (not yet ``checked``)."""
+    the suffix flags for a suffix strategy (not yet ``checked``). The draft's quantization and confidence stop are
+    given explicitly (the target's scheme and none where the flags are absent, as offline), so a named draft
+    model's preset (``SpeculationOptions.checked``) does not apply."""
     s = REGISTRY[strategy]
     suffix = {name: getattr(cfg, name) for name in SUFFIX_SETTINGS} if s.suffix else {}
+    draft_quantization = cfg.draft_quantization or cfg.quantization or "none"
     return SpeculationOptions(draft=strategy, draft_model=cfg.draft_model if s.part == "model" else None,
                               draft_vocab=cfg.draft_vocab if s.part == "model" else None,
-                              draft_quantization=cfg.draft_quantization if s.part is not None else None,
-                              draft_p_min=cfg.draft_p_min if s.part == "model" else None,
+                              draft_quantization=draft_quantization if s.quantizable else None,
+                              draft_p_min=(cfg.draft_p_min or 0.0) if s.part == "model" else None,
                               draft_window=cfg.draft_window if s.part == "model" else None,
                               k=k if strategy != "none" else None,
                               gate=cfg.gate and strategy != "none", **suffix)
@@ -442,10 +445,10 @@ def serve_options(cfg: SuffixBenchOptions, strategy: str, k: int | None, prefix_
     ``--rows`` (default ``--concurrency``), a prefix store of ``prefix_cache_mb`` MiB with ``--prefix-cache``."""
     speculation = speculation_options(cfg, strategy, k)
     model = ModelOptions(model=cfg.model, backend=cfg.backend, amp=cfg.amp, n_positions=cfg.n_positions,
-                         context_buckets=cfg.context_buckets, quantization=cfg.quantization,
+                         context_buckets=cfg.context_buckets, quantization=cfg.quantization or "none",
                          prompt_weights=cfg.prompt_weights, prefix_cache=cfg.prefix_cache,
                          prefix_cache_mb=prefix_cache_mb)
-    return ServeOptions(model=model, speculation=speculation.checked(cfg.model), batch_size=cfg.rows or cfg.concurrency,
+    return ServeOptions(model=model, speculation=speculation.checked(model), batch_size=cfg.rows or cfg.concurrency,
                         max_waiting=4 * cfg.concurrency)
 
 

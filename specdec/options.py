@@ -3,7 +3,7 @@ from them: the target model, the proposer and generator, the graphs a request ne
 
     from specdec.options import ModelOptions, SpeculationOptions
     model = ModelOptions(backend="eager", amp="f32")
-    speculation = SpeculationOptions(draft="eagle", k=5).checked(model.model)
+    speculation = SpeculationOptions(draft="eagle", k=5).checked(model)
     target = model.load()
     gen = speculation.make_generator(speculation.make_proposer(target), target)
 
@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from .core.decoder import DecoderModel
 from .core.graph_cache import GraphCache
+from .core.named_models import is_named_model, preset_of
 from .core.sampling import SamplingConfig
 from .core.saved_graphs import is_saved
 from .generator import SpeculativeGenerator
@@ -98,18 +99,22 @@ class ModelOptions:
     (``core.graphs.BACKENDS``); n_positions: the KV-cache length (prompt + new tokens); context_buckets: the
     prompt-length buckets of the context graphs (None: ``core.buckets.fine_buckets`` where the layers run as
     block kernels on eager / regional, else powers of two from 128 to n_positions); quantization:
-    weight-only projections ("int8", "int4", "gguf") or None; kv_cache_dtype: an 8-bit KV cache ("int8",
+    weight-only projections ("int8", "int4", "gguf", "q4_0") or "none"; kv_cache_dtype: an 8-bit KV cache ("int8",
     "fp8_e4m3") or None (the amp dtype); autotune: compiled graphs with frozen weights and timed kernel choice;
     tp_degree: tensor-parallel processes (NeuronCores with the neuron backend); gqa_strategy: how KV heads are
     sharded when they do not divide tp_degree (None: automatic); saved_graphs: compiled graphs kept as files
     that later processes load; prompt_weights: "bf16" (GGML blocks on eager / regional) also holds the layers'
     weights as dense bf16 matrices that prompts are encoded with; prefix_cache: a prompt's encoding keeps the KV
     its row already holds for the prompt's leading tokens, prefix_cache_mb: MiB of host memory keeping the prefixes
-    rows give up (``DecoderModel.from_pretrained``)."""
+    rows give up (``DecoderModel.from_pretrained``).
+
+    ``amp``, ``backend`` and ``quantization`` left None take the model's defaults when the options are made: a
+    named model's ``Preset`` (gguf, f32, regional: its fastest measured runtime), else bf16, compiled and
+    no quantization (None)."""
 
     model: str | None = None
-    amp: str = "bf16"
-    backend: str = "compiled"
+    amp: str | None = None
+    backend: str | None = None
     n_positions: int = 1024
     context_buckets: list[int] | None = None
     quantization: str | None = None
@@ -121,6 +126,14 @@ class ModelOptions:
     prompt_weights: str | None = None
     prefix_cache: bool = False
     prefix_cache_mb: int = 1024
+
+    def __post_init__(self) -> None:
+        preset = preset_of(self.model)
+        defaults = {"amp": "bf16", "backend": "compiled", "quantization": None} if preset is None else \
+            {"amp": preset.amp, "backend": preset.backend, "quantization": preset.quantization}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
 
     @property
     def name(self) -> str:
@@ -162,11 +175,6 @@ def _strategies(test) -> list[str]:
     return [name for name, s in REGISTRY.items() if test(s)]
 
 
-def _is_named(text: str | None) -> bool:
-    from .core.named_models import is_named_model
-    return is_named_model(text)
-
-
 DRAFT_QUANTIZATIONS = ("none", "int8", "int4", "gguf", "q4_0")
 """What ``draft_quantization`` may be: a draft network's own weight-only scheme (``--draft-quantization``)."""
 
@@ -182,11 +190,14 @@ class SpeculationOptions:
     per step; adaptive_k: per-row k <= k; gate: speculate only while it pays; draft_quantization: the draft's
     own weight-only scheme ("none", "int8", "int4", "gguf", "q4_0"; None: the target's); draft_vocab: a draft
     model scoring only token ids [0, draft_vocab) (``output_vocab_size``; None: its whole head); draft_p_min: a
-    draft model's confidence stop (``DraftModel``'s ``p_min``; None: k drafts a step); draft_window: the most
+    draft model's confidence stop (``DraftModel``'s ``p_min``; None or 0: k drafts a step); draft_window: the most
     tokens a draft model encodes at once (``DraftModel``'s ``window``; None: no limit); tree: a Medusa
     tree (name or JSON file) or an EAGLE-2 shape "DxKxN"; suffix_cache_tokens / suffix_alpha / suffix_min_prob /
     suffix_min_match: suffix decoding's cache budget (tokens), drafts per matched token, least continuation
-    share and least match for the suffix chain (None: the strategy's defaults)."""
+    share and least match for the suffix chain (None: the strategy's defaults).
+
+    ``checked`` fills a named draft model's ``draft_quantization`` and ``draft_p_min`` left None from its
+    ``Preset`` when the target runs on GGML blocks (``quantization`` gguf / q4_0), where they were measured."""
 
     draft: str = "none"
     draft_path: str | None = None
@@ -205,11 +216,12 @@ class SpeculationOptions:
     suffix_min_prob: float | None = None
     suffix_min_match: int | None = None
 
-    def checked(self, model: str | None) -> SpeculationOptions:
-        """These options with ``draft_model`` resolved, after checking their combinations (and the target
-        ``model``'s, for shipped weights) against the strategy registry before any model loads; raises
-        ``OptionError``. ``draft_model X`` becomes ``draft model, draft_path X``, or the model part of
-        ``lookup+model`` / ``suffix+model``; suffix options need a suffix strategy."""
+    def checked(self, target: ModelOptions) -> SpeculationOptions:
+        """These options with ``draft_model`` resolved and a named draft model's preset applied (see the class),
+        after checking their combinations (and the ``target``'s model, for shipped weights) against the strategy
+        registry before any model loads; raises ``OptionError``. ``draft_model X`` becomes ``draft model,
+        draft_path X``, or the model part of ``lookup+model`` / ``suffix+model``; suffix options need a suffix
+        strategy."""
         spec = self
         if self.draft_model is not None:
             if self.draft_path is not None:
@@ -220,8 +232,17 @@ class SpeculationOptions:
                                   f"(not {self.draft})")
             spec = replace(self, draft="model" if self.draft == "none" else self.draft, draft_path=self.draft_model,
                            draft_model=None)
-        spec._check(model)
+        spec = spec._with_preset(target)
+        spec._check(target.model)
         return spec
+
+    def _with_preset(self, target: ModelOptions) -> SpeculationOptions:
+        """A named draft model's preset for what is left unset, when ``target`` runs on GGML blocks."""
+        preset = preset_of(self.draft_path) if REGISTRY[self.draft].part == "model" else None
+        if preset is None or target.quantization not in ("gguf", "q4_0"):
+            return self
+        p_min = preset.draft_p_min if self.draft_p_min is None and not self.fused else self.draft_p_min
+        return replace(self, draft_quantization=self.draft_quantization or preset.draft_quantization, draft_p_min=p_min)
 
     def _check(self, model: str | None) -> None:
         s = REGISTRY[self.draft]
@@ -236,7 +257,7 @@ class SpeculationOptions:
         if self.draft_path is not None and s.part is None:
             raise OptionError(f"--draft-path needs --draft {_or(loaders)} (or lookup+ / suffix+ them; not "
                               f"{self.draft})")
-        if self.draft_path is not None and s.part != "model" and _is_named(self.draft_path):
+        if self.draft_path is not None and s.part != "model" and is_named_model(self.draft_path):
             raise OptionError(f"--draft-path {self.draft_path} (a named model) is a draft model: use it with --draft "
                               f"{_or(_strategies(lambda s: s.part == 'model'))}")
         given = self._suffix_given()
@@ -256,11 +277,11 @@ class SpeculationOptions:
         if self.draft_vocab is not None and self.draft_quantization in ("int8", "int4"):
             raise OptionError(f"--draft-vocab keeps the draft's own LM head; --draft-quantization "
                               f"{self.draft_quantization} re-quantizes it to int8: use none, gguf or q4_0")
-        if self.draft_p_min is not None and (s.part != "model" or self.fused):
+        if self.draft_p_min and (s.part != "model" or self.fused):
             raise OptionError(f"--draft-p-min stops a draft model's chain early: it is for an unfused --draft "
                               f"{_or(_strategies(lambda s: s.part == 'model'))}")
-        if self.draft_p_min is not None and not 0 < self.draft_p_min < 1:
-            raise OptionError(f"--draft-p-min must be in (0, 1), got {self.draft_p_min}")
+        if self.draft_p_min is not None and not 0 <= self.draft_p_min < 1:
+            raise OptionError(f"--draft-p-min must be in [0, 1) (0: off), got {self.draft_p_min}")
         if self.draft_window is not None and (s.part != "model" or self.fused):
             raise OptionError(f"--draft-window bounds what a draft model encodes at once: it is for an unfused "
                               f"--draft {_or(_strategies(lambda s: s.part == 'model'))}")
@@ -302,9 +323,9 @@ class SpeculationOptions:
     def draft_overrides(self) -> dict[str, Any]:
         """The draft network's loading arguments these options set: ``quantization`` (``draft_quantization``),
         ``output_vocab_size`` (``draft_vocab``), ``p_min`` (``draft_p_min``), ``window`` (``draft_window``); unset
-        ones are left out."""
+        ones (and a ``draft_p_min`` of 0) are left out."""
         given = {"quantization": self.draft_quantization, "output_vocab_size": self.draft_vocab,
-                 "p_min": self.draft_p_min, "window": self.draft_window}
+                 "p_min": self.draft_p_min or None, "window": self.draft_window}
         return {name: value for name, value in given.items() if value is not None}
 
     def make_proposer(self, target: DecoderModel):

@@ -280,7 +280,7 @@ def test_bad_arguments_exit_2_with_one_line(checkpoint, tmp_path, capsys):
         (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--draft-vocab", "0"),
          "argument --draft-vocab: must be >= 1, got 0"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "model", "--draft-p-min", "1"),
-         "argument --draft-p-min: must be in (0, 1), got 1"),
+         "argument --draft-p-min: must be in [0, 1) (0: off), got 1"),
         (generate_args(target, PROMPT, 8, 64, "--draft", "lookup", "--draft-p-min", "0.5"),
          "--draft-p-min stops a draft model's chain early: it is for an unfused --draft model, lookup+model or "
          "suffix+model"),

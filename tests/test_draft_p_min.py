@@ -97,8 +97,8 @@ def test_refusals(checkpoint):
     with pytest.raises(ValueError, match="fused_drafter"):
         SpeculativeGenerator(DraftModel(draft, p_min=0.5), target, K, fused=True)
     assert "fused_drafter" in DraftModel(draft).abilities and "padded" in DraftModel(draft, p_min=0.5).abilities
-    from specdec.options import OptionError, SpeculationOptions
+    from specdec.options import ModelOptions, OptionError, SpeculationOptions
     with pytest.raises(OptionError, match="--draft-p-min stops a draft model's chain early"):
-        SpeculationOptions(draft="suffix", draft_p_min=0.5).checked(None)
-    with pytest.raises(OptionError, match=r"--draft-p-min must be in \(0, 1\)"):
+        SpeculationOptions(draft="suffix", draft_p_min=0.5).checked(ModelOptions())
+    with pytest.raises(OptionError, match=r"--draft-p-min must be in \[0, 1\) \(0: off\)"):
         SpeculationOptions(draft="model", draft_path="x", draft_p_min=2.0)._check("x")

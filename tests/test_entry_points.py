@@ -109,7 +109,7 @@ def test_serve(ids):
     body = {"prompt": ids, "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True}
 
     def serve(name: str) -> tuple[list[int], int]:
-        speculation = SpeculationOptions(draft=name).checked(model.model)
+        speculation = SpeculationOptions(draft=name).checked(model)
         engine = serving_engine(load_engine(ServeOptions(model=model, speculation=speculation, batch_size=2)))
         with running_server(create_app(engine, "smollm2")) as base:
             r = httpx.post(f"{base}/v1/completions", json={"model": "smollm2", **body}, timeout=120)

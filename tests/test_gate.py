@@ -228,7 +228,7 @@ def test_sampling_with_mixed_steps_is_lossless(lossless_models, kind):
 def test_bench_spec_and_cli_gate(checkpoint, monkeypatch):
     import specdec
     from specdec import DraftModel
-    from specdec.options import OptionError, SpeculationOptions
+    from specdec.options import ModelOptions, OptionError, SpeculationOptions
     from specdec.tools.bench import speculative as bench
 
     target = load(checkpoint("llama"), batch_size=1)
@@ -247,7 +247,7 @@ def test_bench_spec_and_cli_gate(checkpoint, monkeypatch):
                                   target)
     for given in (dict(draft="none"), dict(draft="model", fused=True)):
         with pytest.raises(OptionError, match="--gate needs a --draft"):
-            SpeculationOptions(gate=True, **given).checked(None)
+            SpeculationOptions(gate=True, **given).checked(ModelOptions())
 
 
 def test_eagle_rereads_the_pairs_of_plain_steps_before_drafting(tiny):

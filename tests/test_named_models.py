@@ -219,3 +219,38 @@ def test_real_pair_gguf(name):
     assert value("general.architecture") == "qwen2" and value("qwen2.block_count") == layers
     assert dict(Counter(t.tensor_type.name for t in reader.tensors)) == types
     assert {t.name: t.tensor_type.name for t in reader.tensors}["output.weight"] == output
+
+
+def test_presets_fill_what_is_left_unset():
+    """A named model runs with its preset where the user gave nothing (gguf blocks in f32, regional graphs; a
+    named draft model on a GGML-block target: Q4_0 with the confidence stop 0.7); a given value always wins,
+    "none" / 0 switch the preset's quantization / confidence stop off; other models keep bf16, compiled, dense."""
+    from specdec import cli
+    from specdec.cli.generate import checked_options
+    from specdec.options import ModelOptions
+
+    target, draft = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+    parser = cli.build_parser()
+
+    def parsed(*flags: str):
+        found = checked_options(parser.parse_args(["generate", "hi", *flags]))
+        m, s = found.model, found.speculation
+        return (m.quantization, m.amp, m.backend), (s.draft, s.draft_quantization, s.draft_p_min, s.draft_overrides())
+
+    assert parsed() == ((None, "bf16", "compiled"), ("none", None, None, {}))
+    assert parsed("--model", target) == (("gguf", "f32", "regional"), ("none", None, None, {}))
+    assert parsed("--model", target, "--draft-model", draft) == \
+        (("gguf", "f32", "regional"), ("model", "q4_0", 0.7, {"quantization": "q4_0", "p_min": 0.7}))
+    assert parsed("--model", target, "--draft", "lookup+model", "--draft-model", draft, "--draft-p-min", "0",
+                  "--draft-quantization", "gguf", "--amp", "bf16", "--backend", "eager") == \
+        (("gguf", "bf16", "eager"), ("lookup+model", "gguf", 0.0, {"quantization": "gguf"}))
+    assert parsed("--model", target, "--draft-model", draft, "--fused")[1] == \
+        ("model", "q4_0", None, {"quantization": "q4_0"})           # no confidence stop in a fused graph
+    assert parsed("--model", target, "--quantization", "none", "--draft-model", draft) == \
+        (("none", "f32", "regional"), ("model", None, None, {}))     # measured on GGML blocks only
+    assert parsed("--model", target, "--quantization", "int4", "--draft-model", draft)[1] == ("model", None, None, {})
+    assert parsed("--draft-model", draft)[1] == ("model", None, None, {})   # the embedded target: dense
+    # the library's options mean the same by an absent value; an explicit one is kept
+    assert ModelOptions(model=target) == ModelOptions(model=target, quantization="gguf", amp="f32", backend="regional")
+    assert ModelOptions(model=draft, amp="bf16").amp == "bf16"
+    assert ModelOptions() == ModelOptions(quantization=None, amp="bf16", backend="compiled")

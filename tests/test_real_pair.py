@@ -108,3 +108,28 @@ def test_greedy_speculation_equals_target_only(target):
             accepted += gen.last_stats.accepted
         if label.startswith(("draft", "fused")):
             assert accepted > NEW_TOKENS, label       # the 0.5B drafts the 1.5B well (tau well above 2)
+
+
+def test_cli_runs_the_pair_with_its_preset(capsys):
+    """``specdec generate --model TARGET --draft-model DRAFT`` without runtime flags runs the named models'
+    preset (the target's own blocks in f32 on regional graphs, the draft re-quantized to Q4_0 with the
+    confidence stop 0.7: ``named_models.Preset``), drafts well and prints the target-only greedy output."""
+    from specdec.cli import main
+    from specdec.core.chat import chat_ids
+
+    target = load(TARGET, "f32")
+    ids = chat_ids(target.tokenizer, PROMPTS[1])
+    reference = target.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, eos_token_id=[])[0, len(ids):]
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["generate", "--model", TARGET, "--draft-model", DRAFT, "--prompt-ids", ",".join(map(str, ids)),
+                   "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--n-positions", "256", "--threads", "2",
+                   "--stats"])
+    finally:
+        torch.set_num_threads(threads)      # main sets the process's thread count
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert [int(t) for t in out.strip().splitlines()[-1].split(",")] == reference.tolist()
+    assert "--draft model k=4, regional f32" in err
+    tau = float(next(line for line in err.splitlines() if line.strip().startswith("tau")).split()[-1])
+    assert tau > 2, err

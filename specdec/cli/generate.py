@@ -105,7 +105,7 @@ def checked_options(args: argparse.Namespace) -> GenerateOptions:
         raise OptionError("give a prompt text or --prompt-ids (one of them)")
     if found.prompt_ids is not None and found.raw:
         raise OptionError("--raw applies to a text prompt, not to --prompt-ids")
-    return replace(found, speculation=found.speculation.checked(found.model.model))
+    return replace(found, speculation=found.speculation.checked(found.model))
 
 
 def run(args: argparse.Namespace) -> int:

