@@ -231,6 +231,64 @@ def test_a_kept_layer_never_allocates_its_float_weight(tiny, monkeypatch):
     assert "model.embed_tokens.weight" in allocated          # the float tensors still come from the checkpoint
 
 
+def block_buffers(model) -> dict[str, tuple]:
+    """Every ``BlockLinear`` of ``model``: its compute dtype, buffers and bias (an empty tensor for none)."""
+    return {name: (m.dtype, *(getattr(m, b) for b in ("qs", "d", "dmin", "sc", "mn")),
+                   torch.empty(0) if m.bias is None else m.bias)
+            for name, m in model.lm.named_modules() if isinstance(m, BlockLinear)}
+
+
+def test_a_second_load_reads_the_packed_blocks_from_the_store(tiny, tmp_path, monkeypatch):
+    """The first ``quantization="gguf"`` load keeps its packed layers in ``block_store``; the next reads them
+    instead of decoding the file's blocks, and computes with the same bits (biases and dtype its own)."""
+    from specdec.core import block_store
+
+    target, _ = tiny
+    monkeypatch.setattr(block_store, "store_dir", lambda: tmp_path / "blocks")
+    first = load(target, quantization="gguf")
+    assert [p.name.split("-")[-1] for p in (tmp_path / "blocks").iterdir()] == ["gguf.safetensors"]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the file's blocks were decoded again")
+    monkeypatch.setattr(gguf_weights, "gguf_quantized_tensors", refuse)
+    second = load(target, quantization="gguf")
+    expected, got = block_buffers(first), block_buffers(second)
+    assert expected.keys() == got.keys() and len(expected) > 0
+    for name in expected:
+        assert expected[name][0] == got[name][0], name
+        assert all(torch.equal(a, b) for a, b in zip(expected[name][1:], got[name][1:])), name
+    prompt = [torch.tensor(prompt_ids(9, 0, VOCAB))]
+    assert torch.equal(first.prefill(prompt, first.sampling_params()).logits,
+                       second.prefill(prompt, second.sampling_params()).logits)
+    with pytest.raises(AssertionError, match="decoded again"):      # another scheme keeps other blocks
+        load(target, quantization="int8")
+
+
+def test_a_stale_damaged_or_unwritable_store_is_rebuilt_or_skipped(tiny, tmp_path, monkeypatch, capsys):
+    """A stored file of another format, or one that does not read, is rebuilt, never used; a store that cannot
+    be written warns and the model loads from the file."""
+    from specdec.core import block_store
+
+    target, _ = tiny
+    monkeypatch.setattr(block_store, "store_dir", lambda: tmp_path / "blocks")
+    reference = block_buffers(load(target, quantization="gguf"))
+    [stored] = (tmp_path / "blocks").iterdir()
+    decoded = []
+    real = gguf_weights.gguf_quantized_tensors
+    monkeypatch.setattr(gguf_weights, "gguf_quantized_tensors", lambda *a, **k: decoded.append(1) or real(*a, **k))
+    monkeypatch.setattr(block_store, "FORMAT", "0")        # a store written by another version of the layout
+    load(target, quantization="gguf")
+    monkeypatch.setattr(block_store, "FORMAT", "1")
+    stored.write_bytes(stored.read_bytes()[:1000])          # a damaged file
+    model = load(target, quantization="gguf")
+    assert len(decoded) == 2 and block_store._read(stored) is not None
+    got = block_buffers(model)
+    assert all(torch.equal(a, b) for name in reference for a, b in zip(reference[name][1:], got[name][1:]))
+    monkeypatch.setattr(block_store, "store_dir", lambda: stored)   # a file where the directory should be
+    load(target, quantization="gguf")
+    assert "could not keep the packed blocks" in capsys.readouterr().err and len(decoded) == 3
+
+
 @pytest.mark.parametrize("scheme,keeps,requantized", [("int4", ("Q4_0", "Q4_1"), Int4Linear),
                                                       ("int8", ("Q8_0",), Int8Linear)])
 def test_int4_and_int8_keep_the_blocks_of_their_own_width(tiny, scheme, keeps, requantized):

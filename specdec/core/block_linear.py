@@ -87,6 +87,11 @@ class BlockLinear(nn.Module):
         return cls(pack(weights.codes, layout), d, dmin, tiled(weights.sc.to(torch.int8)),
                    tiled(weights.mn.to(torch.int8)), n, layout, bias, dtype)
 
+    def with_bias(self, bias: torch.Tensor | None, dtype: torch.dtype) -> BlockLinear:
+        """This layer's blocks (the same buffers) computing in ``dtype`` with ``bias``."""
+        return BlockLinear(*(getattr(self, name) for name in ("qs", "d", "dmin", "sc", "mn")), self.out_features,
+                           self._layout, bias, dtype)
+
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype (activations in and out, bias)."""

@@ -3,8 +3,8 @@ it: the memo of file hashes, atomic writes, and the names of temporary entries a
 renaming them into place (so an entry left by a dead process can be recognised and removed).
 
 The lowest module of the runtime that touches the disk: ``paths`` (conversions), ``named_models``
-(assembled files), ``kernels`` (built extensions) and ``saved_graphs`` (compiled graphs) keep their files
-under ``cache_dir()``.
+(assembled files), ``block_store`` (packed block layers), ``kernels`` (built extensions) and ``saved_graphs``
+(compiled graphs) keep their files under ``cache_dir()``.
 """
 from __future__ import annotations
 

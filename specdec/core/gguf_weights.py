@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from .block_linear import U4_TYPES, BlockLinear
+from .block_store import stored_layers
 from .gguf_index import tensor_bytes, tensor_index
 from .parallel import Shard
 
@@ -269,16 +270,25 @@ def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[
     layers' float weights are then never allocated) whose GGUF tensors are of a type ``scheme`` keeps
     (``KEEP``) by kernel-backed layers holding the file's blocks, computing in ``dtype`` (the LM head's own,
     not a reduced vocabulary's); each tensor-parallel rank takes its ``shards`` (scales follow their rows).
-    A replaced layer keeps its bias tensor (still to be loaded if it is on the meta device)."""
+    A replaced layer keeps its bias tensor (still to be loaded if it is on the meta device). Unsharded, the
+    packed layers are built once per file and scheme and read back from ``block_store`` by later loads."""
     config = lm.config
     projections, head = KEEP[scheme]
-    found = gguf_quantized_tensors(path, config, projections, () if config.output_vocab_size else head)
-    for name, weights in found.items():
-        shard = shards.get(name)
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            shard = shards.get("model.embed_tokens.weight")
-        if shard is not None:
-            weights = weights.take(shard.dim, list(shard.index))
+    head = () if config.output_vocab_size else head
+
+    def build() -> dict[str, BlockLinear]:
+        layers = {}
+        for name, weights in gguf_quantized_tensors(path, config, projections, head).items():
+            shard = shards.get(name)
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                shard = shards.get("model.embed_tokens.weight")
+            if shard is not None:
+                weights = weights.take(shard.dim, list(shard.index))
+            layers[name] = weights.to_module(torch.float32)
+        return layers
+
+    layers = build() if shards else stored_layers(Path(path), scheme if head else f"{scheme}-no-head", build)
+    for name, layer in layers.items():
         *parents, attr, _ = name.split(".")
         parent = lm.get_submodule(".".join(parents))
-        setattr(parent, attr, weights.to_module(dtype, getattr(parent, attr).bias))
+        setattr(parent, attr, layer.with_bias(getattr(parent, attr).bias, dtype))

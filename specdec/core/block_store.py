@@ -1,0 +1,87 @@
+"""A GGUF file's kernel-ready layers kept on disk: the ``BlockLinear`` buffers that decoding the file's blocks and
+packing them (``gguf_weights``, ``kernels.layout``) produce — about 15 s for the 1.5B on 2 cores — written once per
+(file, what is kept) under ``$SPECDEC_CACHE/blocks`` and read back by later loads in about a second.
+
+A stored file is a safetensors file named ``<file stem>-<SHA-256 prefix>-<key>.safetensors`` (``key``: the
+scheme and whether the LM head is kept). Per layer name it holds the tensors ``<name>.qs``, ``.d``, ``.dmin``,
+``.sc`` and ``.mn``; its metadata holds ``FORMAT`` and, per name, the layer's out features and ``Layout`` (JSON).
+
+Invariants: a stored file exists only complete (written to a temporary file in the same directory, then renamed);
+one of another ``FORMAT`` — raised whenever the packed layout, ``Layout`` or the block decoding change — or one that
+does not read is rebuilt, never used; a store that cannot be written (a full disk) leaves the load as it was,
+with the layers built from the file.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .block_linear import BlockLinear
+from .cache_files import cache_dir, file_sha256
+from .kernels.layout import Layout
+
+FORMAT = "1"
+BUFFERS = ("qs", "d", "dmin", "sc", "mn")
+
+
+def store_dir() -> Path:
+    return cache_dir() / "blocks"
+
+
+def store_path(gguf: Path, key: str) -> Path:
+    """Where the layers of ``gguf`` kept as ``key`` are stored."""
+    return store_dir() / f"{gguf.stem}-{file_sha256(gguf, progress=False)[:16]}-{key}.safetensors"
+
+
+def _read(path: Path) -> dict[str, BlockLinear] | None:
+    """The stored layers (f32, no bias); None when ``path`` is missing, unreadable or of another format."""
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                return None
+            return {name: BlockLinear(*(f.get_tensor(f"{name}.{b}") for b in BUFFERS), spec["out_features"],
+                                      Layout(**spec["layout"]), None, torch.float32)
+                    for name, spec in json.loads(meta["layers"]).items()}
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError):
+        return None
+
+
+def _write(path: Path, layers: dict[str, BlockLinear]) -> None:
+    """Store ``layers`` at ``path`` atomically; a warning (not an error) when it cannot."""
+    tensors = {f"{name}.{b}": getattr(layer, b) for name, layer in layers.items() for b in BUFFERS}
+    specs = {name: {"out_features": layer.out_features, "layout": asdict(layer.layout)}
+             for name, layer in layers.items()}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, tmp, metadata={"format": FORMAT, "layers": json.dumps(specs)})
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"specdec: could not keep the packed blocks at {path} ({e}); the next load packs them again",
+              file=sys.stderr)
+    finally:
+        with contextlib.suppress(OSError):     # gone after os.replace (or never made)
+            tmp.unlink(missing_ok=True)
+
+
+def stored_layers(gguf: Path, key: str, build: Callable[[], dict[str, BlockLinear]]) -> dict[str, BlockLinear]:
+    """The layers of ``gguf`` kept as ``key`` (name → ``BlockLinear`` in f32 without bias): read from the store,
+    or ``build()`` and stored for the next load."""
+    path = store_path(Path(gguf), key)
+    layers = _read(path)
+    if layers is None:
+        layers = build()
+        _write(path, layers)
+    return layers
