@@ -17,10 +17,16 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 from specdec import DraftModel, PromptLookup, SpeculativeGenerator  # noqa: E402
 from specdec.core import gguf_weights
 from specdec.core.block_linear import BlockLinear  # noqa: E402
-from specdec.core.gguf_weights import FORMATS, BlockWeights, gguf_quantized_tensors, rope_row_order  # noqa: E402
+from specdec.core.gguf_weights import (  # noqa: E402
+    FORMATS,
+    BlockWeights,
+    gguf_quantized_tensors,
+    quantize_q4_0,
+    rope_row_order,
+)
 from specdec.core.kernels import quantize_activations  # noqa: E402
 from specdec.core.parallel import launch  # noqa: E402
-from specdec.core.quant import FUSED, Int4Linear, Int8Linear, quantize_q4_0  # noqa: E402
+from specdec.core.quant import FUSED, Int4Linear, Int8Linear  # noqa: E402
 
 from conftest import hf_logits, load, prompt_ids  # noqa: E402
 from test_speculative import lossless_pvalue, save_tiny  # noqa: E402
@@ -278,7 +284,9 @@ def test_a_stale_damaged_or_unwritable_store_is_rebuilt_or_skipped(tiny, tmp_pat
     monkeypatch.setattr(gguf_weights, "gguf_quantized_tensors", lambda *a, **k: decoded.append(1) or real(*a, **k))
     monkeypatch.setattr(block_store, "FORMAT", "0")        # a store written by another version of the layout
     load(target, quantization="gguf")
-    monkeypatch.setattr(block_store, "FORMAT", "1")
+    monkeypatch.undo()
+    monkeypatch.setattr(block_store, "store_dir", lambda: tmp_path / "blocks")
+    monkeypatch.setattr(gguf_weights, "gguf_quantized_tensors", lambda *a, **k: decoded.append(1) or real(*a, **k))
     stored.write_bytes(stored.read_bytes()[:1000])          # a damaged file
     model = load(target, quantization="gguf")
     assert len(decoded) == 2 and block_store._read(stored) is not None
@@ -333,11 +341,15 @@ def test_q4_0_requantizes_the_rest_and_a_q4_0_draft_keeps_speculation_exact(tiny
     target_path, draft_path = tiny
     model = load(target_path, quantization="q4_0")
     file_blocks_ = gguf_quantized_tensors(target_path, model.config, ("Q4_0",))
+    dense = {name: layer.weight[columns] for name, _, layer, columns in projections(load(target_path))}
     for i, (name, qtype, layer, columns) in enumerate(projections(model)):
         assert isinstance(layer, BlockLinear) and (layer.layout.kind, layer.layout.offset) == (0, 8), name
+        x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(i))
         if qtype == "Q4_0":                                        # the file's own Q4_0 blocks, not rounded again
-            x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(i))
-            assert torch.equal(layer(x)[:, columns], file_blocks_[name].to_module(torch.float32)(x)), name
+            expected = file_blocks_[name]
+        else:                        # the others re-quantized from their blocks = from the float checkpoint's weights
+            expected = quantize_q4_0(dense[name])
+        assert torch.equal(layer(x)[:, columns], expected.to_module(torch.float32)(x)), name
     assert model.lm.lm_head.layout.offset == 8                     # the head too (the file's is Q8_0)
     target = load(target_path, batch_size=3, quantization="gguf")
     prompts = [prompt_ids(5, 1, VOCAB), [5, 6, 7, 5, 6, 7, 5, 6], prompt_ids(12, 3, VOCAB)]

@@ -7,9 +7,9 @@ scheme and whether the LM head is kept). Per layer name it holds the tensors ``<
 ``.sc`` and ``.mn``; its metadata holds ``FORMAT`` and, per name, the layer's out features and ``Layout`` (JSON).
 
 Invariants: a stored file exists only complete (written to a temporary file in the same directory, then renamed);
-one of another ``FORMAT`` — raised whenever the packed layout, ``Layout`` or the block decoding change — or one that
-does not read is rebuilt, never used; a store that cannot be written (a full disk) leaves the load as it was,
-with the layers built from the file.
+one of another ``FORMAT`` — raised whenever the packed layout, ``Layout``, the block decoding or what a scheme keeps
+(``gguf_weights.KEEP``, its re-quantization) change — or one that does not read is rebuilt, never used; a store
+that cannot be written (a full disk) leaves the load as it was, with the layers built from the file.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from .block_linear import BlockLinear
 from .cache_files import cache_dir, file_sha256
 from .kernels.layout import Layout
 
-FORMAT = "1"
+FORMAT = "2"
 BUFFERS = ("qs", "d", "dmin", "sc", "mn")
 
 

@@ -114,7 +114,7 @@ class DecoderModel:
         weights, 8-bit activations as llama.cpp's, row-invariant). With int4 / int8 a GGUF file's 4-bit
         (int4) or Q8_0 (int8) projections and ≤ 8-bit LM head keep theirs too instead of being rounded again.
         ``"q4_0"``: GGML Q4_0 blocks on the same kernel for every projection and the LM head (a GGUF file's
-        Q4_0 tensors kept, the rest re-quantized as llama.cpp's reference Q4_0: ``quant.quantize_q4_0``;
+        Q4_0 tensors kept, the rest re-quantized as llama.cpp's reference Q4_0: ``gguf_weights.quantize_q4_0``;
         4.5 bits a weight; a cheaper draft: the 0.5B Qwen draft reads 24 % fewer bytes than its "gguf").
         ``kv_cache_dtype``: None / "auto" (the KV cache in the compute dtype), ``"int8"`` or ``"fp8_e4m3"``
         (alias ``"fp8"``; vLLM's names, NxD Inference's ``kv_cache_quant``): 8-bit K/V with an f32 scale

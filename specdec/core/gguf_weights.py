@@ -208,6 +208,28 @@ class BlockWeights:
         return BlockLinear.from_blocks(self, dtype, bias)
 
 
+QUANTIZE_WEIGHTS = 1 << 22                  # ``quantize_q4_0`` works on about this many weights at a time
+
+
+def quantize_q4_0(weight: torch.Tensor) -> BlockWeights:
+    """weight [N, K] (K divisible by 32) → GGML Q4_0 blocks (``gguf_weights.BlockWeights``), as llama.cpp's
+    reference quantizer makes them: per group of 32 with m its weight of largest magnitude, d = f16(m / -8) and
+    q = round(w / d) clamped to [-8, 7] (0 where d = 0), w ≈ d · q. (llama.cpp rounds with the f32 m / -8 and
+    stores its f16: the codes here are those of the stored d.)"""
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"Q4_0 needs in features divisible by 32; this layer is [{n}, {k}]: use 'int8'")
+    codes, scales = torch.empty(n, k, dtype=torch.int16), torch.empty(n, k // 32)
+    step = max(1, QUANTIZE_WEIGHTS // k)
+    for r in range(0, n, step):
+        w = weight[r:r + step].detach().float().reshape(-1, k // 32, 32)
+        d = (w.gather(-1, w.abs().argmax(-1, keepdim=True)) / -8).half().float()     # [R, K/32, 1]
+        q = torch.where(d == 0, 0, torch.round(w / d)).clamp_(-8, 7)
+        codes[r:r + step], scales[r:r + step] = q.view(-1, k).to(torch.int16), d[..., 0]
+    zeros, ones = torch.zeros_like(scales), torch.ones(n, k // 32, dtype=torch.int16)
+    return BlockWeights("Q4_0", codes, 32, 32, scales, zeros, ones, torch.zeros_like(ones))
+
+
 def hf_name(gguf_name: str) -> tuple[str | None, str | None]:
     """(Hugging Face name, RoPE row permutation "heads" / "kv_heads" / None) of a GGUF tensor name; (None,
     None) for a tensor the runtime does not read (e.g. llama 3's ``rope_freqs``)."""
@@ -259,9 +281,11 @@ def gguf_quantized_tensors(path: str | Path, config, keep: tuple[str, ...],
 
 
 # GGML types each scheme keeps as the file stores them (the rest is quantized by ``quant``, or for
-# "gguf" left in the compute dtype): (projections, LM head); int8 and int4 hold the head at up to 8 bits
+# "gguf" left in the compute dtype): (projections, LM head); int8 and int4 hold the head at up to 8 bits.
+# "q4_0" takes every block tensor and re-quantizes the other types' to Q4_0 from their exact values (what
+# ``quant`` would do from the float checkpoint's f32 weights), so their float weights are never loaded.
 KEEP = {"gguf": (KEPT_TYPES, KEPT_TYPES), "int4": (U4_TYPES, ("Q8_0", "Q6_K")),
-        "int8": (("Q8_0",), ("Q8_0", "Q6_K")), "q4_0": (("Q4_0",), ("Q4_0",))}
+        "int8": (("Q8_0",), ("Q8_0", "Q6_K")), "q4_0": (KEPT_TYPES, KEPT_TYPES)}
 
 
 def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[str, Shard],
@@ -284,6 +308,8 @@ def load_gguf_blocks(lm: nn.Module, path: str | Path, scheme: str, shards: dict[
                 shard = shards.get("model.embed_tokens.weight")
             if shard is not None:
                 weights = weights.take(shard.dim, list(shard.index))
+            if scheme == "q4_0" and weights.qtype != "Q4_0":
+                weights = quantize_q4_0(weights.dequantize())
             layers[name] = weights.to_module(torch.float32)
         return layers
 

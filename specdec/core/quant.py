@@ -17,9 +17,10 @@ PyTorch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``, any float dtype
 kept in the compute dtype), half of int8's bytes. Shapes: out features divisible by 16 and in
 features by 32 (per rank), else a ValueError says to use int8; CPU only.
 
-``q4_0``: GGML's Q4_0 blocks (``quantize_q4_0``: per group of 32, d = f16(m / -8) for m the weight of
+``q4_0``: GGML's Q4_0 blocks (``gguf_weights.quantize_q4_0``: per group of 32, d = f16(m / -8) for m the weight of
 largest magnitude, q = round(w / d) in [-8, 7]) on the ``block_mm`` CPU kernel (``block_linear``), the LM
-head too: 4.5 bits a weight read, for cheap drafts (a GGUF file's own Q4_0 tensors are kept as they are).
+head too: 4.5 bits a weight read, for cheap drafts (a GGUF file's own Q4_0 tensors are kept as they are, its
+other blocks re-quantized from their exact values while it loads: ``gguf_weights.load_gguf_blocks``).
 
 Quantized (int8 or int4): every attention and MLP projection (q, k, v, o, gate, up, down) with the
 scheme, and the LM head with per-channel int8 under both (the output layer stays at 8 bits, as
@@ -43,7 +44,7 @@ from torch import nn
 
 from .block_linear import BlockLinear, cat_biases
 from .config import INT4_GROUP
-from .gguf_weights import BlockWeights
+from .gguf_weights import quantize_q4_0
 from .parallel import TPGroup, all_reduce_max
 
 ALIASES = {"int8": "int8", "s8": "int8", "per_channel_symmetric": "int8", "int8_weight_only": "int8",
@@ -129,28 +130,6 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     scale = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
     q = torch.round((w - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15).to(torch.int32).view(n, k)
     return q, scale, low + 8 * scale
-
-
-QUANTIZE_WEIGHTS = 1 << 22                  # ``quantize_q4_0`` works on about this many weights at a time
-
-
-def quantize_q4_0(weight: torch.Tensor) -> BlockWeights:
-    """weight [N, K] (K divisible by 32) → GGML Q4_0 blocks (``gguf_weights.BlockWeights``), as llama.cpp's
-    reference quantizer makes them: per group of 32 with m its weight of largest magnitude, d = f16(m / -8) and
-    q = round(w / d) clamped to [-8, 7] (0 where d = 0), w ≈ d · q. (llama.cpp rounds with the f32 m / -8 and
-    stores its f16: the codes here are those of the stored d.)"""
-    n, k = weight.shape
-    if k % 32:
-        raise ValueError(f"Q4_0 needs in features divisible by 32; this layer is [{n}, {k}]: use 'int8'")
-    codes, scales = torch.empty(n, k, dtype=torch.int16), torch.empty(n, k // 32)
-    step = max(1, QUANTIZE_WEIGHTS // k)
-    for r in range(0, n, step):
-        w = weight[r:r + step].detach().float().reshape(-1, k // 32, 32)
-        d = (w.gather(-1, w.abs().argmax(-1, keepdim=True)) / -8).half().float()     # [R, K/32, 1]
-        q = torch.where(d == 0, 0, torch.round(w / d)).clamp_(-8, 7)
-        codes[r:r + step], scales[r:r + step] = q.view(-1, k).to(torch.int16), d[..., 0]
-    zeros, ones = torch.zeros_like(scales), torch.ones(n, k // 32, dtype=torch.int16)
-    return BlockWeights("Q4_0", codes, 32, 32, scales, zeros, ones, torch.zeros_like(ones))
 
 
 class Int4Linear(nn.Module):
