@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             warm.append(timed_run(command, env))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    result = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(),
+    result = {"command": shlex.join([sys.executable, *sys.argv]), "commit": git_commit(),
               "machine": machine_info(), "threads": args.threads, "model": args.model, "draft_model": args.draft_model,
               "prompt": args.prompt, "cold": cold, "warm": warm}
     print(json.dumps(result, indent=1))

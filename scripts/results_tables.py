@@ -203,6 +203,7 @@ def spec(name: str) -> tuple[str, Table]:
 
 TABLES: dict[str, Table] = {
     "first_run": Table(("first_run",), first_run_table),
+    "first_run_qwen_epyc": Table(("first_run_qwen_epyc",), first_run_table),
     "commits_bench_spec": Table(("commits_bench_spec",), commits_table),
     "pair_code": Table(("pair_code",), pair_table, sources=False),
     "pair_chat": Table(("pair_chat",), pair_table, sources=False),
