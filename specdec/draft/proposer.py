@@ -127,6 +127,8 @@ class DraftModel(BaseProposer):
         m = self.model
         if m.device != target.device:
             raise ValueError(f"draft is on {m.device}, target on {target.device}: use one device")
+        if same_tokenizer_files(Path(m.path), Path(target.path)):
+            return      # (loading both tokenizers to compare their vocabularies: ~1 s each for Qwen's)
         dt, tt = _tokenizer_or_none(m), _tokenizer_or_none(target)
         if dt is not None and tt is not None and dt.get_vocab() != tt.get_vocab():
             raise ValueError(f"draft tokenizer ({m.path}) differs from the target's ({target.path}): "
@@ -270,6 +272,23 @@ class DraftModel(BaseProposer):
     def fused_drafter(self, key: FusedKey) -> DraftLoop:
         """``propose``'s k steps as one module for fused speculation (``specdec.fused``)."""
         return DraftLoop(self.module, key, self.model.settings.sampling.global_topk)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")
+"""The files a Hugging Face tokenizer is read from."""
+
+
+def same_tokenizer_files(a: Path, b: Path) -> bool:
+    """Whether checkpoint directories ``a`` and ``b`` hold a ``tokenizer.json`` and the same tokenizer files, byte
+    for byte (then their tokenizers map every token to the same id)."""
+    if not (a / "tokenizer.json").is_file():
+        return False
+    for name in TOKENIZER_FILES:
+        fa, fb = a / name, b / name
+        if fa.is_file() != fb.is_file() or (fa.is_file() and fa.read_bytes() != fb.read_bytes()):
+            return False
+    return True
 
 
 def _tokenizer_or_none(model: DecoderModel):
