@@ -469,3 +469,29 @@ def test_speculation_with_a_restricted_draft_vocabulary_is_exact(tiny):
     reference = TargetOnly(load(target_path, **kw))
     assert lossless_pvalue(reference, target, gen, dict(temperature=0.8), 2) > 1e-3    # 20,480 samples
     assert 0.02 < gen.stats.acceptance_rate < 0.98
+
+
+def test_a_server_over_block_kernel_models_builds_no_graph_ahead(tiny, monkeypatch):
+    """``specdec serve`` on a target and draft whose layers run as block kernels on ``regional`` (no graph shape
+    costs a compilation: ``shapes_free``) loads without warming every bucket of the longest prompt — minutes for
+    the 1.5B — and serves the target's greedy output; a fused speculator still compiles ahead."""
+    from specdec.options import ModelOptions, SpeculationOptions
+    from specdec.serving import server
+
+    target_path, draft_path = tiny
+    warmed = []
+    monkeypatch.setattr(server, "precompile", lambda *args, **kwargs: warmed.append(kwargs) or [])
+    model = ModelOptions(model=str(target_path), quantization="gguf", amp="f32", backend="regional", n_positions=128)
+
+    def engine(**speculation):
+        spec = SpeculationOptions(draft="model", draft_path=str(draft_path), k=3, **speculation).checked(model)
+        return server.load_engine(server.ServeOptions(model=model, speculation=spec, batch_size=2))
+
+    served = engine()
+    assert warmed == [] and served.target.shapes_free
+    prompts = [prompt_ids(5, 1, VOCAB), [5, 6, 7, 5, 6, 7, 5, 6]]
+    reference = load(target_path, batch_size=2, quantization="gguf").generate(prompts, max_new_tokens=20,
+                                                                              eos_token_id=[])
+    assert torch.equal(served.generate(prompts, max_new_tokens=20, eos_token_id=[]), reference)
+    engine(fused=True)
+    assert len(warmed) == 1

@@ -88,12 +88,17 @@ def load_engine(options: ServeOptions, progress: bool = False) -> Engine:
     gen = speculation.make_generator(proposer, target)
     say("loaded", seconds=round(time.perf_counter() - start, 2), layers=target.config.num_layers,
         vocab_size=target.vocab_size, proposer=type(proposer).__name__ if proposer else None, k=gen.k if gen else None)
-    if model.backend in COMPILING:
+    network = None if gen is None else (gen.proposer.draft or gen.proposer).model   # declared abilities
+    models = [target] + ([network] if isinstance(network, DecoderModel) else [])
+    # models whose every graph shape is free (block-kernel layers on regional: nothing is compiled per shape)
+    # have nothing to build ahead; warming every bucket of the longest prompt would only run them (minutes
+    # for the 1.5B). A draft network that is not a DecoderModel (EAGLE, Medusa) or fused steps still compile.
+    shapes_free = len(models) == 1 + (network is not None) and all(m.shapes_free for m in models) and \
+        not speculation.fused
+    if model.backend in COMPILING and not shapes_free:
         start = time.perf_counter()
         precompile(target, gen, target.n_positions - 1, target.n_positions, progress=progress and log_here,
                    single_row=True)
-        network = None if gen is None else (gen.proposer.draft or gen.proposer).model   # declared abilities
-        models = [target] + ([network] if isinstance(network, DecoderModel) else [])
         graphs = [f"{'target' if m is target else 'draft'}: {key}" for m in models for key in m.compile_seconds]
         say("compiled", seconds=round(time.perf_counter() - start, 2), graphs=graphs,
             note="greedy graphs; sampling graphs compile on first use")
