@@ -33,3 +33,15 @@ def test_a_loaded_model_streams_its_weights_from_huge_pages():
     model = DecoderModel.from_pretrained(batch_size=1, n_positions=64, amp="f32", progress=False)
     big = [t for t in model.lm.state_dict().values() if t.untyped_storage().nbytes() >= HUGE_PAGE]
     assert big and all(t.untyped_storage().data_ptr() % HUGE_PAGE == 0 for t in big)
+
+
+def test_embedding_tables_stay_unless_a_head_shares_them():
+    torch.manual_seed(0)
+    m = nn.ModuleDict({"embed": nn.Embedding(1024, 1024), "tied": nn.Embedding(1024, 1024),
+                       "head": nn.Linear(1024, 1024, bias=False)})
+    m["head"].weight = m["tied"].weight                         # a tied LM head streams the table every step
+    looked_up, values = m["embed"].weight.data_ptr(), m["embed"].weight.clone()
+    moved = move_to_huge_pages(m)
+    assert moved == 1024 * 1024 * 4                             # the tied table only
+    assert m["embed"].weight.data_ptr() == looked_up and torch.equal(m["embed"].weight, values)
+    assert m["tied"].weight is m["head"].weight and m["tied"].weight.data_ptr() % HUGE_PAGE == 0

@@ -65,6 +65,17 @@ def iter_tensors(shards: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, source[...]
 
 
+def mapped_tensor(path: str | Path, name: str) -> torch.Tensor | None:
+    """Tensor ``name`` of the safetensors checkpoint at ``path`` on the file's own pages (memory-mapped, private: no
+    byte is read until used, and writes would stay in this process), or None where no safetensors shard holds it."""
+    for shard in checkpoint_shards(path):
+        if shard.suffix == ".safetensors":
+            with safe_open(shard, framework="pt") as f:
+                if name in f.keys():
+                    return f.get_tensor(name)
+    return None
+
+
 def embedding_and_lm_head(path: str | Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(``model.embed_tokens.weight``, LM head) of a checkpoint, as stored, reading only those two
     tensors; the head is the embedding when config.json ties them or no ``lm_head.weight`` exists.

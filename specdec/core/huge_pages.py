@@ -43,9 +43,13 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
 
 def move_to_huge_pages(module: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
     """Copy the storage of every CPU parameter and buffer of ``module`` holding at least ``min_bytes`` into
-    huge pages, in place (parameters through ``.data``, buffers re-registered); returns the bytes moved."""
+    huge pages, in place (parameters through ``.data``, buffers re-registered); returns the bytes moved.
+    Embedding tables are left where they are unless another module shares their storage (a tied LM head): a step
+    reads one row per token of them, where page size makes no difference."""
     if not huge_pages_available():
         return 0
+    streamed = {t.untyped_storage().data_ptr() for sub in module.modules() if not isinstance(sub, nn.Embedding)
+                for table in (sub._parameters, sub._buffers) for t in table.values() if t is not None}
     moved: dict[int, torch.Tensor] = {}         # old storage address → its copy in huge pages
     copies: set[int] = set()                    # the copies' addresses (a tied parameter is seen again)
     for sub in module.modules():
@@ -54,7 +58,8 @@ def move_to_huge_pages(module: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
                 if t is None or t.device.type != "cpu":
                     continue
                 storage = t.untyped_storage()
-                if storage.nbytes() < min_bytes or storage.data_ptr() in copies:
+                if storage.nbytes() < min_bytes or storage.data_ptr() in copies or \
+                        storage.data_ptr() not in streamed:
                     continue
                 if storage.data_ptr() not in moved:
                     copy = huge_page_bytes(storage.nbytes())

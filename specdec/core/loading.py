@@ -17,7 +17,7 @@ import torch
 
 from .block_layer import use_block_layers
 from .block_linear import add_prompt_weights
-from .checkpoint import load_weights
+from .checkpoint import load_weights, mapped_tensor
 from .config import ModelConfig, amp_dtype
 from .gguf_weights import load_gguf_blocks
 from .graphs import BACKENDS, backend_device
@@ -137,6 +137,8 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
     shards = shard_plan(config, layout, tp.rank)
     if quantization is not None and gguf is not None:   # the file's blocks first: their float weights never exist
         load_gguf_blocks(lm, gguf, quantization, shards, dtype)
+    if torch.device(device).type == "cpu" and backend != "neuron" and "model.embed_tokens.weight" not in shards:
+        map_embedding(lm, path, dtype)
     from_file = frozenset(name for name, t in lm.state_dict().items() if not t.is_meta)
     materialize(lm, device, dtype)
     lm.init_buffers()
@@ -170,6 +172,19 @@ def check_prompt_weights(prompt_weights: str | None, quantization: str | None, b
         raise ValueError(f"prompt_weights={prompt_weights!r} gives GGML blocks (quantization 'gguf' or 'q4_0') on the "
                          f"CPU a dense copy for prompts, with backend 'eager' or 'regional'; this model is "
                          f"quantization={quantization!r}, backend={backend!r}, device={device!r}")
+
+
+def map_embedding(lm: DecoderLM, path: Path, dtype: torch.dtype) -> None:
+    """Make ``lm``'s embedding table the checkpoint file's own bytes (``checkpoint.mapped_tensor``) where it is only
+    looked up: not tied to a float LM head, and stored in ``dtype``. A step reads its tokens' rows, so the table is
+    never read nor copied whole (the 1.5B's f32 table: 0.93 GB; ``move_to_huge_pages`` leaves it too) and its
+    memory is the page cache's. Elsewhere the table stays to be loaded into memory of its own."""
+    table = lm.model.embed_tokens
+    if isinstance(lm.lm_head, torch.nn.Linear) and lm.lm_head.weight is table.weight:
+        return
+    mapped = mapped_tensor(path, "model.embed_tokens.weight")
+    if mapped is not None and mapped.dtype == dtype and mapped.shape == table.weight.shape:
+        table.weight = torch.nn.Parameter(mapped, requires_grad=False)
 
 
 def materialize(lm: torch.nn.Module, device: str, dtype: torch.dtype) -> None:
