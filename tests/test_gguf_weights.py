@@ -240,7 +240,7 @@ def test_a_kept_layer_never_allocates_its_float_weight(tiny, monkeypatch):
 
 def block_buffers(model) -> dict[str, tuple]:
     """Every ``BlockLinear`` of ``model``: its compute dtype, buffers and bias (an empty tensor for none)."""
-    return {name: (m.dtype, *(getattr(m, b) for b in ("qs", "d", "dmin", "sc", "mn")),
+    return {name: (m.dtype, *m.blocks(),
                    torch.empty(0) if m.bias is None else m.bias)
             for name, m in model.lm.named_modules() if isinstance(m, BlockLinear)}
 

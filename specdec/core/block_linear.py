@@ -61,6 +61,9 @@ class BlockLinear(nn.Module):
     ``prompt_weight`` [N, K] bf16 or None: the dense copy ``prompt_weights()`` calls use (``add_prompt_weight``;
     prepacked by ``pack_prompt_weight``: a plain attribute, not a buffer, since an opaque tensor has no storage)."""
 
+    BUFFERS = ("qs", "d", "dmin", "sc", "mn")
+    """The blocks' buffers, in the order the constructor takes them (``blocks()``)."""
+
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
                  out_features: int, layout: Layout, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -68,7 +71,7 @@ class BlockLinear(nn.Module):
         if layout.superblock == layout.group:
             check_unit_scales(untiled(sc, out_features), untiled(mn, out_features), layout.mins)
         self.out_features, self.in_features, self._layout, self._dtype = out_features, layout.in_features, layout, dtype
-        for name, t in (("qs", qs), ("d", d), ("dmin", dmin), ("sc", sc), ("mn", mn)):
+        for name, t in zip(self.BUFFERS, (qs, d, dmin, sc, mn)):
             self.register_buffer(name, t.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.prompt_weight: torch.Tensor | None = None
@@ -89,8 +92,11 @@ class BlockLinear(nn.Module):
 
     def with_bias(self, bias: torch.Tensor | None, dtype: torch.dtype) -> BlockLinear:
         """This layer's blocks (the same buffers) computing in ``dtype`` with ``bias``."""
-        return BlockLinear(*(getattr(self, name) for name in ("qs", "d", "dmin", "sc", "mn")), self.out_features,
-                           self._layout, bias, dtype)
+        return BlockLinear(*self.blocks(), self.out_features, self._layout, bias, dtype)
+
+    def blocks(self) -> tuple[torch.Tensor, ...]:
+        """qs, d, dmin, sc, mn (``BUFFERS``): what the constructor takes before ``out_features``."""
+        return tuple(getattr(self, name) for name in self.BUFFERS)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -110,7 +116,7 @@ class BlockLinear(nn.Module):
                              "superblock, in features)")
         first = layers[0]
         if all(layer.out_features % LANES == 0 for layer in layers[:-1]):    # whole tiles: concatenate them
-            parts = [torch.cat([getattr(layer, name) for layer in layers]) for name in ("qs", "d", "dmin", "sc", "mn")]
+            parts = [torch.cat(buffers) for buffers in zip(*(layer.blocks() for layer in layers))]
         else:
             codes = torch.cat([unpack(layer.qs, layer.out_features, layer.layout) for layer in layers])
             parts = [pack(codes, first.layout)] + [
@@ -121,7 +127,7 @@ class BlockLinear(nn.Module):
     def first_rows(self, n: int) -> BlockLinear:
         """The layer computing only output features [0, n): a copy of its first ceil(n / 16) tiles."""
         tiles = -(-n // LANES)
-        parts = [getattr(self, name)[:tiles].clone() for name in ("qs", "d", "dmin", "sc", "mn")]
+        parts = [t[:tiles].clone() for t in self.blocks()]
         bias = None if self.bias is None else self.bias[:n]
         return BlockLinear(*parts, n, self._layout, bias, self._dtype)
 
@@ -134,7 +140,7 @@ class BlockLinear(nn.Module):
     def kernel_weights(self) -> list[torch.Tensor]:
         """qs, d, dmin, sc, mn and the bias (an empty tensor where there is none): ``block_layer``'s weights."""
         bias = self.qs.new_empty(0, dtype=torch.float32) if self.bias is None else self.bias
-        return [self.qs, self.d, self.dmin, self.sc, self.mn, bias]
+        return [*self.blocks(), bias]
 
     def kernel_layout(self) -> list[int]:
         """n, group, superblock, kind, offset, mins: the ints ``block_mm`` and ``block_layer`` take."""

@@ -13,9 +13,7 @@ that cannot be written (a full disk) leaves the load as it was, with the layers 
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -26,11 +24,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .block_linear import BlockLinear
-from .cache_files import cache_dir, file_sha256
+from .cache_files import cache_dir, file_sha256, write_atomic
 from .kernels.layout import Layout
 
 FORMAT = "2"
-BUFFERS = ("qs", "d", "dmin", "sc", "mn")
 
 
 def store_dir() -> Path:
@@ -51,7 +48,7 @@ def _read(path: Path) -> dict[str, BlockLinear] | None:
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT:
                 return None
-            return {name: BlockLinear(*(f.get_tensor(f"{name}.{b}") for b in BUFFERS), spec["out_features"],
+            return {name: BlockLinear(*(f.get_tensor(f"{name}.{b}") for b in BlockLinear.BUFFERS), spec["out_features"],
                                       Layout(**spec["layout"]), None, torch.float32)
                     for name, spec in json.loads(meta["layers"]).items()}
     except (OSError, ValueError, KeyError, TypeError, SafetensorError):
@@ -60,20 +57,15 @@ def _read(path: Path) -> dict[str, BlockLinear] | None:
 
 def _write(path: Path, layers: dict[str, BlockLinear]) -> None:
     """Store ``layers`` at ``path`` atomically; a warning (not an error) when it cannot."""
-    tensors = {f"{name}.{b}": getattr(layer, b) for name, layer in layers.items() for b in BUFFERS}
+    tensors = {f"{name}.{b}": t for name, layer in layers.items() for b, t in zip(BlockLinear.BUFFERS, layer.blocks())}
     specs = {name: {"out_features": layer.out_features, "layout": asdict(layer.layout)}
              for name, layer in layers.items()}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    metadata = {"format": FORMAT, "layers": json.dumps(specs)}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, tmp, metadata={"format": FORMAT, "layers": json.dumps(specs)})
-        os.replace(tmp, path)
+        write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     except OSError as e:
         print(f"specdec: could not keep the packed blocks at {path} ({e}); the next load packs them again",
               file=sys.stderr)
-    finally:
-        with contextlib.suppress(OSError):     # gone after os.replace (or never made)
-            tmp.unlink(missing_ok=True)
 
 
 def stored_layers(gguf: Path, key: str, build: Callable[[], dict[str, BlockLinear]]) -> dict[str, BlockLinear]:

