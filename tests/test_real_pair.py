@@ -79,6 +79,23 @@ def test_loaded_blocks_are_the_files_dequantized_weights():
     assert {index["blk.0.ffn_gate.weight"].qtype, index["output.weight"].qtype} == {"Q4_K", "Q6_K"}
 
 
+def test_block_layers_run_on_the_weights_the_model_holds():
+    """The layers' one-call runner computes with the very tensors the modules hold, in huge pages where the system
+    has them: it gathers them after the move (gathered before, it kept the first copies alive and computed on
+    them: the weights twice in memory, on 4 KiB pages)."""
+    from specdec.core.huge_pages import HUGE_PAGE, huge_pages_available
+
+    model = load(TARGET, "f32")
+    held = {t.untyped_storage().data_ptr() for t in (*model.lm.buffers(), *model.lm.parameters())}
+    stack = model.lm.stack_runner
+    assert stack is not None
+    weights = [t for t in stack.weights if t.numel()]          # (an empty tensor: a projection without bias)
+    assert weights and all(t.untyped_storage().data_ptr() in held for t in weights)
+    if huge_pages_available():
+        big = [t for t in weights if t.untyped_storage().nbytes() >= HUGE_PAGE]
+        assert big and all(t.untyped_storage().data_ptr() % HUGE_PAGE == 0 for t in big)
+
+
 def test_kernel_on_a_real_layer_is_exact_and_row_invariant():
     from specdec.core.kernels import quantize_activations
 

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from .block_linear import BlockLinear
 from .cache_files import cache_dir, file_sha256, write_atomic
+from .huge_pages import HUGE_PAGE
 from .kernels.layout import Layout
 
 FORMAT = "2"
@@ -48,11 +49,18 @@ def _read(path: Path) -> dict[str, BlockLinear] | None:
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT:
                 return None
-            return {name: BlockLinear(*(f.get_tensor(f"{name}.{b}") for b in BlockLinear.BUFFERS), spec["out_features"],
-                                      Layout(**spec["layout"]), None, torch.float32)
+            return {name: BlockLinear(*(_owned(f.get_tensor(f"{name}.{b}")) for b in BlockLinear.BUFFERS),
+                                      spec["out_features"], Layout(**spec["layout"]), None, torch.float32)
                     for name, spec in json.loads(meta["layers"]).items()}
     except (OSError, ValueError, KeyError, TypeError, SafetensorError):
         return None
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor read from a stored file (its pages, memory-mapped) in memory of its own when it is smaller than a huge
+    page: ``move_to_huge_pages`` moves only larger ones, and one small tensor left on the file would keep the whole
+    file mapped, with every page the load read, for the model's lifetime."""
+    return t.clone() if t.untyped_storage().nbytes() < HUGE_PAGE else t
 
 
 def _write(path: Path, layers: dict[str, BlockLinear]) -> None:

@@ -123,9 +123,10 @@ def copy_shard(param: torch.Tensor, source, shard: Shard | None) -> None:
 
 def load_weights(module: nn.Module, path: str | Path, progress: bool = True,
                  shards: dict[str, Shard] | None = None, rename: Callable[[str], str] | None = None,
-                 optional: frozenset[str] = frozenset()) -> None:
+                 optional: frozenset[str] = frozenset(), skip: frozenset[str] = frozenset()) -> None:
     """Copy a checkpoint into ``module``'s parameters (names = HF keys, or ``rename(key)``), casting
-    to their dtype; tensors named in ``shards`` are loaded partially (tensor parallelism).
+    to their dtype; tensors named in ``shards`` are loaded partially (tensor parallelism); those named in
+    ``skip`` already hold their values (a GGUF file's blocks, a mapped table) and are neither read nor written.
 
     Raises KeyError for missing tensors (except those in ``optional``, left as they are) and
     ValueError for shape mismatches, naming the tensor. Unknown tensors (e.g.
@@ -137,6 +138,7 @@ def load_weights(module: nn.Module, path: str | Path, progress: bool = True,
     persistent = set(module.state_dict())
     params = dict(module.named_parameters())
     params.update((n, b) for n, b in module.named_buffers() if n in persistent)
+    params = {n: t for n, t in params.items() if n not in skip}
     loaded: set[str] = set()
     with torch.no_grad(), tqdm(total=len(params), desc=f"loading {Path(path).name}", unit="tensor",
                                disable=not progress) as bar:

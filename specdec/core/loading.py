@@ -142,18 +142,20 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
     from_file = frozenset(name for name, t in lm.state_dict().items() if not t.is_meta)
     materialize(lm, device, dtype)
     lm.init_buffers()
-    load_weights(lm, path, progress=progress and tp.rank == 0, shards=shards, optional=RANK | from_file)
+    load_weights(lm, path, progress=progress and tp.rank == 0, shards=shards, optional=RANK, skip=from_file)
     quantize_and_fuse(lm, quantization, backend, tp)
     if output_vocab_size is not None:
         lm.restrict_output_vocab(output_vocab_size)
         config = lm.config
     lm.eval().requires_grad_(False)
+    # a CPU decode step streams every weight: 2 MiB pages, not 4 KiB; first, since the block layers' runners hold
+    # the tensors they are given (a buffer moved later would leave them computing on the old copy)
+    move_to_huge_pages(lm)
     if torch.device(device).type == "cpu" and backend != "neuron":
         use_block_layers(lm)        # a GGUF file's blocks in f32: each layer in five kernel calls
     if settings.prompt_weights is not None:
         add_prompt_weights(lm.model.layers, progress=progress and tp.rank == 0)
         lm.prompt_weights = True
-    move_to_huge_pages(lm)          # a CPU decode step streams every weight: 2 MiB pages, not 4 KiB
     return LoadedDecoder(path, gguf or path, config, lm, settings)
 
 
