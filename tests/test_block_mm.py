@@ -63,6 +63,25 @@ def test_the_kernel_is_built():
     assert block_mm_isa() in ISAS, "the C++ extension did not build"
 
 
+def test_a_killed_build_does_not_block_the_next_load():
+    """A build killed midway leaves ``cpp_extension``'s lock file in the build directory, on which every later load
+    waited forever; a fresh process now loads the kernel and removes it."""
+    import fcntl
+    import subprocess
+    import sys
+
+    from specdec.core.kernels import build_directory
+
+    directory = build_directory()
+    with open(directory / "build.flock", "a") as held:      # (no build of another process in progress meanwhile)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (directory / "lock").touch()                          # what a killed build leaves
+    out = subprocess.run([sys.executable, "-c", "from specdec.core.kernels import block_mm_isa; print(block_mm_isa())"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() in ISAS, out.stderr[-2000:]
+    assert not (directory / "lock").exists()
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_packing_round_trips_and_keeps_the_weights(qtype):
     w = blocks(qtype, 37, 512)

@@ -20,9 +20,9 @@ v_cache, rows, slots, mask)`` — RoPE on the new tokens, their K / V written in
 and each query's masked softmax attention over its cache row, row-invariant, in one call.
 
 The extension is compiled once per source, torch version and Python into ``$SPECDEC_CACHE/kernels``
-(about a minute; a message says so). Where it cannot be built (no compiler), the same op is defined in
-Python — quantize the activations, dequantize the weight, matmul: the same values up to summation order,
-slower, and a warning says so.
+(about a minute; a message says so; a build killed midway leaves nothing that blocks the next: ``_build``).
+Where it cannot be built (no compiler), the same op is defined in Python — quantize the activations, dequantize
+the weight, matmul: the same values up to summation order, slower, and a warning says so.
 """
 from __future__ import annotations
 
@@ -97,21 +97,36 @@ def load_block_mm() -> None:
         torch.library.register_fake("specdec::block_layers")(_fake_layer)
 
 
-def _build() -> None:
-    from torch.utils import cpp_extension
-
+def build_directory() -> Path:
+    """Where the extension is built: one directory per source (its contents and its folder: the build records
+    absolute paths, so two checkouts sharing one directory would rebuild it in turn), torch version and Python."""
     from ..cache_files import cache_dir
 
-    code = b"".join(path.read_bytes() for path in SOURCES)
+    code = b"".join(path.read_bytes() for path in SOURCES) + str(SOURCE.parent).encode()
     key = hashlib.sha256(code + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
-    directory = cache_dir() / "kernels" / f"block_mm-{key}"
+    return cache_dir() / "kernels" / f"block_mm-{key}"
+
+
+def _build() -> None:
+    """Build (once) and load the extension. A process builds under an ``fcntl`` lock of the build directory, which
+    the OS releases when the process ends however it ends; holding it, the lock file that ``cpp_extension.load``
+    itself waits on (a ``FileBaton``, left behind by a build that was killed: every later load would wait on it
+    forever) can only be stale, and is removed."""
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
-    if not any(directory.glob("*.so")):
-        print("specdec: building the block_mm CPU kernel (once; about a minute)", file=sys.stderr, flush=True)
-    cpp_extension.load(name="specdec_block_mm", sources=[str(path) for path in COMPILED],
-                       build_directory=str(directory), extra_ldflags=["-fopenmp"],    # OpenMP: at::parallel_for's
-                       extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-Wno-psabi"],
-                       is_python_module=False, verbose=False)
+    with open(directory / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        if not any(directory.glob("*.so")):
+            print("specdec: building the block_mm CPU kernel (once; about a minute)", file=sys.stderr, flush=True)
+        cpp_extension.load(name="specdec_block_mm", sources=[str(path) for path in COMPILED],
+                           build_directory=str(directory), extra_ldflags=["-fopenmp"],  # OpenMP: at::parallel_for's
+                           extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-Wno-psabi"],
+                           is_python_module=False, verbose=False)
 
 
 def _define_reference() -> None:
