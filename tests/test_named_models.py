@@ -254,3 +254,31 @@ def test_presets_fill_what_is_left_unset():
     assert ModelOptions(model=target) == ModelOptions(model=target, quantization="gguf", amp="f32", backend="regional")
     assert ModelOptions(model=draft, amp="bf16").amp == "bf16"
     assert ModelOptions() == ModelOptions(quantization=None, amp="bf16", backend="compiled")
+
+
+def test_python_api_resolves_auto_to_the_preset_on_the_cpu():
+    """``DecoderModel.from_pretrained``'s "auto" amp / backend / quantization (its defaults) are a named model's
+    preset where it runs on the CPU, and f32, compiled, dense elsewhere and for every other model; a given value
+    always wins."""
+    import inspect
+    from dataclasses import replace
+
+    from specdec import DecoderModel
+    from specdec.core.loading import AUTO, RuntimeSettings, resolve_auto
+
+    defaults = inspect.signature(DecoderModel.from_pretrained).parameters
+    assert [defaults[n].default for n in ("amp", "backend", "quantization")] == [AUTO] * 3
+    auto = RuntimeSettings(amp=AUTO, backend=AUTO, quantization=AUTO, device=None)
+
+    def resolved(name, **given):
+        s = resolve_auto(name, replace(auto, **given))
+        return s.quantization, s.amp, s.backend
+
+    target = "qwen2.5-coder-1.5b-instruct"
+    assert resolved(target) == resolved(target, device="cpu") == ("gguf", "f32", "regional")
+    assert resolved(None) == resolved("some/checkpoint") == resolved("x.gguf") == (None, "f32", "compiled")
+    assert resolved(target, backend="xla") == (None, "f32", "xla")          # the block kernels run on the CPU only
+    assert resolved(target, backend="neuron") == (None, "f32", "neuron")
+    assert resolved(target, device="cuda") == (None, "f32", "compiled")
+    assert resolved(target, amp="bf16", quantization=None, backend="eager") == (None, "bf16", "eager")
+    assert resolved(target, quantization="q4_0") == ("q4_0", "f32", "regional")

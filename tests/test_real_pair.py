@@ -150,3 +150,15 @@ def test_cli_runs_the_pair_with_its_preset(capsys):
     assert "--draft model k=4, regional f32" in err
     tau = float(next(line for line in err.splitlines() if line.strip().startswith("tau")).split()[-1])
     assert tau > 2, err
+
+
+def test_from_pretrained_defaults_to_the_preset():
+    """``DecoderModel.from_pretrained(name)`` without runtime arguments loads the named model's preset (its own
+    blocks in f32 on regional graphs), which decodes as the eager blocks do."""
+    from specdec import DecoderModel
+
+    model = DecoderModel.from_pretrained(DRAFT, n_positions=256, progress=False)
+    assert (model.settings.quantization, model.settings.amp, model.settings.backend) == ("gguf", "f32", "regional")
+    prompt = torch.tensor([model.tokenizer(PROMPTS[0])["input_ids"]])
+    expected = load(DRAFT, "f32").generate(prompt, max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, eos_token_id=[]), expected)

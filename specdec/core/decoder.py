@@ -88,10 +88,10 @@ class DecoderModel:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, batch_size: int = 1, n_positions: int = 2048,
-                        amp: str = "f32", tp_degree: int = 1, gqa_strategy: str | None = None,
+                        amp: str = "auto", tp_degree: int = 1, gqa_strategy: str | None = None,
                         context_buckets: list[int] | None = None, kv_buckets: list[int] | None = None,
-                        sampling: SamplingConfig | None = None, backend: str = "compiled", device: str | None = None,
-                        quantization: str | None = None, kv_cache_dtype: str | None = None,
+                        sampling: SamplingConfig | None = None, backend: str = "auto", device: str | None = None,
+                        quantization: str | None = "auto", kv_cache_dtype: str | None = None,
                         feature_layers: tuple[int, ...] | list[int] = (), autotune: bool = False,
                         output_vocab_size: int | None = None, saved_graphs: bool = False,
                         prompt_weights: str | None = None, prefix_cache: bool = False,
@@ -99,13 +99,16 @@ class DecoderModel:
         """Load a checkpoint directory (4 HF layouts), a ``.gguf`` file, a named model (e.g.
         ``"qwen2.5-coder-1.5b-instruct"``, ``named_models.NAMED_MODELS``: a GGUF file assembled once from
         its packages), or (``None``) the embedded SmolLM2-135M-Instruct. Graphs are built lazily on first
-        use, or all at once by ``compile()``.
+        use, or all at once by ``compile()``. ``amp``, ``backend`` and ``quantization`` left "auto" take a named
+        model's preset on the CPU (``named_models.Preset``: the file's own blocks, ``quantization="gguf"``, in f32 on
+        ``regional`` graphs, its fastest measured runtime), else ``amp="f32"``, ``backend="compiled"`` and no
+        quantization (``loading.resolve_auto``).
 
         ``tp_degree > 1`` shards the model over the ranks of the running process group (its world
         size; see ``specdec.core.parallel.launch``), each rank loading only its shards (``neuron``: one
         process for every NeuronCore, one SPMD trace, every rank's shards handed to the program);
         ``gqa_strategy`` ('replicate-to-tp-degree' / 'convert-to-mha', None = automatic) sets how
-        query/KV heads are laid out over the ranks (``tp_layout``). ``quantization``: None, or ``"int8"``
+        query/KV heads are laid out over the ranks (``tp_layout``). ``quantization``: None (or "none"), ``"int8"``
         weight-only per-channel int8 of the attention and MLP projections and the LM head (NxD
         Inference's names ``"per_channel_symmetric"``, transformers-neuronx's ``"s8"`` also accepted;
         see ``quant``), ``"int4"`` group-wise int4 projections (the LM head int8), or ``"gguf"`` (a GGUF

@@ -24,6 +24,7 @@ from .graphs import BACKENDS, backend_device
 from .huge_pages import move_to_huge_pages
 from .kv_quant import parse_kv_cache_dtype
 from .model import DecoderLM, check_feature_layers, check_output_vocab_size
+from .named_models import preset_of
 from .parallel import shard_plan, spmd_group, tp_group
 from .paths import gguf_source, resolve_model_path
 from .quant import parse_quantization, quantize_and_fuse
@@ -31,6 +32,7 @@ from .sampling import SamplingConfig
 from .tp_layout import head_layout, parse_gqa
 
 RANK = frozenset({"tp_rank"})   # the rank as a parameter (neuron, tp > 1): not in checkpoints
+AUTO = "auto"                   # amp / backend / quantization: the model's default (``resolve_auto``)
 
 
 @dataclass
@@ -73,8 +75,10 @@ class LoadedDecoder(NamedTuple):
 
 def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: bool) -> LoadedDecoder:
     """Build the decoder of ``path`` (see ``DecoderModel.from_pretrained``) with the ``requested`` settings
-    (as the caller gave them: ``device`` None = the backend's default, ``feature_layers`` any sequence).
-    ValueError for settings the backend, the checkpoint or the process group cannot run."""
+    (as the caller gave them: ``device`` None = the backend's default, ``feature_layers`` any sequence, ``amp`` /
+    ``backend`` / ``quantization`` "auto": ``resolve_auto``). ValueError for settings the backend, the checkpoint
+    or the process group cannot run."""
+    requested = resolve_auto(path, requested)
     gqa = parse_gqa(requested.gqa_strategy)
     backend, tp_degree, autotune = requested.backend, requested.tp_degree, requested.autotune
     if backend not in BACKENDS:
@@ -160,6 +164,26 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
 
 
 PROMPT_WEIGHTS = (None, "bf16")
+
+
+def resolve_auto(path: str | Path | None, requested: RuntimeSettings) -> RuntimeSettings:
+    """``requested`` with its "auto" ``amp``, ``backend`` and ``quantization`` filled: a named model's ``Preset``
+    (``named_models``: its fastest measured runtime, the file's own GGML blocks in f32 on regional graphs) where it
+    runs on the CPU (the block kernels are CPU kernels), else f32, compiled and None (no quantization) — the
+    embedded model, a path, or a named model on ``xla``, ``neuron`` or another device."""
+    preset = preset_of(path)
+    cpu = requested.device is None or torch.device(requested.device).type == "cpu"
+    backend = requested.backend
+    if backend == AUTO:
+        backend = preset.backend if preset is not None and cpu else "compiled"
+    if not cpu or backend in ("xla", "neuron"):
+        preset = None
+    amp, quantization = requested.amp, requested.quantization
+    if amp == AUTO:
+        amp = "f32" if preset is None else preset.amp
+    if quantization == AUTO:
+        quantization = None if preset is None else preset.quantization
+    return replace(requested, amp=amp, backend=backend, quantization=quantization)
 
 
 def check_prompt_weights(prompt_weights: str | None, quantization: str | None, backend: str, device: str) -> None:
