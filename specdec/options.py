@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from .core.decoder import DecoderModel
 from .core.graph_cache import GraphCache
+from .core.loading import OFF_CPU_BACKENDS
 from .core.named_models import is_named_model, preset_of
 from .core.sampling import SamplingConfig
 from .core.saved_graphs import is_saved
@@ -109,7 +110,8 @@ class ModelOptions:
     rows give up (``DecoderModel.from_pretrained``).
 
     ``amp``, ``backend`` and ``quantization`` left None take the model's defaults when the options are made: a
-    named model's ``Preset`` (gguf, f32, regional: its fastest measured runtime), else bf16, compiled and
+    named model's ``Preset`` (gguf, f32, regional: its fastest measured runtime; no quantization on ``xla`` /
+    ``neuron``, whose devices do not run the block kernels: ``core.loading.resolve_auto``), else bf16, compiled and
     no quantization (None)."""
 
     model: str | None = None
@@ -130,7 +132,8 @@ class ModelOptions:
     def __post_init__(self) -> None:
         preset = preset_of(self.model)
         defaults = {"amp": "bf16", "backend": "compiled", "quantization": None} if preset is None else \
-            {"amp": preset.amp, "backend": preset.backend, "quantization": preset.quantization}
+            {"amp": preset.amp, "backend": preset.backend,
+             "quantization": None if self.backend in OFF_CPU_BACKENDS else preset.quantization}
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)

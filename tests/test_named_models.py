@@ -254,6 +254,7 @@ def test_presets_fill_what_is_left_unset():
     assert ModelOptions(model=target) == ModelOptions(model=target, quantization="gguf", amp="f32", backend="regional")
     assert ModelOptions(model=draft, amp="bf16").amp == "bf16"
     assert ModelOptions() == ModelOptions(quantization=None, amp="bf16", backend="compiled")
+    assert ModelOptions(model=target, backend="xla").quantization is None      # as from_pretrained's "auto"
 
 
 def test_python_api_resolves_auto_to_the_preset_on_the_cpu():

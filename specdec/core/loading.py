@@ -33,6 +33,7 @@ from .tp_layout import head_layout, parse_gqa
 
 RANK = frozenset({"tp_rank"})   # the rank as a parameter (neuron, tp > 1): not in checkpoints
 AUTO = "auto"                   # amp / backend / quantization: the model's default (``resolve_auto``)
+OFF_CPU_BACKENDS = ("xla", "neuron")    # backends whose programs do not run the block kernels (CPU kernels)
 
 
 @dataclass
@@ -176,7 +177,7 @@ def resolve_auto(path: str | Path | None, requested: RuntimeSettings) -> Runtime
     backend = requested.backend
     if backend == AUTO:
         backend = preset.backend if preset is not None and cpu else "compiled"
-    if not cpu or backend in ("xla", "neuron"):
+    if not cpu or backend in OFF_CPU_BACKENDS:
         preset = None
     amp, quantization = requested.amp, requested.quantization
     if amp == AUTO:
