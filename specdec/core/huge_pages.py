@@ -49,7 +49,8 @@ def move_to_huge_pages(module: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
     if not huge_pages_available():
         return 0
     streamed = {t.untyped_storage().data_ptr() for sub in module.modules() if not isinstance(sub, nn.Embedding)
-                for table in (sub._parameters, sub._buffers) for t in table.values() if t is not None}
+                for table in (sub._parameters, sub._buffers) for t in table.values()
+                if t is not None and t.device.type == "cpu"}     # (an XLA storage has no data pointer)
     moved: dict[int, torch.Tensor] = {}         # old storage address → its copy in huge pages
     copies: set[int] = set()                    # the copies' addresses (a tied parameter is seen again)
     for sub in module.modules():
