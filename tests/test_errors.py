@@ -167,13 +167,20 @@ REQUEST_ERRORS = [
     ([[5, -1]], {"max_new_tokens": 4}, rf"prompt 0 has token id -1 outside the vocabulary \[0, {VOCAB}\)"),
     ([5, 10**9], {"max_new_tokens": 4}, r"token id 1000000000 outside the vocabulary"),
     (torch.tensor([[5.0, 6.0]]), {"max_new_tokens": 4}, r"input_ids must be integer token ids"),
-    ([[5, 6], [7.5]], {"max_new_tokens": 4}, r"prompt 1 must be a flat sequence of integer token ids"),
+    ([[5, 6], [7.5]], {"max_new_tokens": 4}, r"prompt 1 must be integer token ids, got dtype torch.float32"),
     (torch.ones(1, 2, 3, dtype=torch.long), {"max_new_tokens": 4}, r"input_ids must be \[batch, length\]"),
+    ("hello", {"max_new_tokens": 4}, r"input_ids must be token ids, got text: tokenize it first"),
+    (["hello", "world"], {"max_new_tokens": 4}, r"input_ids must be token ids, got text"),
+    ([["hello"]], {"max_new_tokens": 4}, r"prompt 0 must be token ids, got text"),
+    (None, {"max_new_tokens": 4}, r"input_ids must be token ids \(a LongTensor, or lists of ints\), got NoneType"),
+    ([object()], {"max_new_tokens": 4}, r"got list of object"),
+    (torch.tensor([[True, False]]), {"max_new_tokens": 4}, r"integer token ids, got dtype torch.bool"),
+    ({"ids": [5, 6]}, {"max_new_tokens": 4}, r"a mapping without an 'input_ids' entry \(keys: \['ids'\]\)"),
 ]
 
 
 def request_input(kind):
-    if isinstance(kind, str):
+    if kind in ("long", "too_long_prompt", "three", "ok"):
         return {"long": [prompt_ids(30, seed=1)], "too_long_prompt": [prompt_ids(40, seed=1)],
                 "three": [[5, 6]] * 3, "ok": [[5, 6, 7]]}[kind]
     return kind
@@ -187,12 +194,25 @@ def test_invalid_request_then_valid_request(model, good, input_ids, kwargs, matc
     assert_still_correct(model, good)
 
 
+def test_tokenizer_output_is_accepted(model, good):
+    """A tokenizer's output (a mapping such as BatchEncoding, lists or tensors) gives what its ids give; its
+    attention mask strips left padding as an explicit one does."""
+    from transformers import BatchEncoding
+    ids = [[5, 6, 7]]
+    expect = model.generate(ids, max_new_tokens=4, eos_token_id=[])
+    for enc in (BatchEncoding({"input_ids": ids}), BatchEncoding({"input_ids": torch.tensor(ids)}, tensor_type="pt"),
+                {"input_ids": [[0, 5, 6, 7]], "attention_mask": [[0, 1, 1, 1]]}):
+        out = model.generate(enc, max_new_tokens=4, eos_token_id=[])
+        assert out[0, -4:].tolist() == expect[0, -4:].tolist(), enc
+    assert_still_correct(model, good)
+
+
 def test_attention_mask_errors(model, good):
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(ValueError, match=r"attention_mask shape \(1, 2\) != input_ids shape \(1, 3\)"):
         model.generate(ids, attention_mask=torch.ones(1, 2), max_new_tokens=2)
-    with pytest.raises(ValueError, match=r"attention_mask is only accepted with a \[batch, length\] tensor"):
-        model.generate([[5, 6, 7]], attention_mask=[[1, 1, 1]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"attention_mask is only accepted with input_ids of one length per row"):
+        model.generate([[5, 6, 7], [5, 6]], attention_mask=[[1, 1, 1], [1, 1, 0]], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"prompt 0 is empty"):
         model.generate(ids, attention_mask=torch.zeros(1, 3), max_new_tokens=2)
     assert_still_correct(model, good)
