@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from .core.decoder import DecoderModel
 from .core.graph_cache import GraphCache
-from .core.loading import OFF_CPU_BACKENDS
+from .core.loading import AUTO, RuntimeSettings, resolve_auto
 from .core.named_models import is_named_model, preset_of
 from .core.sampling import SamplingConfig
 from .core.saved_graphs import is_saved
@@ -109,10 +109,11 @@ class ModelOptions:
     its row already holds for the prompt's leading tokens, prefix_cache_mb: MiB of host memory keeping the prefixes
     rows give up (``DecoderModel.from_pretrained``).
 
-    ``amp``, ``backend`` and ``quantization`` left None take the model's defaults when the options are made: a
-    named model's ``Preset`` (gguf, f32, regional: its fastest measured runtime; no quantization on ``xla`` /
-    ``neuron``, whose devices do not run the block kernels: ``core.loading.resolve_auto``), else bf16, compiled and
-    no quantization (None)."""
+    ``amp``, ``backend`` and ``quantization`` left None take the model's defaults when the options are made, by
+    ``core.loading.resolve_auto`` (as ``from_pretrained``'s "auto"): a named model's ``Preset`` (gguf, f32,
+    regional: its fastest measured runtime) where it runs on the host, else bf16 (the API's "auto": f32), compiled
+    and no quantization (None) — also a named model on ``xla`` / ``neuron``, whose programs do not run the block
+    kernels."""
 
     model: str | None = None
     amp: str | None = None
@@ -130,13 +131,11 @@ class ModelOptions:
     prefix_cache_mb: int = 1024
 
     def __post_init__(self) -> None:
-        preset = preset_of(self.model)
-        defaults = {"amp": "bf16", "backend": "compiled", "quantization": None} if preset is None else \
-            {"amp": preset.amp, "backend": preset.backend,
-             "quantization": None if self.backend in OFF_CPU_BACKENDS else preset.quantization}
-        for name, value in defaults.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
+        given = RuntimeSettings(amp=self.amp or AUTO, backend=self.backend or AUTO,
+                                quantization=AUTO if self.quantization is None else self.quantization)
+        chosen = resolve_auto(self.model, given, other_amp="bf16")
+        for name in ("amp", "backend", "quantization"):
+            object.__setattr__(self, name, getattr(chosen, name))
 
     @property
     def name(self) -> str:

@@ -254,7 +254,10 @@ def test_presets_fill_what_is_left_unset():
     assert ModelOptions(model=target) == ModelOptions(model=target, quantization="gguf", amp="f32", backend="regional")
     assert ModelOptions(model=draft, amp="bf16").amp == "bf16"
     assert ModelOptions() == ModelOptions(quantization=None, amp="bf16", backend="compiled")
-    assert ModelOptions(model=target, backend="xla").quantization is None      # as from_pretrained's "auto"
+    # as from_pretrained's "auto" (one rule, core.loading.resolve_auto): no preset off the host
+    assert ModelOptions(model=target, backend="xla") == ModelOptions(model=target, quantization=None, amp="bf16",
+                                                                     backend="xla")
+    assert ModelOptions(model=target, backend="neuron").quantization is None
 
 
 def test_python_api_resolves_auto_to_the_preset_on_the_cpu():
@@ -283,3 +286,4 @@ def test_python_api_resolves_auto_to_the_preset_on_the_cpu():
     assert resolved(target, device="cuda") == (None, "f32", "compiled")
     assert resolved(target, amp="bf16", quantization=None, backend="eager") == (None, "bf16", "eager")
     assert resolved(target, quantization="q4_0") == ("q4_0", "f32", "regional")
+    assert resolve_auto(target, replace(auto, backend="xla"), other_amp="bf16").amp == "bf16"   # the CLI's default

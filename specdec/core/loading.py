@@ -142,7 +142,8 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
     shards = shard_plan(config, layout, tp.rank)
     if quantization is not None and gguf is not None:   # the file's blocks first: their float weights never exist
         load_gguf_blocks(lm, gguf, quantization, shards, dtype)
-    if torch.device(device).type == "cpu" and backend != "neuron" and "model.embed_tokens.weight" not in shards:
+    on_host = runs_on_host(device, backend)
+    if on_host and "model.embed_tokens.weight" not in shards:
         map_embedding(lm, path, dtype)
     from_file = frozenset(name for name, t in lm.state_dict().items() if not t.is_meta)
     materialize(lm, device, dtype)
@@ -156,7 +157,7 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
     # a CPU decode step streams every weight: 2 MiB pages, not 4 KiB; first, since the block layers' runners hold
     # the tensors they are given (a buffer moved later would leave them computing on the old copy)
     move_to_huge_pages(lm)
-    if torch.device(device).type == "cpu" and backend != "neuron":
+    if on_host:
         use_block_layers(lm)        # a GGUF file's blocks in f32: each layer in five kernel calls
     if settings.prompt_weights is not None:
         add_prompt_weights(lm.model.layers, progress=progress and tp.rank == 0)
@@ -167,21 +168,30 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
 PROMPT_WEIGHTS = (None, "bf16")
 
 
-def resolve_auto(path: str | Path | None, requested: RuntimeSettings) -> RuntimeSettings:
+def runs_on_host(device: str | None, backend: str) -> bool:
+    """Whether a model's layers run on the host CPU (``device`` None: the CPU), where the block kernels, the
+    mapped embedding tables and the named models' presets apply; not on another device nor in a program of
+    ``OFF_CPU_BACKENDS``."""
+    return (device is None or torch.device(device).type == "cpu") and backend not in OFF_CPU_BACKENDS
+
+
+def resolve_auto(path: str | Path | None, requested: RuntimeSettings, other_amp: str = "f32") -> RuntimeSettings:
     """``requested`` with its "auto" ``amp``, ``backend`` and ``quantization`` filled: a named model's ``Preset``
     (``named_models``: its fastest measured runtime, the file's own GGML blocks in f32 on regional graphs) where it
-    runs on the CPU (the block kernels are CPU kernels), else f32, compiled and None (no quantization) — the
-    embedded model, a path, or a named model on ``xla``, ``neuron`` or another device."""
+    runs on the host (``runs_on_host``: the block kernels are CPU kernels), else ``other_amp`` (the command line's:
+    bf16), compiled and None (no quantization) — the embedded model, a path, or a named model on ``xla``,
+    ``neuron`` or another device."""
     preset = preset_of(path)
-    cpu = requested.device is None or torch.device(requested.device).type == "cpu"
     backend = requested.backend
     if backend == AUTO:
-        backend = preset.backend if preset is not None and cpu else "compiled"
-    if not cpu or backend in OFF_CPU_BACKENDS:
+        backend = "compiled"
+        if preset is not None and runs_on_host(requested.device, preset.backend):
+            backend = preset.backend
+    if not runs_on_host(requested.device, backend):
         preset = None
     amp, quantization = requested.amp, requested.quantization
     if amp == AUTO:
-        amp = "f32" if preset is None else preset.amp
+        amp = other_amp if preset is None else preset.amp
     if quantization == AUTO:
         quantization = None if preset is None else preset.quantization
     return replace(requested, amp=amp, backend=backend, quantization=quantization)
