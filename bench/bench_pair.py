@@ -291,7 +291,9 @@ def our_systems(cfg: Config, target: DecoderModel) -> dict[str, OurSystem]:
             key = tuple(sorted(overrides.items()))
             if key not in models:
                 log(f"loading the draft {cfg.draft_model}{f' {overrides}' if overrides else ''} ...")
-                models[key] = REGISTRY["model"].build(target, cfg.draft_model, **overrides).model
+                # (the target's scheme unless a variant gives one: no named draft's preset, as the names say)
+                models[key] = REGISTRY["model"].build(target, cfg.draft_model,
+                                                      **{"quantization": cfg.quantization, **overrides}).model
             drafts[suffix] = DraftModel(models[key], p_min=p_min, window=window)
     for strategy in cfg.strategies:
         if strategy == "none":

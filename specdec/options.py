@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from .core.decoder import DecoderModel
 from .core.graph_cache import GraphCache
 from .core.loading import AUTO, RuntimeSettings, resolve_auto
-from .core.named_models import is_named_model, preset_of
+from .core.named_models import draft_preset, is_named_model
 from .core.sampling import SamplingConfig
 from .core.saved_graphs import is_saved
 from .generator import SpeculativeGenerator
@@ -240,8 +240,8 @@ class SpeculationOptions:
 
     def _with_preset(self, target: ModelOptions) -> SpeculationOptions:
         """A named draft model's preset for what is left unset, when ``target`` runs on GGML blocks."""
-        preset = preset_of(self.draft_path) if REGISTRY[self.draft].part == "model" else None
-        if preset is None or target.quantization not in ("gguf", "q4_0"):
+        preset = draft_preset(self.draft_path, target.quantization) if REGISTRY[self.draft].part == "model" else None
+        if preset is None:
             return self
         p_min = preset.draft_p_min if self.draft_p_min is None and not self.fused else self.draft_p_min
         return replace(self, draft_quantization=self.draft_quantization or preset.draft_quantization, draft_p_min=p_min)
@@ -325,10 +325,12 @@ class SpeculationOptions:
     def draft_overrides(self) -> dict[str, Any]:
         """The draft network's loading arguments these options set: ``quantization`` (``draft_quantization``),
         ``output_vocab_size`` (``draft_vocab``), ``p_min`` (``draft_p_min``), ``window`` (``draft_window``); unset
-        ones (and a ``draft_p_min`` of 0) are left out."""
+        ones are left out, except a draft model's ``p_min`` (None when unset or 0: ``checked`` already applied its
+        preset, which ``DraftModel.from_pretrained``'s "auto" would apply again)."""
         given = {"quantization": self.draft_quantization, "output_vocab_size": self.draft_vocab,
                  "p_min": self.draft_p_min or None, "window": self.draft_window}
-        return {name: value for name, value in given.items() if value is not None}
+        kept = {name: value for name, value in given.items() if value is not None}
+        return {"p_min": None} | kept if REGISTRY[self.draft].part == "model" else kept
 
     def make_proposer(self, target: DecoderModel):
         """The proposer these options ask for (None for ``draft`` "none"), built by the strategy registry."""

@@ -243,13 +243,14 @@ def test_presets_fill_what_is_left_unset():
         (("gguf", "f32", "regional"), ("model", "q4_0", 0.7, {"quantization": "q4_0", "p_min": 0.7}))
     assert parsed("--model", target, "--draft", "lookup+model", "--draft-model", draft, "--draft-p-min", "0",
                   "--draft-quantization", "gguf", "--amp", "bf16", "--backend", "eager") == \
-        (("gguf", "bf16", "eager"), ("lookup+model", "gguf", 0.0, {"quantization": "gguf"}))
+        (("gguf", "bf16", "eager"), ("lookup+model", "gguf", 0.0, {"quantization": "gguf", "p_min": None}))
     assert parsed("--model", target, "--draft-model", draft, "--fused")[1] == \
-        ("model", "q4_0", None, {"quantization": "q4_0"})           # no confidence stop in a fused graph
+        ("model", "q4_0", None, {"quantization": "q4_0", "p_min": None})     # no confidence stop in a fused graph
     assert parsed("--model", target, "--quantization", "none", "--draft-model", draft) == \
-        (("none", "f32", "regional"), ("model", None, None, {}))     # measured on GGML blocks only
-    assert parsed("--model", target, "--quantization", "int4", "--draft-model", draft)[1] == ("model", None, None, {})
-    assert parsed("--draft-model", draft)[1] == ("model", None, None, {})   # the embedded target: dense
+        (("none", "f32", "regional"), ("model", None, None, {"p_min": None}))     # measured on GGML blocks only
+    off = ("model", None, None, {"p_min": None})    # (p_min given: DraftModel.from_pretrained's "auto" is resolved)
+    assert parsed("--model", target, "--quantization", "int4", "--draft-model", draft)[1] == off
+    assert parsed("--draft-model", draft)[1] == off     # the embedded target: dense
     # the library's options mean the same by an absent value; an explicit one is kept
     assert ModelOptions(model=target) == ModelOptions(model=target, quantization="gguf", amp="f32", backend="regional")
     assert ModelOptions(model=draft, amp="bf16").amp == "bf16"
@@ -258,6 +259,20 @@ def test_presets_fill_what_is_left_unset():
     assert ModelOptions(model=target, backend="xla") == ModelOptions(model=target, quantization=None, amp="bf16",
                                                                      backend="xla")
     assert ModelOptions(model=target, backend="neuron").quantization is None
+
+
+def test_a_named_draft_takes_its_preset_for_a_target_on_ggml_blocks():
+    """``named_models.draft_preset``: the rule of ``DraftModel.from_pretrained``'s "auto" and of the command
+    line's draft options (Q4_0 with the confidence stop 0.7, measured for targets on GGML blocks only)."""
+    from specdec.core.named_models import draft_preset
+
+    draft = "qwen2.5-coder-0.5b-instruct"
+    for target_quantization in ("gguf", "q4_0"):
+        preset = draft_preset(draft, target_quantization)
+        assert (preset.draft_quantization, preset.draft_p_min) == ("q4_0", 0.7)
+    for target_quantization in (None, "int4", "int8"):
+        assert draft_preset(draft, target_quantization) is None
+    assert draft_preset("some/draft", "gguf") is None and draft_preset(None, "gguf") is None
 
 
 def test_python_api_resolves_auto_to_the_preset_on_the_cpu():

@@ -115,9 +115,10 @@ def test_greedy_speculation_equals_target_only(target):
 
     prompts = [torch.tensor([chat_ids(target.tokenizer, p)]) for p in PROMPTS]
     reference = [target.generate(p, max_new_tokens=NEW_TOKENS, eos_token_id=[]) for p in prompts]
-    draft = DraftModel.from_pretrained(DRAFT, target)
+    draft = DraftModel.from_pretrained(DRAFT, target)     # the named draft's preset: Q4_0, p_min 0.7
+    assert (draft.model.settings.quantization, draft.p_min) == ("q4_0", 0.7)
     for label, gen in (("draft k=4", SpeculativeGenerator(draft, target, 4)),
-                       ("fused draft k=3", SpeculativeGenerator(draft, target, 3, fused=True)),
+                       ("fused draft k=3", SpeculativeGenerator(DraftModel(draft.model), target, 3, fused=True)),
                        ("prompt lookup k=4", SpeculativeGenerator(PromptLookup(target), target, 4))):
         accepted = 0
         for p, ref in zip(prompts, reference):

@@ -42,8 +42,8 @@ class Preset:
     """How a named model runs fastest on a CPU, as measured (``docs/real-pair.md``): as a target, the file's own
     blocks (``quantization``) in f32 (``amp``) on the block kernels in regional graphs (``backend``); as a draft
     model for a target on GGML blocks, re-quantized to Q4_0 (``draft_quantization``) with the confidence stop
-    ``draft_p_min``. ``specdec generate`` / ``serve`` (``specdec.options``) fill the options a user leaves unset
-    from it."""
+    ``draft_p_min`` (``draft_preset``). ``DecoderModel.from_pretrained`` / ``DraftModel.from_pretrained`` and
+    ``specdec generate`` / ``serve`` (``specdec.options``) fill the settings a user leaves unset from it."""
 
     quantization: str = "gguf"
     amp: str = "f32"
@@ -94,6 +94,16 @@ def is_named_model(name: str | os.PathLike | None) -> bool:
 def preset_of(name: str | os.PathLike | None) -> Preset | None:
     """The preset of the named model ``name``; None for anything else (a path, the embedded model, None)."""
     return NAMED_MODELS[str(name)].preset if is_named_model(name) else None
+
+
+GGML_BLOCK_QUANTIZATIONS = ("gguf", "q4_0")    # targets on the block kernels: what a draft preset was measured with
+
+
+def draft_preset(name: str | os.PathLike | None, target_quantization: str | None) -> Preset | None:
+    """The preset of the named draft model ``name`` (its ``draft_quantization`` and ``draft_p_min``) for a target
+    of ``target_quantization`` on GGML blocks; None for anything else (a path, another target runtime)."""
+    preset = preset_of(name)
+    return preset if preset is not None and target_quantization in GGML_BLOCK_QUANTIZATIONS else None
 
 
 def part_paths(model: NamedModel) -> list[Path]:

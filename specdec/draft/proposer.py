@@ -58,6 +58,8 @@ import torch
 
 from ..core.buckets import pick_bucket
 from ..core.decoder import DecoderModel
+from ..core.loading import AUTO
+from ..core.named_models import draft_preset
 from ..core.paths import gguf_source
 from ..core.sampling import RowGenerators, any_sampled, greedy_rows
 from ..fused.step import FusedKey
@@ -101,14 +103,24 @@ class DraftModel(BaseProposer):
         self.drafts: torch.Tensor | None = None    # the last proposal, until ``accepted`` reads it
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None, target: DecoderModel, p_min: float | None = None,
+    def from_pretrained(cls, path: str | Path | None, target: DecoderModel, p_min: float | str | None = AUTO,
                         window: int | None = None, **overrides) -> DraftModel:
         """Load a draft checkpoint with the target's runtime settings (batch size, ``n_positions``,
         ``amp``, buckets, sampling config, backend, device, ``tp_degree``; the head layout is chosen for the
         draft's own heads, and it returns no EAGLE-3 feature layers) unless ``overrides`` (any
         ``DecoderModel.from_pretrained`` argument) say otherwise. A target's ``quantization="gguf"``
         (and ``prompt_weights``) applies to a GGUF draft; a checkpoint-directory draft then stays in ``amp``.
-        ``p_min``: the confidence stop, ``window``: the longest encoding (``DraftModel``)."""
+        ``p_min``: the confidence stop, ``window``: the longest encoding (``DraftModel``).
+
+        A named draft model for a target on GGML blocks takes its preset (``named_models.draft_preset``) where
+        ``quantization`` is not overridden and ``p_min`` is "auto" (the default): re-quantized to Q4_0 with the
+        confidence stop 0.7, its fastest measured draft; "auto" is None (k drafts a step) for any other draft.
+        A fused graph drafts k tokens: pass ``p_min=None`` for ``SpeculativeGenerator(..., fused=True)``."""
+        preset = draft_preset(path, target.settings.quantization)
+        if p_min == AUTO:
+            p_min = preset.draft_p_min if preset is not None else None
+        if preset is not None and "quantization" not in overrides:
+            overrides["quantization"] = preset.draft_quantization
         settings = {**asdict(target.settings), "sampling": target.settings.sampling, "gqa_strategy": None,
                     "feature_layers": (), **overrides}     # (an EAGLE-3 head's target layers: not the draft's)
         if settings["backend"] != "compiled" and "autotune" not in overrides:

@@ -54,7 +54,8 @@ class FusedSpeculator(Speculator):
     def __init__(self, proposer: Proposer, target: DecoderModel, k: int):
         super().__init__(proposer, target, k)
         self.proposer.require("fused_drafter", "fused speculation needs a chain proposer whose draft loop runs "
-                              "inside the graph", ": use fused=False")
+                              "inside the graph", ": use fused=False (or a DraftModel with p_min=None: its "
+                              "confidence stop drafts a varying number of tokens, a fused graph k)")
         self.proposer.require("model", "fused speculation sizes the draft's KV buckets from its network")
         if target.tp.size > 1:
             raise ValueError(f"fused speculation runs at tp_degree=1 (got {target.tp.size}): use fused=False")
