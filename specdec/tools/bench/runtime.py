@@ -612,14 +612,17 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    cpu = None
+    fields = {}     # the first processor's: "model name", and family / model (a masked name's generation)
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if not key.strip():
                 break
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    cpu = fields.get("model name")
+    family = "/".join(fields[k] for k in ("cpu family", "model") if k in fields) or None
     try:
         mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     except (ValueError, OSError):
@@ -628,7 +631,7 @@ def machine_info() -> dict:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:
         affinity = None
-    return {"cpu_count": os.cpu_count(), "cpu_affinity": affinity, "cpu_model": cpu,
+    return {"cpu_count": os.cpu_count(), "cpu_affinity": affinity, "cpu_model": cpu, "cpu_family_model": family,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "memory_gb": mem_gb,
             "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
