@@ -587,6 +587,7 @@ def markdown_table(result: dict) -> str:
     lines.append("")
     batch, prompts = cfg.get("batch_size", 1), len(cfg["question_ids"])
     over = f"{prompts} prompts" if batch == 1 else f"{-(-prompts // batch)} calls of {batch} prompts ({prompts} in all)"
+    family = f", family/model {machine['cpu_family_model']}" if machine.get("cpu_family_model") else ""
     if cfg.get("per_category"):
         per = cfg["per_category"]
         over += f" (the first {'' if per == 1 else f'{per} '}of each category)"
@@ -595,7 +596,7 @@ def markdown_table(result: dict) -> str:
                  f"batch {batch}, {cfg['threads']} threads, "
                  f"{cfg['backend']} {cfg['amp']} `{cfg['quantization']}`"
                  f"{' with bf16 prompt weights' if cfg.get('prompt_weights') else ''}; {machine['cpu_model']} "
-                 f"({machine['cpu_capability']}), commit {result['commit']}.")
+                 f"({machine['cpu_capability']}{family}), commit {result['commit']}.")
     return "\n".join(lines)
 
 

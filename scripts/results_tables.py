@@ -267,7 +267,9 @@ def machine_text(machine: dict | None) -> str:
     if not machine:
         return "not recorded"
     model, isa, cores = machine.get("cpu_model"), machine.get("cpu_capability"), machine.get("cpu_count")
-    text = ", ".join(str(x) for x in (model or "CPU model not recorded", isa) if x)
+    family = machine.get("cpu_family_model")
+    text = ", ".join(str(x) for x in (model or "CPU model not recorded", isa, family and f"family/model {family}")
+                     if x)
     return f"{text}; {cores} cores" if cores else text
 
 
