@@ -133,12 +133,17 @@ def test_add_errors_leave_the_batch_intact(checkpoint):
         engine.add([1, VOCAB + 5], max_new_tokens=4)
     with pytest.raises(ValueError, match=f"row {r} is not free"):
         engine.add(PROMPTS[1], row=r, max_new_tokens=4)
-    engine.add(PROMPTS[1], max_new_tokens=4)
+    with pytest.raises(ValueError, match="add starts one request: its tokenizer output holds 2 prompts"):
+        engine.add({"input_ids": [PROMPTS[1], PROMPTS[1]]}, max_new_tokens=4)
+    with pytest.raises(ValueError, match="must be token ids, got text"):
+        engine.add("some text", max_new_tokens=4)
+    r2 = engine.add({"input_ids": [PROMPTS[1]]}, max_new_tokens=4, eos_token_id=[])   # a tokenizer's output
     with pytest.raises(RuntimeError, match="all 2 rows are in use"):
         engine.add(PROMPTS[2], max_new_tokens=4)
     while engine.active_rows:
         engine.step()
     assert engine.rows[r].new == batch1_references(ckpt)[0]
+    assert engine.rows[r2].new == batch1_references(ckpt)[1][:4]
 
 
 # ---------------------------------------------------------------- per-row seeds

@@ -35,6 +35,7 @@ without knowing about it; drafts do not track presence and propose unpenalised.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -132,11 +133,15 @@ class Engine:
             top_p=None, repetition_penalty=None, eos_token_id=None, seed: int | None = None) -> int:
         """Start a request in a free row (``row``, or the first free one) while the other rows keep
         their state: one single-row context encoding, the speculator started for that row, the first
-        token emitted. Returns the row. Invalid arguments raise before anything changes."""
-        req = prepare_request(self.target, [prompt], max_new_tokens=max_new_tokens,
+        token emitted. ``prompt``: token ids, or a tokenizer's output of one prompt (a mapping with
+        ``input_ids``). Returns the row. Invalid arguments raise before anything changes."""
+        one = isinstance(prompt, Mapping)       # (its input_ids hold one row, or the check below says so)
+        req = prepare_request(self.target, prompt if one else [prompt], max_new_tokens=max_new_tokens,
                               sequence_length=sequence_length, do_sample=do_sample, temperature=temperature,
                               top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                               eos_token_id=eos_token_id, seed=seed)
+        if len(req.prompts) != 1:
+            raise ValueError(f"add starts one request: its tokenizer output holds {len(req.prompts)} prompts")
         free = self.free_rows
         if row is None:
             if not free:
