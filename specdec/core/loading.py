@@ -24,7 +24,7 @@ from .graphs import BACKENDS, backend_device
 from .huge_pages import move_to_huge_pages
 from .kv_quant import parse_kv_cache_dtype
 from .model import DecoderLM, check_feature_layers, check_output_vocab_size
-from .named_models import preset_of
+from .named_models import GGML_BLOCK_QUANTIZATIONS, preset_of
 from .parallel import shard_plan, spmd_group, tp_group
 from .paths import gguf_source, resolve_model_path
 from .quant import parse_quantization, quantize_and_fuse
@@ -93,7 +93,7 @@ def load_decoder(path: str | Path | None, requested: RuntimeSettings, progress: 
                          "or autotune=False")
     quantization = parse_quantization(requested.quantization)
     output_vocab_size = requested.output_vocab_size
-    if output_vocab_size is not None and quantization not in (None, "gguf", "q4_0"):
+    if output_vocab_size is not None and quantization not in (None, *GGML_BLOCK_QUANTIZATIONS):
         raise ValueError(f"output_vocab_size restricts a float LM head or GGML blocks; quantization="
                          f"{quantization!r} re-quantizes the head to int8: use None, 'gguf' or 'q4_0'")
     kv_cache_dtype = parse_kv_cache_dtype(requested.kv_cache_dtype)
@@ -204,8 +204,8 @@ def check_prompt_weights(prompt_weights: str | None, quantization: str | None, b
         raise ValueError(f"prompt_weights must be None or 'bf16', got {prompt_weights!r}")
     if prompt_weights is None:
         return
-    cpu = torch.device(device).type == "cpu"
-    if quantization not in ("gguf", "q4_0") or not cpu or backend not in ("eager", "regional"):
+    if quantization not in GGML_BLOCK_QUANTIZATIONS or not runs_on_host(device, backend) or \
+            backend not in ("eager", "regional"):
         raise ValueError(f"prompt_weights={prompt_weights!r} gives GGML blocks (quantization 'gguf' or 'q4_0') on the "
                          f"CPU a dense copy for prompts, with backend 'eager' or 'regional'; this model is "
                          f"quantization={quantization!r}, backend={backend!r}, device={device!r}")

@@ -96,7 +96,7 @@ def preset_of(name: str | os.PathLike | None) -> Preset | None:
     return NAMED_MODELS[str(name)].preset if is_named_model(name) else None
 
 
-GGML_BLOCK_QUANTIZATIONS = ("gguf", "q4_0")    # targets on the block kernels: what a draft preset was measured with
+GGML_BLOCK_QUANTIZATIONS = ("gguf", "q4_0")    # GGML blocks on the block kernels (``quant``): a draft preset's targets
 
 
 def draft_preset(name: str | os.PathLike | None, target_quantization: str | None) -> Preset | None:

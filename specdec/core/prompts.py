@@ -13,7 +13,7 @@ _TEXT_HINT = "tokenize it first (model.tokenizer, or specdec.core.chat.chat_ids 
 def _ids_tensor(x, what: str, integers: bool = True) -> torch.Tensor:
     """``x`` as a tensor of token ids (``integers``; else of numbers: a mask), or ValueError naming ``what`` and
     what ``x`` is (text, a float or bool dtype where ids are due, anything torch cannot read as numbers)."""
-    if isinstance(x, (str, bytes)) or (isinstance(x, (list, tuple)) and any(isinstance(v, str) for v in x)):
+    if isinstance(x, (str, bytes)) or (isinstance(x, (list, tuple)) and x and isinstance(x[0], (str, bytes))):
         raise ValueError(f"{what} must be token ids, got text: {_TEXT_HINT}")
     try:
         t = torch.as_tensor(x)
