@@ -11,8 +11,9 @@ A ``model.DecoderLayer`` whose projections are all ``BlockLinear`` runs, per gra
 — the layer's own math (``model.DecoderLayer.forward``) with its RMSNorms, SiLU gate, biases and residual adds
 inside the matmul calls (``block_mm``'s prologue and epilogue) and RoPE, the KV-cache writes and the attention in
 one call (``kernels/attention.cpp``), instead of a dozen element-wise kernels and SDPA between the matmuls; the
-five calls are made from C++ (``kernels/block_layer.cpp``), one dispatch a layer. On a 2-core CPU the steps
-between the matmuls took a third of a 0.5B draft step (docs/real-pair.md). Every step is row-invariant, so
+five calls are made from C++ (``kernels/block_layer.cpp``), one dispatch a layer, and ``block_layers`` runs all
+the layers in one parallel region (no thread start, allocation or check between the steps). On a 2-core CPU the
+steps between the matmuls took a third of a 0.5B draft step (docs/real-pair.md). Every step is row-invariant, so
 decode, verify and batched calls agree bit for bit. ``use_block_layers`` installs the runner as
 ``DecoderLM.layer_runners``, and all the layers in one call (``BlockStack``, ``block_layers``) as
 ``DecoderLM.stack_runner``; the ``regional`` backend then compiles nothing (there is nothing left to fuse).

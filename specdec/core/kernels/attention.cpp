@@ -112,34 +112,22 @@ SPECDEC_CLONES void attend(const float* q, const float* keys, const float* value
 
 namespace specdec {
 
-at::Tensor cache_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                           const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& k_cache,
-                           at::Tensor& v_cache, const at::Tensor& rows_in, const at::Tensor& slots_in,
-                           const at::Tensor& mask_in) {
-  for (const at::Tensor* t : {&q_in, &k_in, &v_in, &cos_in, &sin_in, static_cast<const at::Tensor*>(&k_cache),
-                               static_cast<const at::Tensor*>(&v_cache)})
+AttentionCall attention_call(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& rows,
+                             const at::Tensor& slots, const at::Tensor& mask, int64_t H) {
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&k_cache), static_cast<const at::Tensor*>(&v_cache)})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "cache_attention: q, k, v, cos, sin and the caches must be f32");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               v_cache.sizes() == k_cache.sizes(), "cache_attention: the caches must be contiguous [B, S, Hkv, D]");
   const int64_t B = k_cache.size(0), S = k_cache.size(1), Hkv = k_cache.size(2), D = k_cache.size(3);
   TORCH_CHECK(D % W == 0 && D <= MAX_HEAD_DIM, "cache_attention: the head dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(q_in.dim() == 3 && q_in.size(2) % (Hkv * D) == 0, "cache_attention: q must be [b, n, H·D], H a "
-              "multiple of the cache's KV heads");
-  const int64_t b = q_in.size(0), n = q_in.size(1), H = q_in.size(2) / D, group = H / Hkv;
-  for (const auto* t : {&k_in, &v_in})
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == b && t->size(1) == n && t->size(2) == Hkv * D,
-                "cache_attention: k and v must be [b, n, Hkv·D]");
-  for (const auto* t : {&cos_in, &sin_in})
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == b && t->size(1) == n && t->size(2) == D,
-                "cache_attention: cos and sin must be [b, n, D]");
-  TORCH_CHECK(rows_in.dim() == 1 && rows_in.size(0) == b && slots_in.dim() == 2 && slots_in.size(0) == b &&
-              slots_in.size(1) == n, "cache_attention: rows must be [b] and slots [b, n]");
-  TORCH_CHECK(mask_in.scalar_type() == at::kBool && mask_in.dim() == 3 && mask_in.size(0) == b &&
-              mask_in.size(1) == n && mask_in.size(2) <= S, "cache_attention: mask must be bool [b, n, L], L <= S");
-  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), cos = cos_in.contiguous(),
-                   sin = sin_in.contiguous(), mask = mask_in.contiguous();
-  const at::Tensor rows = rows_in.to(at::kLong).contiguous(), slots = slots_in.to(at::kLong).contiguous();
-  const int64_t L = mask.size(2);
+  TORCH_CHECK(H % Hkv == 0, "cache_attention: q must be [b, n, H·D], H a multiple of the cache's KV heads");
+  const int64_t b = slots.size(0), n = slots.size(1);
+  TORCH_CHECK(rows.dim() == 1 && rows.size(0) == b && slots.dim() == 2, "cache_attention: rows must be [b] and slots "
+              "[b, n]");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 3 && mask.size(0) == b && mask.size(1) == n &&
+              mask.size(2) <= S, "cache_attention: mask must be bool [b, n, L], L <= S");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && rows.is_contiguous() &&
+              slots.is_contiguous() && mask.is_contiguous(), "cache_attention: rows, slots and mask must be contiguous");
   const int64_t* row = rows.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < b; ++r) {
@@ -148,42 +136,86 @@ at::Tensor cache_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
       TORCH_CHECK(slot[r * n + i] >= 0 && slot[r * n + i] < S, "cache_attention: slot ", slot[r * n + i],
                   " is outside the cache's ", S, " slots");
   }
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  for (int64_t r = 0; r < b; ++r)           // the new keys (rotated) and values into their slots
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t at_slot = ((row[r] * S + slot[r * n + i]) * Hkv + h) * D, at_in = ((r * n + i) * Hkv + h) * D;
-        rope(k.data_ptr<float>() + at_in, cp + (r * n + i) * D, sp + (r * n + i) * D, D, kc + at_slot);
-        std::memcpy(vc + at_slot, v.data_ptr<float>() + at_in, D * sizeof(float));
+  AttentionCall a{};
+  a.kc = k_cache.data_ptr<float>();
+  a.vc = v_cache.data_ptr<float>();
+  a.row = row;
+  a.slot = slot;
+  a.mask = mask.data_ptr<bool>();
+  a.b = b, a.n = n, a.H = H, a.Hkv = Hkv, a.D = D, a.S = S, a.L = mask.size(2);
+  return a;
+}
+
+void attention_write(const AttentionCall& a) {
+  const int64_t n = a.n, Hkv = a.Hkv, D = a.D;
+  const float zeros[MAX_HEAD_DIM] = {};
+  for (int64_t r = 0; r < a.b; ++r)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = r * n + i, src = a.packed ? a.packed[t] : t;
+      for (int64_t h = 0; h < Hkv; ++h) {    // a padding token's key and value are zeros (rotated: as before)
+        const int64_t at_slot = ((a.row[r] * a.S + a.slot[t]) * Hkv + h) * D;
+        const float* k = src < 0 ? zeros : a.k + src * a.kv_stride + h * D;
+        const float* v = src < 0 ? zeros : a.v + src * a.kv_stride + h * D;
+        rope(k, a.cos + t * D, a.sin + t * D, D, a.kc + at_slot);
+        std::memcpy(a.vc + at_slot, v, D * sizeof(float));
       }
-  at::Tensor out = at::empty({b, n, H * D}, q.options());
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const float* qp = q.data_ptr<float>();
-  const bool* mp = mask.data_ptr<bool>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, b * n * H, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores((L + W - 1) / W * W);
-    std::vector<int64_t> index(L);
-    int64_t token = -1, A = 0;              // the token whose attended slots ``index`` holds, and their count
-    float rotated[MAX_HEAD_DIM];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / (n * H), i = t / H % n, h = t % H, kvh = h / group;
-      if (r * n + i != token) {             // (a token's heads run one after the other: its slots once)
-        token = r * n + i;
-        const bool* allow = mp + token * L;
-        A = 0;
-        for (int64_t j = 0; j < L; ++j)
-          if (allow[j]) index[A++] = j;
-      }
-      rope(qp + ((r * n + i) * H + h) * D, cp + (r * n + i) * D, sp + (r * n + i) * D, D, rotated);
-      const int64_t base = (row[r] * S * Hkv + kvh) * D;
-      attend(rotated, kc + base, vc + base, Hkv * D, index.data(), A, D, scale, scores.data(),
-             op + ((r * n + i) * H + h) * D);
     }
-  });
+}
+
+void attention_run(const AttentionCall& a, int64_t t0, int64_t t1) {
+  const int64_t n = a.n, H = a.H, D = a.D, L = a.L, group = H / a.Hkv;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  std::vector<float> scores((L + W - 1) / W * W);
+  std::vector<int64_t> index(L);
+  int64_t token = -1, A = 0;              // the token whose attended slots ``index`` holds, and their count
+  float rotated[MAX_HEAD_DIM];
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t r = t / (n * H), i = t / H % n, h = t % H, kvh = h / group, tok = r * n + i;
+    const int64_t src = a.packed ? a.packed[tok] : tok;
+    if (src < 0) continue;                // a padding token: no output
+    if (tok != token) {                   // (a token's heads run one after the other: its slots once)
+      token = tok;
+      const bool* allow = a.mask + token * L;
+      A = 0;
+      for (int64_t j = 0; j < L; ++j)
+        if (allow[j]) index[A++] = j;
+    }
+    rope(a.q + src * a.q_stride + h * D, a.cos + tok * D, a.sin + tok * D, D, rotated);
+    const int64_t base = (a.row[r] * a.S * a.Hkv + kvh) * D;
+    attend(rotated, a.kc + base, a.vc + base, a.Hkv * D, index.data(), A, D, scale, scores.data(),
+           a.out + src * a.out_stride + h * D);
+  }
+}
+
+at::Tensor cache_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                           const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& rows_in, const at::Tensor& slots_in,
+                           const at::Tensor& mask_in) {
+  for (const at::Tensor* t : {&q_in, &k_in, &v_in, &cos_in, &sin_in})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "cache_attention: q, k, v, cos, sin and the caches must be f32");
+  TORCH_CHECK(k_cache.dim() == 4, "cache_attention: the caches must be contiguous [B, S, Hkv, D]");
+  const int64_t Hkv = k_cache.size(2), D = k_cache.size(3);
+  TORCH_CHECK(q_in.dim() == 3 && D > 0 && q_in.size(2) % (Hkv * D) == 0, "cache_attention: q must be [b, n, H·D], H "
+              "a multiple of the cache's KV heads");
+  const int64_t b = q_in.size(0), n = q_in.size(1), H = q_in.size(2) / D;
+  for (const auto* t : {&k_in, &v_in})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == b && t->size(1) == n && t->size(2) == Hkv * D,
+                "cache_attention: k and v must be [b, n, Hkv·D]");
+  for (const auto* t : {&cos_in, &sin_in})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == b && t->size(1) == n && t->size(2) == D,
+                "cache_attention: cos and sin must be [b, n, D]");
+  TORCH_CHECK(rows_in.dim() == 1 && rows_in.size(0) == b && slots_in.dim() == 2 && slots_in.size(0) == b &&
+              slots_in.size(1) == n, "cache_attention: rows must be [b] and slots [b, n]");
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), cos = cos_in.contiguous(),
+                   sin = sin_in.contiguous(), mask = mask_in.contiguous();
+  const at::Tensor rows = rows_in.to(at::kLong).contiguous(), slots = slots_in.to(at::kLong).contiguous();
+  AttentionCall a = attention_call(k_cache, v_cache, rows, slots, mask, H);
+  at::Tensor out = at::empty({b, n, H * D}, q.options());
+  a.q = q.data_ptr<float>(), a.k = k.data_ptr<float>(), a.v = v.data_ptr<float>();
+  a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>(), a.out = out.data_ptr<float>();
+  a.q_stride = a.out_stride = H * D, a.kv_stride = Hkv * D;
+  attention_write(a);
+  at::parallel_for(0, a.items(), 1, [&](int64_t t0, int64_t t1) { attention_run(a, t0, t1); });
   return out;
 }
 

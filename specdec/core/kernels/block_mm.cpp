@@ -78,20 +78,13 @@ namespace {
 constexpr int RMAX = 16;   // activation rows per register tile
 constexpr int LANES = 16;  // output columns per tile
 
-enum Kind : int64_t { U4 = 0, S8 = 1, U6 = 2, U5 = 3 };
-
-struct Args {
-  const int8_t* xq; const float* dx; const int32_t* sx; const float* sxf; const int16_t* sx16; const int32_t* osx;
-  const int16_t* xw; float* y;
-  const uint8_t* qs; const at::Half* d; const at::Half* dmin; const int8_t* sc; const int8_t* mn;
-  int64_t M, N, K, G, SB, offset;
-  Kind kind; bool mins;
-  int64_t prefetch;
-  int64_t groups() const { return K / G; }
-  int64_t per() const { return SB / G; }       // groups a superblock: 1, or 8 / 16 for the K-quants
-  int64_t group_bytes() const { return LANES * G * bits(kind) / 8; }
-  static constexpr int64_t bits(int64_t kind) { return kind == U4 ? 4 : kind == U6 ? 6 : kind == U5 ? 5 : 8; }
-};
+using specdec::BlockKind;
+using specdec::U4;
+using specdec::S8;
+using specdec::U6;
+using specdec::U5;
+using Kind = BlockKind;
+using Args = specdec::BlockCall;
 
 // ---------------------------------------------------------------------------------------- activations
 // Row r's superblocks quantized (the same bits on every path: an exact max, one division, one product and
@@ -206,7 +199,7 @@ void tile_portable(const Args& p, int64_t t, int64_t r0) {
         acc[r] = __builtin_fmaf(u, p.dx[(r0 + r) * nsb + s], acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) p.y[(r0 + r) * p.N + t * LANES + j] = acc[r];
+    for (int r = 0; r < R; ++r) p.y[(r0 + r) * p.ldy + t * LANES + j] = acc[r];
   }
 }
 
@@ -271,14 +264,14 @@ AVX2 void tile_avx2(const Args& p, int64_t t, int64_t r0) {
 using TileFn = void (*)(const Args&, int64_t, int64_t);
 
 // What a layer adds after its matmul (``block_mm``'s ``bias`` / ``residual``, either may be null), on columns
-// [c0, c1) of y [M, n], in the unfused layer's order: y = residual + (y + bias).
-void add_epilogue(float* y, int64_t M, int64_t n, int64_t c0, int64_t c1, const float* bias, const float* residual) {
+// [c0, c1) of y [M, ·] (row stride ldy; the residual's too), in the unfused layer's order: y = residual + (y + bias).
+void add_epilogue(float* y, int64_t M, int64_t ldy, int64_t c0, int64_t c1, const float* bias, const float* residual) {
   for (int64_t r = 0; r < M; ++r)
     for (int64_t c = c0; c < c1; ++c) {
-      float v = y[r * n + c];
+      float v = y[r * ldy + c];
       if (bias) v = v + bias[c];
-      if (residual) v = residual[r * n + c] + v;
-      y[r * n + c] = v;
+      if (residual) v = residual[r * ldy + c] + v;
+      y[r * ldy + c] = v;
     }
 }
 
@@ -343,25 +336,9 @@ TileFn tile_fn(int R, Isa isa, std::integer_sequence<int, Rs...>) {
 
 namespace specdec {
 
-at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& dmin,
-                    const at::Tensor& sc, const at::Tensor& mn, int64_t n, int64_t group, int64_t superblock,
-                    int64_t kind, int64_t offset, bool mins, const std::optional<at::Tensor>& norm, double eps,
-                    bool gated, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(),
-              "block_mm: x must be a contiguous f32 [M, K] ([M, 2K] gated)");
-  TORCH_CHECK(!(gated && norm), "block_mm: norm and gated exclude each other");
-  TORCH_CHECK(!gated || x_in.size(1) % 2 == 0, "block_mm: a gated x is [M, 2K]");
-  at::Tensor x = x_in;
-  if (norm) {
-    TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == x_in.size(1),
-                "block_mm: norm must be a contiguous f32 [K]");
-    x = at::empty_like(x_in);
-    norm_rows(x_in.data_ptr<float>(), norm->data_ptr<float>(), static_cast<float>(eps), x_in.size(0), x_in.size(1),
-              x.data_ptr<float>());
-  } else if (gated) {
-    x = at::empty({x_in.size(0), x_in.size(1) / 2}, x_in.options());
-    silu_gate_rows(x_in.data_ptr<float>(), x_in.size(0), x.size(1), x.data_ptr<float>());
-  }
+BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& dmin, const at::Tensor& sc,
+                         const at::Tensor& mn, int64_t n, int64_t group, int64_t superblock, int64_t kind,
+                         int64_t offset, bool mins, const std::optional<at::Tensor>& bias, int64_t K) {
   TORCH_CHECK(kind >= U4 && kind <= U5, "block_mm: kind must be 0 (u4), 1 (s8), 2 (u6) or 3 (u5)");
   TORCH_CHECK((group == 16 || group == 32) && (superblock == group || superblock == 256) &&
               (kind != U4 || group == 32) && (kind != U6 || group == 16) && (kind != U5 || group == 32),
@@ -370,7 +347,7 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tens
   TORCH_CHECK(offset == 0 || (kind == U4 && offset == 8 && superblock == group) || (kind == U6 && offset == 32) ||
                   (kind == U5 && offset == 16),
               "block_mm: offset must be 0, or 8 (u4 with one group a superblock), 32 (u6), 16 (u5)");
-  const int64_t M = x.size(0), K = x.size(1), T = (n + LANES - 1) / LANES;
+  const int64_t T = (n + LANES - 1) / LANES;
   TORCH_CHECK(K % superblock == 0, "block_mm: K must be a multiple of the superblock");
   const int64_t gbytes = LANES * group * Args::bits(kind) / 8;
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == T * (K / group) * gbytes,
@@ -381,16 +358,93 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tens
   TORCH_CHECK(sc.scalar_type() == at::kChar && mn.scalar_type() == at::kChar && sc.is_contiguous() &&
               mn.is_contiguous() && sc.numel() == T * (K / group) * LANES && mn.numel() == sc.numel(),
               "block_mm: sc / mn must be contiguous int8 [T, K/group, 16]");
-  for (const auto* t : {&bias, &residual})
-    TORCH_CHECK(!*t || ((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() &&
-                        (*t)->numel() == (t == &bias ? n : M * n)),
-                "block_mm: bias must be a contiguous f32 [n], residual a contiguous f32 [M, n]");
-  const float* bias_p = bias ? bias->data_ptr<float>() : nullptr;
-  const float* residual_p = residual ? residual->data_ptr<float>() : nullptr;
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
+              "block_mm: bias must be a contiguous f32 [n]");
+  return {qs.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), dmin.data_ptr<at::Half>(), sc.data_ptr<int8_t>(),
+          mn.data_ptr<int8_t>(), bias ? bias->data_ptr<float>() : nullptr, n, K, group, superblock, offset,
+          static_cast<BlockKind>(kind), mins};
+}
+
+void BlockScratch::reserve(int64_t M, int64_t K) {
+  x.reserve(M * K);
+  xq.reserve(M * K);
+  xw.reserve(M * K);
+  for (auto* v : {&dx, &sxf}) v->reserve(M * K / 16);
+  for (auto* v : {&sx, &osx}) v->reserve(M * K / 16);
+  sx16.reserve(M * K / 16);
+}
+
+BlockCall block_prepare(const BlockWeight& w, BlockScratch& s, const float* x, int64_t M, const float* norm,
+                        float eps, bool gated, float* y, int64_t ldy, const float* residual) {
+  const int64_t K = w.K;
+  if (norm || gated) {
+    s.x.resize(M * K);
+    if (norm)
+      norm_rows(x, norm, eps, M, K, s.x.data());
+    else
+      silu_gate_rows(x, M, K, s.x.data());
+    x = s.x.data();
+  }
+  s.xq.resize(M * K);
+  s.dx.resize(M * (K / w.superblock));
+  s.sx.resize(M * (K / w.group));
+  quantize_rows(x, M, K, w.group, w.superblock, s.xq.data(), s.dx.data(), s.sx.data());
+  // float(sx) (one-group layers) and sx in 16 bits (K-quants; |sx| ≤ 32 · 127, exact, for vpmaddwd pairs of
+  // groups): read only where the layer has mins; offset · sx only where it has an offset
+  const bool one_group = w.superblock == w.group;
+  s.sxf.resize(w.mins && one_group ? s.sx.size() : 0);
+  s.sx16.resize(w.mins && !one_group ? s.sx.size() : 0);
+  s.osx.resize(w.offset ? s.sx.size() : 0);
+  for (size_t i = 0; i < s.sxf.size(); ++i) s.sxf[i] = static_cast<float>(s.sx[i]);
+  for (size_t i = 0; i < s.sx16.size(); ++i) s.sx16[i] = static_cast<int16_t>(s.sx[i]);
+  for (size_t i = 0; i < s.osx.size(); ++i) s.osx[i] = static_cast<int32_t>(w.offset) * s.sx[i];
+  s.xw.resize(w.kind == S8 ? M * K : 0);     // s8: the activations widened once, for vpmaddwd
+  for (size_t i = 0; i < s.xw.size(); ++i) s.xw[i] = s.xq[i];
+  const Isa isa = forced();
+  // the tile function of a full row chunk (RMAX rows) and of the last, shorter one: picked once per call
+  const TileFn full = tile_fn(RMAX, isa, std::make_integer_sequence<int, RMAX>{});
+  const TileFn last = M % RMAX ? tile_fn(static_cast<int>(M % RMAX), isa, std::make_integer_sequence<int, RMAX>{})
+                               : full;
+  return {s.xq.data(), s.dx.data(), s.sx.data(), s.sxf.data(), s.sx16.data(), s.osx.data(), s.xw.data(), y,
+          w.qs, w.d, w.dmin, w.sc, w.mn, w.bias, residual, M, w.n, K, w.group, w.superblock, w.offset, ldy,
+          w.kind, w.mins, M >= prefetch_min_rows() ? prefetch_bytes() : 0, full, last};
+}
+
+void block_run(const BlockCall& c, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t r0 = 0; r0 < c.M; r0 += RMAX) (r0 + RMAX <= c.M ? c.full : c.last)(c, t, r0);
+    if (c.bias || c.residual)   // the tile's columns, while they are in cache
+      add_epilogue(c.y, c.M, c.ldy, t * LANES, std::min(c.N, (t + 1) * LANES), c.bias, c.residual);
+  }
+}
+
+at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& dmin,
+                    const at::Tensor& sc, const at::Tensor& mn, int64_t n, int64_t group, int64_t superblock,
+                    int64_t kind, int64_t offset, bool mins, const std::optional<at::Tensor>& norm, double eps,
+                    bool gated, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(),
+              "block_mm: x must be a contiguous f32 [M, K] ([M, 2K] gated)");
+  TORCH_CHECK(!(gated && norm), "block_mm: norm and gated exclude each other");
+  TORCH_CHECK(!gated || x_in.size(1) % 2 == 0, "block_mm: a gated x is [M, 2K]");
+  TORCH_CHECK(!norm || (norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == x_in.size(1)),
+              "block_mm: norm must be a contiguous f32 [K]");
+  const int64_t M = x_in.size(0), K = gated ? x_in.size(1) / 2 : x_in.size(1);
+  const BlockWeight w = block_weight(qs, d, dmin, sc, mn, n, group, superblock, kind, offset, mins, bias, K);
+  TORCH_CHECK(!residual || (residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+                            residual->numel() == M * n),
+              "block_mm: residual must be a contiguous f32 [M, n]");
+  at::Tensor x = x_in;
+  if (norm || gated) {    // the prologue first: a row of zeros is found after it
+    x = at::empty({M, K}, x_in.options());
+    if (norm)
+      norm_rows(x_in.data_ptr<float>(), norm->data_ptr<float>(), static_cast<float>(eps), M, K, x.data_ptr<float>());
+    else
+      silu_gate_rows(x_in.data_ptr<float>(), M, K, x.data_ptr<float>());
+  }
   const at::Tensor live = nonzero_rows(x);
   if (live.defined()) {   // a row of zeros gives 0 + bias (+ residual) exactly: only the other rows are computed
     at::Tensor y = at::zeros({M, n}, x.options());
-    add_epilogue(y.data_ptr<float>(), M, n, 0, n, bias_p, residual_p);
+    add_epilogue(y.data_ptr<float>(), M, n, 0, n, w.bias, residual ? residual->data_ptr<float>() : nullptr);
     const std::optional<at::Tensor> live_residual =
         residual ? std::optional<at::Tensor>(residual->index_select(0, live)) : std::nullopt;
     return y.index_copy_(0, live, block_mm(x.index_select(0, live), qs, d, dmin, sc, mn, n, group, superblock, kind,
@@ -398,36 +452,10 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tens
   }
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * (K / superblock));
-  std::vector<int32_t> sx(M * (K / group));
-  quantize_rows(x.data_ptr<float>(), M, K, group, superblock, xq.data(), dx.data(), sx.data());
-  // float(sx) (one-group layers) and sx in 16 bits (K-quants; |sx| ≤ 32 · 127, exact, for vpmaddwd pairs of
-  // groups): read only where the layer has mins; offset · sx only where it has an offset
-  const bool one_group = superblock == group;
-  std::vector<float> sxf(mins && one_group ? sx.size() : 0);
-  std::vector<int16_t> sx16(mins && !one_group ? sx.size() : 0);
-  std::vector<int32_t> osx(offset ? sx.size() : 0);
-  for (size_t i = 0; i < sxf.size(); ++i) sxf[i] = static_cast<float>(sx[i]);
-  for (size_t i = 0; i < sx16.size(); ++i) sx16[i] = static_cast<int16_t>(sx[i]);
-  for (size_t i = 0; i < osx.size(); ++i) osx[i] = static_cast<int32_t>(offset) * sx[i];
-  std::vector<int16_t> xw(kind == S8 ? M * K : 0);     // s8: the activations widened once, for vpmaddwd
-  for (size_t i = 0; i < xw.size(); ++i) xw[i] = xq[i];
-  Args p{xq.data(), dx.data(), sx.data(), sxf.data(), sx16.data(), osx.data(), xw.data(), y.data_ptr<float>(),
-         qs.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), dmin.data_ptr<at::Half>(), sc.data_ptr<int8_t>(),
-         mn.data_ptr<int8_t>(), M, n, K, group, superblock, offset, static_cast<Kind>(kind), mins,
-         M >= prefetch_min_rows() ? prefetch_bytes() : 0};
-  const Isa isa = forced();
-  // the tile function of a full row chunk (RMAX rows) and of the last, shorter one: picked once per call
-  const TileFn full = tile_fn(RMAX, isa, std::make_integer_sequence<int, RMAX>{});
-  const TileFn last = M % RMAX ? tile_fn(static_cast<int>(M % RMAX), isa, std::make_integer_sequence<int, RMAX>{}) : full;
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t r0 = 0; r0 < M; r0 += RMAX) (r0 + RMAX <= M ? full : last)(p, t, r0);
-      if (bias_p || residual_p)   // the tile's columns, while they are in cache
-        add_epilogue(p.y, M, n, t * LANES, std::min(n, (t + 1) * LANES), bias_p, residual_p);
-    }
-  });
+  BlockScratch s;
+  const BlockCall c = block_prepare(w, s, x.data_ptr<float>(), M, nullptr, 0.f, false, y.data_ptr<float>(), n,
+                                    residual ? residual->data_ptr<float>() : nullptr);
+  at::parallel_for(0, c.tiles(), 1, [&](int64_t t0, int64_t t1) { block_run(c, t0, t1); });
   return y;
 }
 

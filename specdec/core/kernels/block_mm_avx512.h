@@ -192,7 +192,7 @@ SPECDEC_TARGET void tile(const Args& p, int64_t t, int64_t r0) {
   const int64_t lanes = std::min<int64_t>(LANES, p.N - t * LANES);
   const __mmask16 keep = static_cast<__mmask16>((1u << lanes) - 1);
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + (r0 + r) * p.N + t * LANES, keep, acc[r]);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + (r0 + r) * p.ldy + t * LANES, keep, acc[r]);
 }
 
 template <int R>
