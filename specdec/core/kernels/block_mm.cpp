@@ -25,8 +25,9 @@
 //   SB = 256 (K-quants):   a = d,       b = 0 − dmin,       isum = Σ_g sc · dot,    msum = Σ_g mn · sx (exact);
 //   u = a · float(isum),  u = fma(b, float(msum), u) (only where the layer has mins),  acc = fma(u, dx, acc).
 //
-// Cost flat in M: a (tile, group)'s codes are loaded and unpacked once and applied to up to RMAX rows held in
-// registers; integer multiply-adds (vpmaddubsw / vpmaddwd, or with AVX512-VNNI vpdpbusd / vpdpwssd, which also
+// Cost flat in M: a (tile, group)'s codes are loaded and unpacked once and applied to a chunk of rows held in
+// registers (a call's rows in the fewest chunks of at most CHUNK = 12, as even as can be: a K-quant tile of 16 rows
+// spills its sums, and 16 rows as 8 + 8 took 11-15 % less time than as one chunk on a Zen 5); integer multiply-adds (vpmaddubsw / vpmaddwd, or with AVX512-VNNI vpdpbusd / vpdpwssd, which also
 // accumulate) do 32 or 64 weight·activation products an instruction, and a K-quant's superblock costs a row one
 // integer multiply-add per group and its f32 steps once (Q4_K with VNNI: the group's dot in two vpdpbusd chains that
 // fit 16 bits, each scaled by one vpdpwssd, instead of four chains, their adds and vpmulld: 10 instructions a row
@@ -75,7 +76,8 @@
 
 namespace {
 
-constexpr int RMAX = 16;   // activation rows per register tile
+constexpr int RMAX = 16;   // the most activation rows a register tile holds
+constexpr int CHUNK = 12;  // rows a call's chunks hold at most (more spill the registers of a K-quant tile)
 constexpr int LANES = 16;  // output columns per tile
 
 using specdec::BlockKind;
@@ -401,18 +403,26 @@ BlockCall block_prepare(const BlockWeight& w, BlockScratch& s, const float* x, i
   s.xw.resize(w.kind == S8 ? M * K : 0);     // s8: the activations widened once, for vpmaddwd
   for (size_t i = 0; i < s.xw.size(); ++i) s.xw[i] = s.xq[i];
   const Isa isa = forced();
-  // the tile function of a full row chunk (RMAX rows) and of the last, shorter one: picked once per call
-  const TileFn full = tile_fn(RMAX, isa, std::make_integer_sequence<int, RMAX>{});
-  const TileFn last = M % RMAX ? tile_fn(static_cast<int>(M % RMAX), isa, std::make_integer_sequence<int, RMAX>{})
-                               : full;
+  // M rows in the fewest chunks of at most CHUNK rows, as even as can be: ``big`` chunks of ``rows`` rows, then
+  // chunks of rows - 1; their tile functions picked once per call
+  const int64_t chunks = std::max<int64_t>(1, (M + CHUNK - 1) / CHUNK), rows = (M + chunks - 1) / chunks;
+  const int64_t big = M - chunks * (rows - 1);
+  const TileFn full = tile_fn(static_cast<int>(rows), isa, std::make_integer_sequence<int, RMAX>{});
+  const TileFn last = big < chunks ? tile_fn(static_cast<int>(rows - 1), isa, std::make_integer_sequence<int, RMAX>{})
+                                   : full;
   return {s.xq.data(), s.dx.data(), s.sx.data(), s.sxf.data(), s.sx16.data(), s.osx.data(), s.xw.data(), y,
           w.qs, w.d, w.dmin, w.sc, w.mn, w.bias, residual, M, w.n, K, w.group, w.superblock, w.offset, ldy,
-          w.kind, w.mins, M >= prefetch_min_rows() ? prefetch_bytes() : 0, full, last};
+          w.kind, w.mins, M >= prefetch_min_rows() ? prefetch_bytes() : 0, rows, big, full, last};
 }
 
 void block_run(const BlockCall& c, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t r0 = 0; r0 < c.M; r0 += RMAX) (r0 + RMAX <= c.M ? c.full : c.last)(c, t, r0);
+    int64_t r0 = 0;
+    for (int64_t i = 0; r0 < c.M; ++i) {
+      const bool first = i < c.big;
+      (first ? c.full : c.last)(c, t, r0);
+      r0 += first ? c.rows : c.rows - 1;
+    }
     if (c.bias || c.residual)   // the tile's columns, while they are in cache
       add_epilogue(c.y, c.M, c.ldy, t * LANES, std::min(c.N, (t + 1) * LANES), c.bias, c.residual);
   }

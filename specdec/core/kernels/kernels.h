@@ -63,7 +63,8 @@ struct BlockCall {
   int64_t M, N, K, G, SB, offset, ldy;
   BlockKind kind; bool mins;
   int64_t prefetch;
-  void (*full)(const BlockCall&, int64_t, int64_t);   // the tile of RMAX rows, and of the last, shorter chunk
+  int64_t rows, big;            // the rows' chunks: ``big`` chunks of ``rows`` rows, then chunks of rows - 1
+  void (*full)(const BlockCall&, int64_t, int64_t);   // the tile of a chunk of ``rows`` rows, and of rows - 1
   void (*last)(const BlockCall&, int64_t, int64_t);
   int64_t groups() const { return K / G; }
   int64_t per() const { return SB / G; }       // groups a superblock: 1, or 8 / 16 for the K-quants
