@@ -37,6 +37,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from bench_commits import table as commits_table
+from bench_commits_steps import table as commits_steps_table
 from bench_first_run import table as first_run_table
 from bench_pair import markdown_table as pair_table
 from bench_suffix import table as suffix_table
@@ -205,6 +206,7 @@ TABLES: dict[str, Table] = {
     "first_run": Table(("first_run",), first_run_table),
     "first_run_qwen_epyc": Table(("first_run_qwen_epyc",), first_run_table),
     "commits_bench_spec": Table(("commits_bench_spec",), commits_table),
+    "commits_steps_qwen_epyc": Table(("commits_steps_draft_epyc", "commits_steps_target_epyc"), commits_steps_table),
     "pair_code": Table(("pair_code",), pair_table, sources=False),
     "pair_chat": Table(("pair_chat",), pair_table, sources=False),
     "pair_code_compiled": Table(("pair_code_compiled",), pair_table, sources=False),
