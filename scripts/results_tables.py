@@ -225,6 +225,7 @@ TABLES: dict[str, Table] = {
     "suffix_prefix_cache_qwen": Table(("suffix_prefix_cache_qwen",), suffix_table),
     "suffix_prefix_cache_qwen_epyc": Table(("suffix_prefix_cache_qwen_epyc",), suffix_table),
     "suffix_gate_qwen_epyc": Table(("suffix_gate_qwen_epyc",), suffix_table),
+    "suffix_ks_qwen_epyc": Table(("suffix_ks_qwen_epyc",), suffix_table),
     "suffix_server_qwen": Table(("suffix_server_qwen",), suffix_table),
     "suffix_server_prefix_cache_qwen": Table(("suffix_server_prefix_cache_qwen",), suffix_table),
     "suffix_server_prefix_store_qwen": Table(("suffix_server_prefix_store_qwen",), suffix_table),
