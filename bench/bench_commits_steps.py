@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bench_commits import ROOT, resolve, worktree
 
-from specdec.tools.bench.runtime import git_commit, machine_info
+from specdec.tools.bench import emit_json
 
 WORKER = """
 import statistics, sys, time, torch
@@ -141,13 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
     config = {k: v for k, v in vars(options).items() if k not in ("old", "new", "output")}
-    result = {"command": "python bench/bench_commits_steps.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "commit": git_commit(), "commits": commits, "machine": machine_info(), "config": config,
-              "results": results}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if options.output:
-        Path(options.output).write_text(text + "\n")
+    emit_json({"commits": commits, "config": config, "results": results}, options.output)
     return 0
 
 
