@@ -84,10 +84,15 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def commit_arguments(p: argparse.ArgumentParser) -> None:
+    """The two commits' options: ``--old`` (required) and ``--new`` (default HEAD)."""
     p.add_argument("--old", required=True, help="the old commit")
     p.add_argument("--new", default="HEAD", help="the new commit (default: HEAD)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commit_arguments(p)
     p.add_argument("--strategy", required=True, help="bench-spec --strategy at the new commit")
     p.add_argument("--old-strategy", default=None, help="bench-spec --strategy at the old commit (default: the same)")
     p.add_argument("--rounds", type=int, default=2, help="old/new pairs, alternating (default: 2)")

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_commits import ROOT, resolve, worktree
+from bench_commits import ROOT, commit_arguments, resolve, worktree
 
 from specdec.tools.bench import emit_json
 
@@ -102,8 +102,7 @@ def table(*results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--old", required=True, help="the old commit")
-    p.add_argument("--new", default="HEAD", help="the new commit (default: HEAD)")
+    commit_arguments(p)
     p.add_argument("--model", required=True, help="a named model, a .gguf file or a checkpoint directory")
     p.add_argument("--quantization", default="none")
     p.add_argument("--amp", default="f32")
