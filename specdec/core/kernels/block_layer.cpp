@@ -208,9 +208,16 @@ at::Tensor block_layers(const at::Tensor& x, const at::Tensor& cos_in, const at:
   // one scratch per projection of a layer (its size stays from layer to layer)
   const size_t parts = std::max(first.attn_in.size(), first.mlp_in.size());
   std::vector<BlockScratch> in_scratch(parts), out_scratch(2);
-  for (size_t p = 0; p < parts; ++p) in_scratch[p].reserve(N, hidden);
-  out_scratch[0].reserve(N, q_width);
-  out_scratch[1].reserve(N, mlp_width / 2);
+  bool s8_in = false, s8_o = false, s8_down = false;     // (s8 weights' activations are widened too)
+  for (const Layer& layer : layers) {
+    for (const auto* parts_of : {&layer.attn_in, &layer.mlp_in})
+      for (const BlockWeight& w : *parts_of) s8_in = s8_in || w.kind == specdec::S8;
+    s8_o = s8_o || layer.o.kind == specdec::S8;
+    s8_down = s8_down || layer.down.kind == specdec::S8;
+  }
+  for (size_t p = 0; p < parts; ++p) in_scratch[p].reserve(N, hidden, s8_in);
+  out_scratch[0].reserve(N, q_width, s8_o);
+  out_scratch[1].reserve(N, mlp_width / 2, s8_down);
   std::vector<BlockCall> calls, out_call(1);
   const float eps = static_cast<float>(eps_in);
   const int threads = at::get_num_threads();

@@ -26,9 +26,9 @@
 //   u = a · float(isum),  u = fma(b, float(msum), u) (only where the layer has mins),  acc = fma(u, dx, acc).
 //
 // Cost flat in M: a (tile, group)'s codes are loaded and unpacked once and applied to a chunk of rows held in
-// registers (a call's rows in the fewest chunks of at most CHUNK = 12, as even as can be: a K-quant tile of 16 rows
-// spills its sums, and 16 rows as 8 + 8 took 11-15 % less time than as one chunk on a Zen 5); integer multiply-adds (vpmaddubsw / vpmaddwd, or with AVX512-VNNI vpdpbusd / vpdpwssd, which also
-// accumulate) do 32 or 64 weight·activation products an instruction, and a K-quant's superblock costs a row one
+// registers (a call's rows in the fewest chunks of at most CHUNK = 12, as even as can be: a K-quant tile of 16
+// rows spills its sums, and 16 rows as 8 + 8 took about a tenth less time than as one chunk on a Zen 5); integer
+// multiply-adds (vpmaddubsw / vpmaddwd, or with AVX512-VNNI vpdpbusd / vpdpwssd, which also accumulate) do 32 or 64 weight·activation products an instruction, and a K-quant's superblock costs a row one
 // integer multiply-add per group and its f32 steps once (Q4_K with VNNI: the group's dot in two vpdpbusd chains that
 // fit 16 bits, each scaled by one vpdpwssd, instead of four chains, their adds and vpmulld: 10 instructions a row
 // and group instead of 14, where 512-bit integer multiplies on one port bound a many-row call; bench_block_mm.py's
@@ -367,10 +367,10 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
           static_cast<BlockKind>(kind), mins};
 }
 
-void BlockScratch::reserve(int64_t M, int64_t K) {
+void BlockScratch::reserve(int64_t M, int64_t K, bool widened) {
   x.reserve(M * K);
   xq.reserve(M * K);
-  xw.reserve(M * K);
+  if (widened) xw.reserve(M * K);
   for (auto* v : {&dx, &sxf}) v->reserve(M * K / 16);
   for (auto* v : {&sx, &osx}) v->reserve(M * K / 16);
   sx16.reserve(M * K / 16);

@@ -43,15 +43,15 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
                          const at::Tensor& mn, int64_t n, int64_t group, int64_t superblock, int64_t kind,
                          int64_t offset, bool mins, const std::optional<at::Tensor>& bias, int64_t K);
 
-// A call's activations, written by block_prepare; ``reserve`` once for the largest call so that calls allocate
-// nothing.
+// A call's activations, written by block_prepare; ``reserve`` once for the largest call (M rows of K columns;
+// ``widened``: an s8 weight's, whose activations are also widened to 16 bits) so that calls allocate nothing.
 struct BlockScratch {
   std::vector<float> x;         // the prologue's output (norm, gated)
   std::vector<int8_t> xq;
   std::vector<float> dx, sxf;
   std::vector<int32_t> sx, osx;
   std::vector<int16_t> sx16, xw;
-  void reserve(int64_t M, int64_t K);
+  void reserve(int64_t M, int64_t K, bool widened);
 };
 
 // A prepared call: what the tiles read. y [M, n] at row stride ldy.
