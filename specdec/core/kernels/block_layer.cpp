@@ -158,7 +158,7 @@ at::Tensor block_layers(const at::Tensor& x, const at::Tensor& cos_in, const at:
   const at::Tensor rows = rows_in.to(at::kLong).contiguous(), slots = slots_in.to(at::kLong).contiguous();
   const at::Tensor mask = mask_in.select(1, 0).contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
   at::Tensor h = x.reshape({b * n, hidden}).contiguous();
-  h = (real.defined() ? h.index_select(0, real) : h.clone()).contiguous();    // hA: a layer's input and output
+  h = real.defined() ? h.index_select(0, real) : h.clone();    // hA: a layer's input and output (a copy of x's rows)
   const int64_t N = h.size(0);
   std::vector<Layer> layers;
   size_t w = 0, l = 0;

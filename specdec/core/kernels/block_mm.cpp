@@ -28,7 +28,8 @@
 // Cost flat in M: a (tile, group)'s codes are loaded and unpacked once and applied to a chunk of rows held in
 // registers (a call's rows in the fewest chunks of at most CHUNK = 12, as even as can be: a K-quant tile of 16
 // rows spills its sums, and 16 rows as 8 + 8 took about a tenth less time than as one chunk on a Zen 5); integer
-// multiply-adds (vpmaddubsw / vpmaddwd, or with AVX512-VNNI vpdpbusd / vpdpwssd, which also accumulate) do 32 or 64 weight·activation products an instruction, and a K-quant's superblock costs a row one
+// multiply-adds (vpmaddubsw / vpmaddwd, or with AVX512-VNNI vpdpbusd / vpdpwssd, which also accumulate) do 32
+// or 64 weight·activation products an instruction, and a K-quant's superblock costs a row one
 // integer multiply-add per group and its f32 steps once (Q4_K with VNNI: the group's dot in two vpdpbusd chains that
 // fit 16 bits, each scaled by one vpdpwssd, instead of four chains, their adds and vpmulld: 10 instructions a row
 // and group instead of 14, where 512-bit integer multiplies on one port bound a many-row call; bench_block_mm.py's
@@ -150,6 +151,14 @@ SPECDEC_CLONES void silu_gate_rows(const float* x, int64_t M, int64_t K, float* 
     store(v, silu_gate(load(ta), load(tb)));
     std::memcpy(out + r * K + body, v, (K - body) * sizeof(float));
   }
+}
+
+// The prologue of M rows into out [M, K]: RMSNorm with ``norm`` [K] of x [M, K], else the SiLU gate of x [M, 2K].
+void prologue(const float* x, int64_t M, int64_t K, const float* norm, float eps, float* out) {
+  if (norm)
+    norm_rows(x, norm, eps, M, K, out);
+  else
+    silu_gate_rows(x, M, K, out);
 }
 
 // ---------------------------------------------------------------------------------------- portable
@@ -381,10 +390,7 @@ BlockCall block_prepare(const BlockWeight& w, BlockScratch& s, const float* x, i
   const int64_t K = w.K;
   if (norm || gated) {
     s.x.resize(M * K);
-    if (norm)
-      norm_rows(x, norm, eps, M, K, s.x.data());
-    else
-      silu_gate_rows(x, M, K, s.x.data());
+    prologue(x, M, K, norm, eps, s.x.data());
     x = s.x.data();
   }
   s.xq.resize(M * K);
@@ -446,10 +452,8 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tens
   at::Tensor x = x_in;
   if (norm || gated) {    // the prologue first: a row of zeros is found after it
     x = at::empty({M, K}, x_in.options());
-    if (norm)
-      norm_rows(x_in.data_ptr<float>(), norm->data_ptr<float>(), static_cast<float>(eps), M, K, x.data_ptr<float>());
-    else
-      silu_gate_rows(x_in.data_ptr<float>(), M, K, x.data_ptr<float>());
+    prologue(x_in.data_ptr<float>(), M, K, norm ? norm->data_ptr<float>() : nullptr, static_cast<float>(eps),
+             x.data_ptr<float>());
   }
   const at::Tensor live = nonzero_rows(x);
   if (live.defined()) {   // a row of zeros gives 0 + bias (+ residual) exactly: only the other rows are computed
