@@ -146,6 +146,27 @@ def verify_cost_table(*results: dict) -> str:
                            "a model's shapes called in turn.")
 
 
+def batch_step_table(result: dict) -> str:
+    """``bench_decode_step.py`` at batch B: each graph call's tokens (B rows × n), its median, milliseconds a token,
+    and what a step that verifies n tokens a row would gain over the batch's decode step (1 token a row) were every
+    draft accepted: decode's milliseconds a token ÷ this call's (the ceiling of speculation at that batch)."""
+    calls = result["results"]
+    decode = next(r for r in calls if r["n"] == 1 and r["batch"] == calls[-1]["batch"])
+    per_token = decode["median_ms"] / decode["batch"]
+    rows = ["| batch | tokens a row | tokens a call | median ms | ms a token | ceiling: decode's ms a token ÷ this |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for r in calls:
+        tokens = r["batch"] * r["n"]
+        ceiling = f"{per_token / (r['median_ms'] / tokens):.2f}" if r["batch"] == decode["batch"] else "—"
+        rows.append(f"| {r['batch']} | {r['n']} | {tokens} | {r['median_ms']:.1f} | {r['median_ms'] / tokens:.2f} | "
+                    f"{ceiling} |")
+    cfg = result["config"]
+    rows += ["", f"{cfg['model']} `{cfg['quantization']}`, KV bucket {calls[0]['kv']}; {cfg['backend']} {cfg['amp']}, "
+                 f"{cfg['threads']} threads; medians of {cfg['repeats']} calls per shape ({cfg['warmup']} warm-up), "
+                 f"the shapes called in turn; the ceiling is against batch {decode['batch']}'s decode step."]
+    return "\n".join(rows)
+
+
 def quantization_ab_table(result: dict) -> str:
     """``bench_decode_step.py --ab-quantization Q``: each graph call of one model loaded two ways, called in turn."""
     cfg = result["config"]
@@ -219,6 +240,7 @@ TABLES: dict[str, Table] = {
     "pair_code_window_epyc": Table(("pair_code_window_epyc",), pair_table, sources=False),
     "verify_cost_qwen_epyc": Table(("decode_step_qwen_target_epyc", "decode_step_qwen_draft_epyc"),
                                    verify_cost_table),
+    "verify_batch_qwen_epyc": Table(("decode_step_qwen_batch4_epyc",), batch_step_table),
     "suffix_embedded": Table(("suffix_smollm2-135m-instruct",), suffix_table),
     "suffix_qwen": Table(("suffix_qwen2.5-coder-1.5b-instruct",), suffix_table),
     "suffix_gate_qwen": Table(("suffix_gate_qwen",), suffix_table),
@@ -226,8 +248,11 @@ TABLES: dict[str, Table] = {
     "suffix_prefix_cache_qwen_epyc": Table(("suffix_prefix_cache_qwen_epyc",), suffix_table),
     "suffix_gate_qwen_epyc": Table(("suffix_gate_qwen_epyc",), suffix_table),
     "suffix_ks_qwen_epyc": Table(("suffix_ks_qwen_epyc",), suffix_table),
+    "suffix_sessions_qwen_epyc": Table(("suffix_sessions_qwen_epyc",), suffix_table),
     "suffix_server_qwen": Table(("suffix_server_qwen",), suffix_table),
     "suffix_server_prefix_cache_qwen": Table(("suffix_server_prefix_cache_qwen",), suffix_table),
+    "suffix_server_prefix_cache_qwen_epyc": Table(("suffix_server_prefix_cache_qwen_epyc",), suffix_table),
+    "suffix_server_gate_qwen_epyc": Table(("suffix_server_gate_qwen_epyc",), suffix_table),
     "suffix_server_prefix_store_qwen": Table(("suffix_server_prefix_store_qwen",), suffix_table),
     "suffix_gate_embedded": Table(("suffix_gate_embedded",), suffix_table),
     "runtime": Table(("runtime",), runtime.markdown_table),
