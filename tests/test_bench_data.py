@@ -372,3 +372,32 @@ def test_pair_benchmark_warm_up_resets_both_gate_meters(embedded_model, single_t
     assert sum(gen.gate_meter.steps.values()) > 0 and sum(gen.draft_meter.steps.values()) > 0
     bench.warm_up({system.name: system}, {}, [[prompt]], [], cfg, None)
     assert gen.gate_meter.steps == gen.draft_meter.steps == {True: 0, False: 0}
+
+
+def test_suffix_replay_benchmark_records_once_then_replays(monkeypatch, tmp_path, capsys):
+    """bench_suffix_replay records the embedded model's greedy outputs of a workload, replays every system from
+    them, and a second run reads the record and gives the same figures; chain k's oracle takes its steps, verifying
+    only what they accept; a record of other requests is refused."""
+    bench = bench_script("bench_suffix_replay", monkeypatch)
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"results": [{"batch": 1, "n": 1, "median_ms": 10.0},
+                                             {"batch": 1, "n": 9, "median_ms": 18.0}]}))
+    args = ["--workloads", "extraction", "--requests", "3", "--max-new-tokens", "24", "--backend", "eager",
+            "--threads", "1", "--ks", "4", "--trees", "4x4", "--record", str(tmp_path / "rec.json"),
+            "--costs", str(costs), "--output", str(tmp_path / "out.json")]
+    results = []
+    for _ in range(2):
+        assert bench.main(args) == 0
+        results.append(json.loads((tmp_path / "out.json").read_text())["results"]["extraction"])
+    assert "replaying the outputs recorded" in capsys.readouterr().err
+    assert results[0] == results[1]
+    chain, oracle = results[0]["chain-k4"], results[0]["chain-k4-oracle"]
+    assert set(results[0]) == {"chain-k4", "chain-k4-oracle", "tree-4x4"}
+    assert (oracle["steps"], oracle["tau"]) == (chain["steps"], chain["tau"]) and chain["tau"] > 1.0
+    assert oracle["drafted"] == oracle["accepted"] == chain["accepted"] <= chain["drafted"]
+    speedup = chain["modelled_speedup"][str(costs)]
+    assert 1.0 < speedup <= oracle["modelled_speedup"][str(costs)]
+    with pytest.raises(SystemExit, match="records other requests"):
+        bench.main([a if a != "24" else "16" for a in args])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--trees", "4x"])

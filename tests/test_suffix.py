@@ -12,6 +12,7 @@ import torch
 
 from specdec import DecoderModel, SpeculativeGenerator
 from specdec.suffix import SuffixCache, SuffixChain, SuffixDraft, SuffixIndex, speculate
+from specdec.suffix.replay import Replay, VerifyCost, replay
 from specdec.suffix.speculate import continuation
 
 from conftest import VOCAB, load, prompt_ids
@@ -369,3 +370,48 @@ def test_embedded_greedy_batch3_rows_joining(embedded):
     for i, new in done:
         assert new == embedded.refs[i], i
     assert gen.stats.accepted > 0 and gen.proposer.cache.stats()["hits"] > 0
+
+
+# ---------------------------------------------------------------- replay on recorded greedy outputs
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_replay_takes_the_engines_steps(checkpoint, kind):
+    """A replay over the requests' target-only greedy outputs takes the engine's steps, request by request
+    (the cache filling as they finish): the same number of steps, drafts (chains; a tree step counts its depth)
+    and emitted tokens; the accepted drafts too, but in a request's last step, where the engine may accept
+    drafts past the budget and then cut them. The oracle verifies only what it accepts, in the same steps."""
+    target = load(checkpoint("llama"), batch_size=1)
+    prompts = [prompt_ids(5, 1) * 3, prompt_ids(7, 2), prompt_ids(9, 3)] * 2    # the second time from the cache
+    outputs = [target.generate([p], max_new_tokens=40, eos_token_id=[])[0, len(p):].tolist() for p in prompts]
+
+    def proposer():
+        return SuffixChain(target, SuffixCache()) if kind == "chain" else SuffixDraft(target, depth=4, num_nodes=6)
+
+    gen = SpeculativeGenerator(proposer(), target, 4)
+    replayed, oracle, every, bound = proposer(), proposer(), Replay(), Replay()
+    for p, out in zip(prompts, outputs):
+        assert gen.generate([p], max_new_tokens=40, eos_token_id=[])[0, len(p):].tolist() == out
+        stats, r = gen.last_stats, replay(replayed, [(p, out)], 4)
+        assert (len(r.steps), r.tokens) == (stats.steps, len(out) - 1)
+        if kind == "chain":
+            assert r.drafted == stats.drafted
+        assert 0 <= stats.accepted - r.accepted <= r.steps[-1].drafted - r.steps[-1].accepted
+        best = replay(oracle, [(p, out)], 4, oracle=True)
+        assert [(s.accepted, s.emitted) for s in best.steps] == [(s.accepted, s.emitted) for s in r.steps]
+        assert best.drafted == best.accepted <= r.drafted
+        every.steps += r.steps
+        bound.steps += best.steps
+    assert every.tau > 1.5
+    cost = VerifyCost((1, 5), (10.0, 14.0))
+    assert bound.modelled_speedup(cost) > every.modelled_speedup(cost) > 1.0
+
+
+def test_verify_cost_interpolates_between_measured_sizes():
+    cost = VerifyCost.from_decode_steps({"results": [{"batch": 1, "n": 5, "median_ms": 30.0},
+                                                     {"batch": 1, "n": 1, "median_ms": 20.0},
+                                                     {"batch": 4, "n": 1, "median_ms": 99.0}]})
+    assert (cost(1), cost(3), cost(5), cost(10)) == (20.0, 25.0, 30.0, 60.0)
+    with pytest.raises(ValueError, match="ascend from 1"):
+        VerifyCost((2, 5), (1.0, 2.0))
+    with pytest.raises(ValueError, match="batch 1"):
+        replay(SuffixChain(SimpleNamespace(batch_size=2, n_positions=64, vocab_size=VOCAB)), [([1], [2])], 4)
