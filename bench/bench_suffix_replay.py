@@ -25,8 +25,10 @@ modelled_speedup: {costs file: ratio}}}}).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,7 +41,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_suffix import EMBEDDED_NAME, WORKLOADS, interleaved, log, name_list_of, workload  # noqa: E402
 
 from specdec import DecoderModel, Engine  # noqa: E402
-from specdec.suffix import SuffixCache, SuffixChain, SuffixDraft  # noqa: E402
+from specdec.suffix import SuffixCache, SuffixChain, SuffixDraft, SuffixProposer  # noqa: E402
 from specdec.suffix.replay import Replay, VerifyCost, replay  # noqa: E402
 from specdec.tools.arguments import int_list  # noqa: E402
 from specdec.tools.bench import emit_json  # noqa: E402
@@ -49,7 +51,8 @@ from specdec.tools.bench.runtime import git_commit, machine_info  # noqa: E402
 @dataclass
 class ReplayBenchOptions:
     """The target and workloads recorded (as ``bench_suffix.py``'s), the systems replayed (chains of ``ks``
-    drafts, trees ``depth x nodes`` of ``trees``, each with ``alpha`` and ``min_prob``), the cost curves."""
+    drafts, with their oracles unless ``oracle`` is off; trees ``depth x nodes`` of ``trees``; each for every
+    ``alphas`` × ``min_probs``), the cost curves."""
 
     model: str = EMBEDDED_NAME
     workloads: list[str] = field(default_factory=lambda: ["agent", "extraction", "refactor", "mt-bench"])
@@ -65,8 +68,9 @@ class ReplayBenchOptions:
     record: str | None = None
     ks: list[int] = field(default_factory=lambda: [4, 8, 16])
     trees: list[tuple[int, int]] = field(default_factory=lambda: [(4, 4), (8, 8)])
-    alpha: float = 1.0
-    min_prob: float = 0.1
+    alphas: list[float] = field(default_factory=lambda: [1.0])
+    min_probs: list[float] = field(default_factory=lambda: [0.1])
+    oracle: bool = True
     costs: list[str] = field(default_factory=list)
     output: str | None = None
 
@@ -106,17 +110,24 @@ def record(cfg: ReplayBenchOptions) -> dict[str, list[tuple[list[int], list[int]
     return out
 
 
-def systems(cfg: ReplayBenchOptions, vocab_size: int) -> dict[str, tuple[object, int, bool]]:
-    """{name: (a factory of its proposer, with an empty cache; k; oracle)} for every system replayed."""
+def systems(cfg: ReplayBenchOptions, vocab_size: int) -> dict[str, tuple[Callable[[], SuffixProposer], int, bool]]:
+    """{name: (a factory of its proposer, with an empty cache; k; oracle)} for every system replayed: per
+    (alpha, min_prob) of ``cfg.alphas`` × ``cfg.min_probs`` (named ``-a<alpha>-p<min_prob>`` when there are
+    several), the chains of ``cfg.ks`` (and their oracles with ``cfg.oracle``), then the trees of ``cfg.trees``."""
     target = ReplayTarget(vocab_size=vocab_size, n_positions=cfg.n_positions)
-    kw = dict(alpha=cfg.alpha, min_prob=cfg.min_prob)
-    out: dict[str, tuple[object, int, bool]] = {}
-    for k in cfg.ks:
-        out[f"chain-k{k}"] = (lambda: SuffixChain(target, SuffixCache(), **kw), k, False)
-        out[f"chain-k{k}-oracle"] = (lambda: SuffixChain(target, SuffixCache(), **kw), k, True)
-    for depth, nodes in cfg.trees:
-        out[f"tree-{depth}x{nodes}"] = (lambda d=depth, n=nodes: SuffixDraft(target, SuffixCache(), depth=d,
-                                                                           num_nodes=n, **kw), depth, False)
+    out: dict[str, tuple[Callable[[], SuffixProposer], int, bool]] = {}
+    sweep = len(cfg.alphas) * len(cfg.min_probs) > 1
+    for alpha, min_prob in itertools.product(cfg.alphas, cfg.min_probs):
+        kw = dict(alpha=alpha, min_prob=min_prob)
+        tag = f"-a{alpha:g}-p{min_prob:g}" if sweep else ""
+        for k in cfg.ks:
+            for oracle in (False, True)[:1 + cfg.oracle]:
+                name = f"chain-k{k}{tag}" + ("-oracle" if oracle else "")
+                out[name] = (lambda kw=kw: SuffixChain(target, SuffixCache(), **kw), k, oracle)
+        for depth, nodes in cfg.trees:
+            out[f"tree-{depth}x{nodes}{tag}"] = (
+                lambda d=depth, n=nodes, kw=kw: SuffixDraft(target, SuffixCache(), depth=d, num_nodes=n, **kw),
+                depth, False)
     return out
 
 
@@ -151,8 +162,28 @@ def table(result: dict) -> str:
     cfg = result["config"]
     rows += ["", f"{cfg['model']}: target-only greedy outputs of {cfg['requests']} requests a workload (agent: "
                  f"sessions of {cfg['turns']} turns), at most {cfg['max_new_tokens']} new tokens each, replayed; "
-                 f"alpha {cfg['alpha']}, min_prob {cfg['min_prob']}. The speedups are modelled (the decode phase "
+                 f"alpha {', '.join(map(str, cfg['alphas']))}, min_prob {', '.join(map(str, cfg['min_probs']))}. "
+                 "The speedups are modelled (the decode phase "
                  "only, from each file's call costs), not measured."]
+    return "\n".join(rows)
+
+
+def sweep_table(result: dict) -> str:
+    """Markdown: a row per system, a column per workload, each cell the modelled decode speedups under the cost
+    curves (in ``table``'s order) and τ."""
+    workloads = list(result["results"])
+    costs = list(result["costs"])
+    rows = ["| system | " + " | ".join(workloads) + " |", "|---|" + "---:|" * len(workloads)]
+    for system in result["results"][workloads[0]]:
+        cells = []
+        for w in workloads:
+            e = result["results"][w][system]
+            cells.append(" · ".join(f"{e['modelled_speedup'][c]:.2f}" for c in costs) + f" (τ {e['tau']:.2f})")
+        rows.append(f"| {system} | " + " | ".join(cells) + " |")
+    curves, cfg = "; ".join(f"{Path(c).stem}" for c in costs), result["config"]
+    rows += ["", f"Each cell: the decode phase's modelled speedup under {curves} (in that order), and τ. "
+                 f"{cfg['model']}, {cfg['requests']} requests a workload (agent: sessions of {cfg['turns']} turns), "
+                 f"at most {cfg['max_new_tokens']} new tokens each."]
     return "\n".join(rows)
 
 
@@ -174,14 +205,30 @@ def parse_args(argv: list[str] | None = None) -> ReplayBenchOptions:
     p.add_argument("--record", default=None, help="the recorded outputs' JSON (reused when it exists)")
     p.add_argument("--ks", type=int_list, default=d.ks, help="chain lengths")
     p.add_argument("--trees", type=tree_list, default=d.trees, help="tree shapes DEPTHxNODES, comma list")
-    p.add_argument("--alpha", type=float, default=d.alpha, help="max_spec = alpha * match length")
-    p.add_argument("--min-prob", type=float, default=d.min_prob, help="a drafted token's least frequency")
+    p.add_argument("--alphas", type=float_list, default=d.alphas, help="max_spec = alpha * match length (comma list)")
+    p.add_argument("--min-probs", type=float_list, default=d.min_probs,
+                   help="a drafted token's least frequency (comma list)")
+    p.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=d.oracle,
+                   help="replay each chain's oracle too")
     p.add_argument("--costs", nargs="+", default=[], metavar="JSON", help="bench_decode_step.py results")
     p.add_argument("--output", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     if min(args.requests, args.turns, args.max_new_tokens, *args.ks) < 1:
         p.error("--requests, --turns, --max-new-tokens and --ks must be >= 1")
+    if max(args.min_probs) > 1:
+        p.error("--min-probs are frequencies: at most 1")
     return ReplayBenchOptions(**vars(args))
+
+
+def float_list(text: str) -> list[float]:
+    """An argparse type: "0.5,1" → [0.5, 1.0] (each > 0)."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"a comma list of numbers > 0, got {text!r}")
+    return list(dict.fromkeys(values))
 
 
 def tree_list(text: str) -> list[tuple[int, int]]:

@@ -41,6 +41,7 @@ from bench_commits_steps import table as commits_steps_table
 from bench_first_run import table as first_run_table
 from bench_pair import markdown_table as pair_table
 from bench_suffix import table as suffix_table
+from bench_suffix_replay import sweep_table as suffix_sweep_table
 from bench_suffix_replay import table as suffix_replay_table
 
 from specdec.tools.bench import runtime, speculative
@@ -251,6 +252,7 @@ TABLES: dict[str, Table] = {
     "suffix_ks_qwen_epyc": Table(("suffix_ks_qwen_epyc",), suffix_table),
     "suffix_sessions_qwen_epyc": Table(("suffix_sessions_qwen_epyc",), suffix_table),
     "suffix_replay_qwen_epyc": Table(("suffix_replay_qwen_epyc",), suffix_replay_table),
+    "suffix_replay_sweep_qwen_epyc": Table(("suffix_replay_sweep_qwen_epyc",), suffix_sweep_table),
     "suffix_server_qwen": Table(("suffix_server_qwen",), suffix_table),
     "suffix_server_prefix_cache_qwen": Table(("suffix_server_prefix_cache_qwen",), suffix_table),
     "suffix_server_prefix_cache_qwen_epyc": Table(("suffix_server_prefix_cache_qwen_epyc",), suffix_table),

@@ -399,5 +399,8 @@ def test_suffix_replay_benchmark_records_once_then_replays(monkeypatch, tmp_path
     assert 1.0 < speedup <= oracle["modelled_speedup"][str(costs)]
     with pytest.raises(SystemExit, match="records other requests"):
         bench.main([a if a != "24" else "16" for a in args])
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--trees", "4x"])
+    sweep = bench.parse_args(["--ks", "4", "--alphas", "0.5,1", "--no-oracle", "--trees", ""])
+    assert list(bench.systems(sweep, 100)) == ["chain-k4-a0.5-p0.1", "chain-k4-a1-p0.1"]
+    for bad in (["--trees", "4x"], ["--alphas", "0"], ["--min-probs", "1.5"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
