@@ -75,8 +75,9 @@ class ReplayBenchOptions:
     output: str | None = None
 
     def recorded(self) -> dict:
-        """What a record depends on (a reused record must match it)."""
-        return {name: getattr(self, name) for name in ("model", "requests", "turns", "max_new_tokens", "seed")}
+        """What a record depends on (a reused record must match it): the target's weights and the requests."""
+        return {name: getattr(self, name)
+                for name in ("model", "amp", "quantization", "requests", "turns", "max_new_tokens", "seed")}
 
 
 def record(cfg: ReplayBenchOptions) -> dict[str, list[tuple[list[int], list[int]]]]:
