@@ -40,7 +40,7 @@ from ..core.engine import StepResult
 from ..core.graphs import build_graph
 from ..core.sampling import RowGenerators, any_penalised, any_sampled, needs_filter
 from ..core.stats import SpecStats
-from ..speculation.proposer import Proposer
+from ..speculation.proposer import Proposer, step_k
 from ..speculation.speculative import Speculator
 from .step import FusedKey, FusedStep
 
@@ -119,7 +119,7 @@ class FusedSpeculator(Speculator):
     def step(self, tail: torch.Tensor, lengths: torch.Tensor, active: torch.Tensor, params: torch.Tensor,
              rng: RowGenerators, stats: SpecStats) -> StepResult:
         longest = int(lengths[active].max())
-        k = max(0, min(self.k, self.target.n_positions - longest, self.proposer.max_draft_tokens(longest)))
+        k = step_k(self.proposer, self.k, self.target.n_positions, longest)
         if k == 0:        # no room to draft: the unfused plain decode step
             self._chain = None
             return super().step(tail, lengths, active, params, rng, stats)

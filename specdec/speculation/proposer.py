@@ -109,6 +109,12 @@ class Proposer(Protocol):
         ...
 
 
+def step_k(proposer: Proposer, k: int, n_positions: int, longest: int) -> int:
+    """The drafts a step may take when its longest row has ``longest`` tokens: at most ``k``, the target's
+    positions left (``n_positions`` - longest) and the proposer's ``max_draft_tokens``; 0: a plain decode step."""
+    return max(0, min(k, n_positions - longest, proposer.max_draft_tokens(longest)))
+
+
 class Verifier(Protocol):
     """Runs the target over a proposal and applies the shared acceptance rules (``specdec.speculation.verify``)."""
 

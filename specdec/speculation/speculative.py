@@ -38,7 +38,7 @@ from ..core.sampling import RowGenerators, any_sampled
 from ..core.stats import SpecStats
 from .adaptive import AdaptiveK
 from .gate import GateMeter
-from .proposer import Proposal, Proposer, Verified, declared
+from .proposer import Proposal, Proposer, Verified, declared, step_k
 from .verify import ChainVerifier
 
 
@@ -85,7 +85,7 @@ class Speculator:
              rng: RowGenerators, stats: SpecStats) -> StepResult:
         """One step for every row (see the module docstring); the target's lengths are len(S) - 1."""
         longest = int(lengths[active].max())
-        k = max(0, min(self.k, self.target.n_positions - longest, self.proposer.max_draft_tokens(longest)))
+        k = step_k(self.proposer, self.k, self.target.n_positions, longest)
         if self.gate is not None and not self.gate.speculate():
             k = 0
         if k > 0:   # what start deferred (a draft model's prompt encoding): once a request, outside the gate's rates

@@ -150,6 +150,10 @@ class SuffixProposer(BaseProposer):
     def max_draft_tokens(self, length: int) -> int:
         return self.target.n_positions
 
+    def step_drafts(self, tail: torch.Tensor, lengths: torch.Tensor, k: int) -> list[Draft]:
+        """Each row's draft for a step of ``k`` (what ``propose`` verifies): a tree or a chain, per subclass."""
+        raise NotImplementedError
+
 
 class SuffixDraft(SuffixProposer):
     """Suffix decoding with token trees for ``target``: a tree proposer (k = ``depth``) verifying
@@ -180,12 +184,16 @@ class SuffixDraft(SuffixProposer):
         """The depth while the N + 1 verify slots (and positions up to the depth) fit, else 0 (decode)."""
         return self.depth if length + max(self.num_nodes, self.depth) <= self.target.n_positions else 0
 
+    def step_drafts(self, tail: torch.Tensor, lengths: torch.Tensor, k: int) -> list[Draft]:
+        """Each row's tree: at most ``num_nodes`` nodes, min(k, depth) levels."""
+        return self.drafts(tail, lengths, min(k, self.depth), self.num_nodes, tree=True)
+
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
         """tokens [B, N] (node order, pads = S[-1] below the root, marked padding: not computed where kernels skip
         padding, never accepted) and the rows' trees (depth <= D, at most N children per node), built on the
         target's device."""
         N, B = self.num_nodes, self.batch_size
-        drafts = self.drafts(tail, lengths, min(k, self.depth), N, tree=True)
+        drafts = self.step_drafts(tail, lengths, k)
         last = tail[:, 1].tolist()
         tokens = [d.tokens + [last[r]] * (N - len(d.tokens)) for r, d in enumerate(drafts)]
         parent = [[0] + d.parents + [0] * (N - len(d.tokens)) for d in drafts]
@@ -210,10 +218,14 @@ class SuffixChain(SuffixProposer):
     def propose(self, tail, lengths, k, params, rng) -> Proposal:
         return Proposal(self.matches(tail, lengths, k)[0], num_drafts=self.drafted.clone())
 
+    def step_drafts(self, tail: torch.Tensor, lengths: torch.Tensor, k: int) -> list[Draft]:
+        """Each row's chain: the most frequent continuation, at most k tokens."""
+        return self.drafts(tail, lengths, k, k, tree=False)
+
     def matches(self, tail: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's k drafts [B, k] (padded with S[-1]) and the match length behind them [B] (0: none),
         as ``PromptLookup.matches``: what a per-row combination with a model draft chooses by."""
-        drafts = self.drafts(tail, lengths, k, k, tree=False)
+        drafts = self.step_drafts(tail, lengths, k)
         last = tail[:, 1].tolist()
         tokens = [d.tokens + [last[r]] * (k - len(d.tokens)) for r, d in enumerate(drafts)]
         return torch.tensor(tokens, dtype=torch.long).view(self.batch_size, k), self.matched.clone()

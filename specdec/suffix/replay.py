@@ -3,8 +3,8 @@
 Greedy speculation emits target-only greedy output whatever it drafts, and a suffix proposer's drafts are a
 deterministic function of what it has seen (the row's prompt and emitted tokens, the cache of finished
 requests). So, given the requests' prompts and their target-only greedy outputs in the order they ran,
-every step of a batch-1 run is known on the host alone: the draft (``SuffixProposer.drafts``, as ``propose``
-makes it), how much of it the target accepts (the deepest draft path equal to the output: a chain's longest
+every step of a batch-1 run is known on the host alone: the draft (``SuffixProposer.step_drafts``, what
+``propose`` verifies), how much of it the target accepts (the deepest draft path equal to the output: a chain's longest
 equal prefix), what the step emits. ``replay`` returns those steps, the same as the engine's (tests compare
 them), in milliseconds per request instead of a target's seconds: what a researcher tunes ``alpha``,
 ``min_prob``, k or the tree shape with, and what bounds a rule that chooses how much of a proposal to verify.
@@ -23,8 +23,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..speculation.proposer import Verified
-from .proposer import SuffixDraft, SuffixProposer
+from ..speculation.proposer import Verified, step_k
+from .proposer import SuffixProposer
 from .speculate import Draft
 
 
@@ -119,7 +119,6 @@ def replay(proposer: SuffixProposer, records: Iterable[tuple[Sequence[int], Sequ
         raise ValueError(f"replay runs batch 1, the proposer has batch_size={proposer.batch_size}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
-    tree = isinstance(proposer, SuffixDraft)
     out = Replay()
     for prompt, output in records:
         if not prompt or not output:
@@ -131,12 +130,8 @@ def replay(proposer: SuffixProposer, records: Iterable[tuple[Sequence[int], Sequ
             seq = proposer.seq(0)
             length = len(seq)
             tail, lengths = torch.tensor([seq[-2:].tolist()]), torch.tensor([length])
-            depth = max(0, min(k, proposer.target.n_positions - length, proposer.max_draft_tokens(length)))
-            draft = Draft()
-            if depth and tree:      # as SuffixDraft.propose / SuffixChain.matches draft
-                draft = proposer.drafts(tail, lengths, min(depth, proposer.depth), proposer.max_nodes, tree=True)[0]
-            elif depth:
-                draft = proposer.drafts(tail, lengths, depth, depth, tree=False)[0]
+            depth = step_k(proposer, k, proposer.target.n_positions, length)
+            draft = proposer.step_drafts(tail, lengths, depth)[0] if depth else Draft()
             accepted = accepted_depth(draft, output[pos:pos + depth])
             emitted = list(output[pos:pos + accepted + 1])
             drafted = accepted if oracle else len(draft.tokens)
